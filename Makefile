@@ -1,0 +1,35 @@
+# `make demo` and `make test` work on a fresh clone: they create .venv and install first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# This machine has a CPU build of torch on disk: pin it here; the package itself asks only torch>=2.6.
+TORCH_PIN ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-quick lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH_PIN)"
+	$(BIN)/pip install -q --disable-pip-version-check -e ".[test]" "$(TORCH_PIN)"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/meshfit demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check meshfit tests bench examples
+
+test: lint
+	$(BIN)/python -m pytest -q tests
+
+test-quick: lint
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+bench: $(STAMP)
+	$(BIN)/python bench/bench_fit.py
+	$(BIN)/python bench/bench_multiworker.py
+	$(BIN)/python bench/bench_backup.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
