@@ -1,0 +1,86 @@
+"""Autouse guards: a test must not leak env vars, process groups or child processes."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+TESTS = os.path.dirname(os.path.abspath(__file__))
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
+
+
+def _children(pid: int) -> set[int]:
+    """Live descendants of ``pid`` (Linux /proc), excluding zombies."""
+    kids: set[int] = set()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return kids
+    parents: dict[int, int] = {}
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            parents[int(entry)] = int(fields[1])
+    frontier = [pid]
+    while frontier:
+        p = frontier.pop()
+        for child, parent in parents.items():
+            if parent == p and child not in kids:
+                kids.add(child)
+                frontier.append(child)
+    return kids
+
+
+# multiprocessing's resource tracker lives for the whole session: start it before any guard looks.
+from multiprocessing import resource_tracker  # noqa: E402
+
+resource_tracker.ensure_running()
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks():
+    import time
+
+    env_before = dict(os.environ)
+    kids_before = _children(os.getpid())
+    yield
+    import torch.distributed as dist
+
+    leaked_pg = dist.is_available() and dist.is_initialized()
+    if leaked_pg:
+        dist.destroy_process_group()
+    env_after = dict(os.environ)
+    changed = {k for k in set(env_before) | set(env_after) if env_before.get(k) != env_after.get(k)}
+    os.environ.clear()
+    os.environ.update(env_before)
+    deadline = time.monotonic() + 5
+    leaked = _children(os.getpid()) - kids_before
+    while leaked and time.monotonic() < deadline:
+        time.sleep(0.1)
+        leaked = _children(os.getpid()) - kids_before
+    for pid in leaked:
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+    problems = []
+    if leaked_pg:
+        problems.append("a process group was left initialized")
+    if changed:
+        problems.append(f"environment variables changed: {sorted(changed)}")
+    if leaked:
+        problems.append(f"child processes left running: {sorted(leaked)}")
+    if problems:
+        pytest.fail("test leaked: " + "; ".join(problems))
