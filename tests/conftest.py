@@ -62,7 +62,8 @@ def _no_leaks():
     if leaked_pg:
         dist.destroy_process_group()
     env_after = dict(os.environ)
-    changed = {k for k in set(env_before) | set(env_after) if env_before.get(k) != env_after.get(k)}
+    changed = {k for k in set(env_before) | set(env_after)
+               if env_before.get(k) != env_after.get(k) and k != "PYTEST_CURRENT_TEST"}
     os.environ.clear()
     os.environ.update(env_before)
     deadline = time.monotonic() + 5

@@ -1,0 +1,46 @@
+"""meshfit: Keras-style distributed training for PyTorch modules.
+
+Write the model once for one device, create it inside a strategy's scope, call ``fit``: it trains on
+many devices and machines, survives killed workers and preemption, and resumes exactly.
+Importing meshfit has no side effects: no environment changes, log handlers or process groups.
+"""
+
+from meshfit import callbacks, cluster, data, datasets, distribute, losses, metrics, optimizers, train
+from meshfit._model import Model
+from meshfit._saving import load_model
+from meshfit.distribute import (
+    CommunicationImplementation,
+    CommunicationOptions,
+    InputContext,
+    MirroredStrategy,
+    MultiWorkerMirroredStrategy,
+    OneDeviceStrategy,
+    PeerFailureError,
+    ReduceOp,
+    get_strategy,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CommunicationImplementation",
+    "CommunicationOptions",
+    "InputContext",
+    "MirroredStrategy",
+    "Model",
+    "MultiWorkerMirroredStrategy",
+    "OneDeviceStrategy",
+    "PeerFailureError",
+    "ReduceOp",
+    "callbacks",
+    "cluster",
+    "data",
+    "datasets",
+    "distribute",
+    "get_strategy",
+    "load_model",
+    "losses",
+    "metrics",
+    "optimizers",
+    "train",
+]

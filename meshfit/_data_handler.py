@@ -1,0 +1,213 @@
+"""`DataHandler`: user input (Dataset, arrays, torch data) as this replica's batches, with a position.
+
+The position is ``(iteration, index)``: the pass over the data and the global batch within it. It
+is all the state a resume needs, because every batch can be computed from it directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from meshfit.data._dataset import Dataset, Shuffle
+from meshfit.data._prefetch import Prefetcher
+from meshfit.data._sources import TorchMapDataset
+from meshfit.data._structure import batch_size_of, to_tensor
+from meshfit.distribute._distributed_dataset import DistributedDataset
+
+
+def _is_array_like(x: Any) -> bool:
+    if isinstance(x, (np.ndarray, torch.Tensor)):
+        return True
+    if isinstance(x, dict):
+        return all(_is_array_like(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return len(x) > 0 and all(_is_array_like(v) or isinstance(v, (int, float)) for v in x)
+    return False
+
+
+class _StreamSource:
+    """A ``torch.utils.data.DataLoader`` (or any iterable of batches): read in order, not seekable.
+
+    Each replica reads every batch and keeps its rows (DATA policy). Restoring a position replays
+    the iterable from the start of the pass and skips the batches already seen.
+    """
+
+    def __init__(self, loader: Any, strategy: Any) -> None:
+        self.loader, self.num_replicas, self.replica_id = loader, strategy.num_replicas_in_sync, strategy.replica_id
+        self._iterator: Iterator[Any] | None = None
+        self._at: tuple[int, int] = (-1, -1)
+
+    def length(self) -> int | None:
+        try:
+            return len(self.loader)
+        except TypeError:
+            return None
+
+    def replica_batch(self, index: int, iteration: int) -> tuple[Any, int]:
+        if self._iterator is None or self._at != (iteration, index):
+            self._iterator, skip = iter(self.loader), index
+            for _ in range(skip):
+                next(self._iterator)
+        element = to_tensor(next(self._iterator))
+        if isinstance(element, list):
+            element = tuple(element)
+        self._at = (iteration, index + 1)
+        size = batch_size_of(element)
+        n, r = self.num_replicas, self.replica_id
+        if n == 1:
+            return element, size
+        from meshfit.data._structure import slice_rows
+
+        return slice_rows(element, r * size // n, (r + 1) * size // n), size
+
+    def prefetch_size(self) -> int:
+        return 0
+
+
+class DataHandler:
+    """Batches for one ``fit``/``evaluate``/``predict`` call, on this replica.
+
+    Args:
+        x, y, sample_weight: the user's input, as ``Model.fit`` takes it.
+        batch_size: global batch size for array inputs (default 32).
+        steps: steps per epoch (``steps_per_epoch``/``steps``); required for infinite data.
+        shuffle: shuffle array inputs every epoch.
+        strategy: the strategy whose replica this is.
+        argument: the name of the steps argument, for error messages.
+    """
+
+    def __init__(self, x: Any, y: Any, sample_weight: Any, batch_size: int | None, steps: int | None,
+                 shuffle: bool, strategy: Any, argument: str = "steps_per_epoch") -> None:
+        self.strategy = strategy
+        self.source = self._adapt(x, y, sample_weight, batch_size, shuffle)
+        length = self.source.length()
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0):
+            raise ValueError(f"Invalid `{argument}`: expected a positive int or None, received {argument}={steps!r}.")
+        if steps is None and length is None:
+            raise ValueError(f"The input data is infinite (e.g. it ends with .repeat()), so `{argument}` must "
+                             f"be given: received {argument}=None. Pass the number of batches per epoch.")
+        if length == 0:
+            raise ValueError("The input data is empty: it yields no batch.")
+        self.steps = steps if steps is not None else length
+        self._length = length
+        self.iteration, self.index = 0, 0
+        self._prefetcher: Prefetcher | None = None
+        self._prefetch_from: tuple[int, int] | None = None
+
+    # ---- input adaptation ----------------------------------------------------------------
+    def _adapt(self, x: Any, y: Any, sample_weight: Any, batch_size: int | None, shuffle: bool) -> Any:
+        if isinstance(x, DistributedDataset):
+            self._reject_extra(x, y, sample_weight, batch_size)
+            return x
+        if isinstance(x, Dataset):
+            self._reject_extra(x, y, sample_weight, batch_size)
+            return self._distribute(x)
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+                                       or batch_size <= 0):
+            raise ValueError(f"Invalid `batch_size`: expected a positive int, received batch_size={batch_size!r}.")
+        if _is_array_like(x):
+            parts = tuple(p for p in (x, y, sample_weight) if p is not None)
+            lengths = {len(leaf) for leaf in _leaves(parts)}
+            if len(lengths) != 1:
+                raise ValueError(f"Invalid input: x, y and sample_weight must have the same number of samples, "
+                                 f"received lengths {sorted(lengths)}.")
+            dataset = Dataset.from_tensor_slices(parts if len(parts) > 1 else parts[0])
+            if shuffle:
+                dataset = dataset.shuffle(lengths.pop())
+            return self._distribute(dataset.batch(batch_size or 32))
+        if x is None:
+            raise ValueError("Invalid `x`: expected input data (a meshfit Dataset, arrays or a torch "
+                             "Dataset/DataLoader), received x=None.")
+        if isinstance(x, torch.utils.data.DataLoader) or (hasattr(x, "__iter__") and not hasattr(x, "__getitem__")):
+            self._reject_extra(x, y, sample_weight, batch_size)
+            return _StreamSource(x, self.strategy)
+        if hasattr(x, "__getitem__") and hasattr(x, "__len__"):
+            if y is not None:
+                raise ValueError("Invalid `y`: a torch Dataset yields (x, y) pairs itself; pass y=None.")
+            dataset = TorchMapDataset(x)
+            if shuffle:
+                dataset = dataset.shuffle(len(x))
+            return self._distribute(dataset.batch(batch_size or 32))
+        raise TypeError(f"Invalid `x`: expected a meshfit.data.Dataset, numpy arrays, torch tensors, a torch "
+                        f"Dataset or DataLoader, received {type(x).__name__}.")
+
+    @staticmethod
+    def _reject_extra(x: Any, y: Any, sample_weight: Any, batch_size: Any) -> None:
+        kind = type(x).__name__
+        if y is not None:
+            raise ValueError(f"Invalid `y`: when x is a {kind}, it yields the targets itself; pass y=None.")
+        if sample_weight is not None:
+            raise ValueError(f"Invalid `sample_weight`: when x is a {kind}, it yields the weights itself.")
+        if batch_size is not None:
+            raise ValueError(f"Invalid `batch_size`: a {kind} is already batched; pass batch_size=None.")
+
+    def _distribute(self, dataset: Dataset) -> DistributedDataset:
+        if self.strategy.num_replicas_in_sync > 1:
+            shuffles = [node for node in dataset._nodes() if isinstance(node, Shuffle)]
+            seeds = self.strategy.broadcast_object([node.seed for node in shuffles])
+            for node, seed in zip(shuffles, seeds):
+                if node.seed != seed:
+                    node.seed, node._cache = seed, None
+        return self.strategy.experimental_distribute_dataset(dataset)
+
+    # ---- iteration -----------------------------------------------------------------------
+    def _normalized(self) -> tuple[int, int]:
+        if self._length is not None and self.index >= self._length:
+            return self.iteration + 1, 0
+        return self.iteration, self.index
+
+    def _produce(self, offset: int) -> tuple[Any, int]:
+        iteration, index = self._prefetch_from
+        if self._length is not None:
+            iteration, index = iteration + (index + offset) // self._length, (index + offset) % self._length
+        else:
+            index += offset
+        return self.source.replica_batch(index, iteration)
+
+    def next_batch(self) -> tuple[Any, int]:
+        """This replica's next batch and the global batch size; advances the position."""
+        self.iteration, self.index = self._normalized()
+        size = self.source.prefetch_size()
+        if size:
+            if self._prefetcher is None:
+                self._prefetch_from = (self.iteration, self.index)
+                self._prefetcher = Prefetcher(self._produce, 0, size)
+            batch = self._prefetcher.get()
+        else:
+            batch = self.source.replica_batch(self.index, self.iteration)
+        self.index += 1
+        return batch
+
+    def peek(self) -> Any:
+        """The next batch, without moving (used to build lazy modules)."""
+        iteration, index = self._normalized()
+        return self.source.replica_batch(index, iteration)[0]
+
+    def end_epoch(self) -> None:
+        """Close the pass when an epoch is the whole data (no ``steps_per_epoch``)."""
+        if self._length is not None and self.steps == self._length:
+            self.iteration, self.index = self._normalized()
+
+    def close(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
+
+    # ---- Stateful ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, int]:
+        """The data position: ``{"iteration": pass, "index": global batches read in it}``."""
+        return {"iteration": self.iteration, "index": self.index}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.close()
+        self.iteration, self.index = int(state["iteration"]), int(state["index"])
+
+
+def _leaves(value: Any) -> list[Any]:
+    from meshfit.data._structure import leaves
+
+    return leaves(to_tensor(value))

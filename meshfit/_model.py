@@ -1,0 +1,267 @@
+"""`Model`: a torch module with Keras's ``compile``/``fit``/``evaluate``/``predict``/``save``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from meshfit import _losses, _metrics, _optimizers
+from meshfit._state import LoopState
+from meshfit.data._structure import batch_size_of, map_structure
+from meshfit.distribute._strategy import get_strategy
+
+
+def unpack_batch(data: Any) -> tuple[Any, Any, Any]:
+    """Keras's rule: a tuple batch is ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)``."""
+    if isinstance(data, (tuple, list)) and not isinstance(data, torch.Tensor):
+        if len(data) == 1:
+            return data[0], None, None
+        if len(data) == 2:
+            return data[0], data[1], None
+        if len(data) == 3:
+            return data[0], data[1], data[2]
+        raise ValueError(f"A batch must be x, (x,), (x, y) or (x, y, sample_weight); received a tuple of "
+                         f"{len(data)} elements.")
+    return data, None, None
+
+
+class Model:
+    """A ``torch.nn.Module`` trained the Keras way, on whatever strategy it was created under.
+
+    Args:
+        module: the user's model, written for one device. Lazy modules are fine.
+        name: a display name (default: the module's class name).
+
+    Example:
+        >>> import meshfit as mf
+        >>> model = mf.Model(nn.Linear(4, 2))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> history = model.fit(np.zeros((8, 4), "float32"), np.zeros((8, 2), "float32"), verbose=0)
+        >>> len(history.history["loss"])
+        1
+    """
+
+    def __init__(self, module: nn.Module, name: str | None = None) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"Invalid `module`: expected a torch.nn.Module, received {type(module).__name__}.")
+        self.module = module
+        self.name = name or type(module).__name__
+        self.strategy = get_strategy()
+        self.optimizer: _optimizers.Optimizer | None = None
+        self.loss: Any = None
+        self.stop_training = False
+        self.history: Any = None
+        self._metric_identifiers: list[Any] = []
+        self._compiled_metrics: list[_metrics.Metric] = []
+        self._loss_tracker = _metrics.Mean(name="loss")
+        self._train_module: nn.Module | None = None
+        self._compile_config: dict[str, Any] | None = None
+        self.loop_state = LoopState()
+        self.fit_context: dict[str, Any] = {}
+
+    # ---- compile -------------------------------------------------------------------------
+    def compile(self, optimizer: Any = "rmsprop", loss: Any = None, metrics: list[Any] | None = None) -> None:
+        """Configure training: optimizer, loss and metrics (strings, meshfit or torch objects)."""
+        self.optimizer = _optimizers.get(optimizer)
+        self.loss = _losses.get(loss) if loss is not None else None
+        if metrics is not None and not isinstance(metrics, (list, tuple)):
+            raise TypeError(f"Invalid `metrics`: expected a list such as ['accuracy'], received metrics={metrics!r}.")
+        self._metric_identifiers = list(metrics or [])
+        self._compiled_metrics = [_metrics.get(m, loss=self.loss) for m in self._metric_identifiers]
+        self._compile_config = {
+            "optimizer": _optimizers.serialize(self.optimizer),
+            "loss": _losses.serialize(self.loss) if self.loss is not None else None,
+            "metrics": [m for m in self._metric_identifiers if isinstance(m, str)],
+        }
+        if self.optimizer.built and self._train_module is None:
+            self._train_module = self.strategy.wrap_module(self.module)
+
+    @property
+    def compiled(self) -> bool:
+        return self.optimizer is not None
+
+    @property
+    def metrics(self) -> list[_metrics.Metric]:
+        """The loss tracker first, then the compiled metrics."""
+        return [self._loss_tracker, *self._compiled_metrics]
+
+    @property
+    def metrics_names(self) -> list[str]:
+        return [m.name for m in self.metrics]
+
+    def _require_compiled(self, what: str) -> None:
+        if self.optimizer is None:
+            raise RuntimeError(f"You must call model.compile(optimizer, loss, metrics) before model.{what}().")
+        if self.loss is None and type(self).train_step is Model.train_step and what == "fit":
+            raise ValueError("Invalid `loss`: compile() was called without a loss; pass loss=... to compile().")
+
+    # ---- building --------------------------------------------------------------------------
+    def build(self, sample_x: Any) -> None:
+        """Materialise lazy modules with one forward pass, build the optimizer, wrap for the strategy."""
+        if self._train_module is not None:
+            return
+        self.module.to(self.strategy.device)
+        if any(isinstance(p, nn.parameter.UninitializedParameter) for p in self.module.parameters()):
+            was_training = self.module.training
+            with torch.no_grad():
+                self.module.eval()
+                self.module(self._to_device(sample_x))
+            self.module.train(was_training)
+        if self.optimizer is not None and not self.optimizer.built:
+            self.optimizer.build(self.module.parameters())
+        self._train_module = self.strategy.wrap_module(self.module)
+
+    def _to_device(self, value: Any) -> Any:
+        device = self.strategy.device
+
+        def move(leaf: Any) -> Any:
+            if not isinstance(leaf, torch.Tensor):
+                return leaf
+            if leaf.dtype == torch.float64:
+                leaf = leaf.to(torch.get_default_dtype())
+            return leaf.to(device, non_blocking=True) if leaf.device != device else leaf
+
+        return map_structure(move, value)
+
+    # ---- steps (override these like Keras's train_step) ----------------------------------
+    def compute_loss(self, x: Any, y: Any, y_pred: Any, sample_weight: Any = None) -> torch.Tensor:
+        """The loss of one (per-replica) batch: the mean over its examples."""
+        return self.loss(y, y_pred, sample_weight=sample_weight)
+
+    def train_step(self, data: Any, loss_scale: float = 1.0) -> None:
+        """One optimisation step on this replica's batch; updates the metrics.
+
+        ``loss_scale`` makes the all-reduced gradient that of the mean over the global batch when the
+        replicas' shares differ in size (a last, partial batch).
+        """
+        x, y, sample_weight = unpack_batch(data)
+        self.optimizer.zero_grad(set_to_none=True)
+        y_pred = self._train_module(x)
+        loss = self.compute_loss(x, y, y_pred, sample_weight)
+        (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+        self.optimizer.step()
+        self._update_metrics(loss, x, y, y_pred, sample_weight)
+
+    def test_step(self, data: Any) -> None:
+        """One evaluation step on this replica's batch; updates the metrics."""
+        x, y, sample_weight = unpack_batch(data)
+        y_pred = self.module(x)
+        loss = self.compute_loss(x, y, y_pred, sample_weight) if self.loss is not None else None
+        self._update_metrics(loss, x, y, y_pred, sample_weight)
+
+    def predict_step(self, data: Any) -> Any:
+        """The module's output for one batch."""
+        x, _, _ = unpack_batch(data)
+        return self.module(x)
+
+    def _update_metrics(self, loss: Any, x: Any, y: Any, y_pred: Any, sample_weight: Any) -> None:
+        if loss is not None:
+            self._loss_tracker.update_state(loss.detach(), sample_weight=batch_size_of(y_pred))
+        if y is not None:
+            y_pred = y_pred.detach()
+            for metric in self._compiled_metrics:
+                metric.update_state(y, y_pred, sample_weight=sample_weight)
+
+    def reset_metrics(self) -> None:
+        for metric in self.metrics:
+            metric.reset_state()
+
+    # ---- fit / evaluate / predict ---------------------------------------------------------
+    def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
+            verbose: str | int = "auto", callbacks: list[Any] | None = None, validation_data: Any = None,
+            shuffle: bool = True, sample_weight: Any = None, initial_epoch: int = 0,
+            steps_per_epoch: int | None = None, validation_steps: int | None = None,
+            validation_batch_size: int | None = None, validation_freq: int = 1) -> Any:
+        """Train for ``epochs`` epochs; returns a `History`. Arguments as in Keras's ``Model.fit``."""
+        from meshfit._loops import run_fit
+
+        return run_fit(self, x=x, y=y, batch_size=batch_size, epochs=epochs, verbose=verbose,
+                       callbacks=callbacks, validation_data=validation_data, shuffle=shuffle,
+                       sample_weight=sample_weight, initial_epoch=initial_epoch,
+                       steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+                       validation_batch_size=validation_batch_size, validation_freq=validation_freq)
+
+    def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None, verbose: str | int = "auto",
+                 sample_weight: Any = None, steps: int | None = None, callbacks: list[Any] | None = None,
+                 return_dict: bool = False) -> Any:
+        """Loss and metrics over the data, aggregated across replicas (a list, or a dict)."""
+        from meshfit._loops import run_evaluate
+
+        logs = run_evaluate(self, x=x, y=y, batch_size=batch_size, verbose=verbose,
+                            sample_weight=sample_weight, steps=steps, callbacks=callbacks)
+        if return_dict:
+            return logs
+        values = [logs[name] for name in self.metrics_names if name in logs]
+        return values[0] if len(values) == 1 else values
+
+    def predict(self, x: Any, batch_size: int | None = None, verbose: str | int = "auto",
+                steps: int | None = None, callbacks: list[Any] | None = None) -> Any:
+        """The module's outputs for all of ``x``, in input order, on every worker (numpy)."""
+        from meshfit._loops import run_predict
+
+        return run_predict(self, x=x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    # ---- weights ---------------------------------------------------------------------------
+    def get_weights(self) -> list[np.ndarray]:
+        """The module's ``state_dict`` values (parameters, then buffers, per submodule) as numpy."""
+        return [t.detach().cpu().numpy().copy() for t in self.module.state_dict().values()]
+
+    def set_weights(self, weights: list[Any]) -> None:
+        """Set the values ``get_weights`` returns, in the same order; shapes must match."""
+        state = self.module.state_dict()
+        if len(weights) != len(state):
+            raise ValueError(f"Invalid `weights`: the module has {len(state)} weight tensors, received "
+                             f"{len(weights)}.")
+        new_state = {}
+        for (key, current), value in zip(state.items(), weights):
+            tensor = torch.as_tensor(np.asarray(value))
+            if tuple(tensor.shape) != tuple(current.shape):
+                raise ValueError(f"Invalid `weights`: {key!r} has shape {tuple(current.shape)}, received "
+                                 f"shape {tuple(tensor.shape)}.")
+            new_state[key] = tensor.to(current.dtype)
+        self.module.load_state_dict(new_state)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's weights (Stateful, for `meshfit.train.Checkpoint`)."""
+        return self.module.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.module.load_state_dict(state)
+
+    def save(self, filepath: str) -> None:
+        """Save architecture (when rebuildable), weights, compile config and optimizer state.
+
+        Every worker may call it on the same path: only the chief writes; all wait for it.
+        """
+        from meshfit._saving import save_model
+
+        save_model(self, filepath)
+
+    def save_weights(self, filepath: str) -> None:
+        """Save the module's weights to a safetensors file (chief only; all wait for it)."""
+        from meshfit._saving import save_weights
+
+        save_weights(self, filepath)
+
+    def load_weights(self, filepath: str) -> None:
+        """Load weights saved by ``save_weights`` or ``save``."""
+        from meshfit._saving import load_weights
+
+        load_weights(self, filepath)
+
+    def summary(self) -> str:
+        """A short description: the module and its parameter count."""
+        count = sum(p.numel() for p in self.module.parameters()
+                    if not isinstance(p, nn.parameter.UninitializedParameter))
+        text = f'Model: "{self.name}"\n{self.module}\nTotal params: {count:,}'
+        print(text)
+        return text
+
+    def __repr__(self) -> str:
+        return f"<meshfit.Model {self.name!r} on {self.strategy!r}>"

@@ -1,0 +1,6 @@
+"""Input pipelines: `Dataset`, `Options`, `AutoShardPolicy`."""
+
+from meshfit.data._dataset import AUTOTUNE, INFINITE, Dataset, DatasetIterator
+from meshfit.data._options import AutoShardPolicy, Options
+
+__all__ = ["AUTOTUNE", "INFINITE", "AutoShardPolicy", "Dataset", "DatasetIterator", "Options"]

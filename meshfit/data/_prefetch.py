@@ -1,0 +1,65 @@
+"""A bounded background producer: computes items ``start, start+1, ...`` ahead of the consumer."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+_DONE = object()
+
+
+class Prefetcher:
+    """Produce ``produce(k)`` for ``k = start, start + 1, ...`` on a daemon thread, ``size`` ahead.
+
+    ``produce`` raises ``StopIteration`` at the end. Errors in the thread are re-raised by ``get``.
+    The consumer's position is all the state there is, so a stopped prefetcher loses nothing.
+    """
+
+    def __init__(self, produce: Callable[[int], Any], start: int, size: int) -> None:
+        self._produce = produce
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, size))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(start,), daemon=True,
+                                        name="meshfit-prefetch")
+        self._thread.start()
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self, k: int) -> None:
+        while not self._stop.is_set():
+            try:
+                item = self._produce(k)
+            except StopIteration:
+                self._put(_DONE)
+                return
+            except BaseException as error:  # handed to the consumer, which re-raises it
+                self._put(error)
+                return
+            if not self._put(item):
+                return
+            k += 1
+
+    def get(self) -> Any:
+        """The next item; raises ``StopIteration`` at the end, or the producer's error."""
+        item = self._queue.get()
+        if item is _DONE:
+            self._queue.put(_DONE)
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._queue.put(item)
+            raise item
+        return item
+
+    def close(self) -> None:
+        """Stop the thread and drop what it had made."""
+        self._stop.set()
+        self._thread.join(timeout=5)

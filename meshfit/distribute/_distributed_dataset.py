@@ -1,0 +1,142 @@
+"""`DistributedDataset`: which rows of each global batch this replica reads.
+
+The global order of examples is the dataset's own; the policy only picks this replica's share:
+
+========  =====================================================================================
+policy    replica ``r`` of ``n`` at step ``i``
+========  =====================================================================================
+DATA      rows ``[r*g//n, (r+1)*g//n)`` of global batch ``i`` (``g`` its size): the steps see the
+          same examples for any ``n``
+FILE      batch ``i`` of its own pipeline over files ``r, r+n, ...``, batched per replica
+OFF       batch ``i`` of the whole dataset batched per replica: every replica sees the same data
+========  =====================================================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from meshfit.data._dataset import Batch, Dataset, Prefetch, Skip, Take
+from meshfit.data._options import AutoShardPolicy, Options
+from meshfit.data._sources import Files
+from meshfit.data._structure import batch_size_of, slice_rows
+
+
+def _top_batch(dataset: Dataset) -> Batch | None:
+    for node in dataset._nodes():
+        if isinstance(node, Batch):
+            return node
+    return None
+
+
+class DistributedDataset:
+    """This replica's view of a dataset batched with the global batch size."""
+
+    def __init__(self, dataset: Dataset, strategy: Any, options: Options | None = None) -> None:
+        if isinstance(dataset, DistributedDataset):
+            raise TypeError("The dataset is already distributed; pass the plain meshfit.data.Dataset.")
+        if not isinstance(dataset, Dataset):
+            raise TypeError(f"Invalid `dataset`: expected a meshfit.data.Dataset, received {type(dataset).__name__}.")
+        self.dataset = dataset
+        self.num_replicas = strategy.num_replicas_in_sync
+        self.replica_id = strategy.replica_id
+        self.policy = (options or dataset.options()).auto_shard_policy
+        self.view = dataset
+        if self.num_replicas > 1:
+            self._build_view()
+
+    @classmethod
+    def from_per_replica(cls, dataset: Dataset, strategy: Any, context: Any) -> DistributedDataset:
+        """A dataset that ``dataset_fn(InputContext)`` built for this replica alone."""
+        if not isinstance(dataset, Dataset):
+            raise TypeError(f"`dataset_fn` must return a meshfit.data.Dataset, received {type(dataset).__name__}.")
+        self = cls.__new__(cls)
+        self.dataset = self.view = dataset
+        self.num_replicas, self.replica_id = strategy.num_replicas_in_sync, strategy.replica_id
+        self.policy, self.context = AutoShardPolicy.OFF, context
+        return self
+
+    def _build_view(self) -> None:
+        n, r = self.num_replicas, self.replica_id
+        batch = _top_batch(self.dataset)
+        if batch is None:
+            raise ValueError("A distributed dataset must be batched with the global batch size, e.g. "
+                             f"dataset.batch({64 * n}) for 64 examples per replica; this one has no batch().")
+        if batch.batch_size % n:
+            raise ValueError(f"The global batch size {batch.batch_size} is not divisible by the {n} replicas "
+                             f"in sync. Use a multiple of {n}, e.g. batch({batch.batch_size - batch.batch_size % n or n}).")
+        per_replica = batch.batch_size // n
+        policy = self.policy
+        source = self.dataset._nodes()[-1]
+        if policy is AutoShardPolicy.AUTO:
+            policy = AutoShardPolicy.FILE if isinstance(source, Files) else AutoShardPolicy.DATA
+        if policy is AutoShardPolicy.FILE and not isinstance(source, Files):
+            raise ValueError("AutoShardPolicy.FILE needs a file-based source (Dataset.from_files or "
+                             "Dataset.list_files); this dataset comes from memory. Use AutoShardPolicy.DATA.")
+        self.policy = policy
+        if policy is AutoShardPolicy.DATA:
+            return
+
+        def rebatch(node: Dataset) -> Dataset | None:
+            if node is batch:
+                inner = node._inner
+                if policy is AutoShardPolicy.FILE:
+                    inner = inner._transform_chain(lambda m: m.shard_files(n, r) if m is source else None)
+                return Batch(inner, per_replica, node.drop_remainder)
+            return None
+
+        self.view = self.dataset._transform_chain(rebatch)
+
+    # ---- random access -------------------------------------------------------------------
+    def length(self) -> int | None:
+        """Number of steps (global batches) per pass, ``None`` when infinite."""
+        return self.view._length()
+
+    def replica_batch(self, index: int, iteration: int) -> tuple[Any, int]:
+        """This replica's batch ``index`` of pass ``iteration``, and the global batch's size."""
+        if self.num_replicas == 1:
+            element = self.view._get(index, iteration)
+            return element, batch_size_of(element)
+        if self.policy is not AutoShardPolicy.DATA:
+            element = self.view._get(index, iteration)
+            return element, batch_size_of(element) * self.num_replicas
+        n, r = self.num_replicas, self.replica_id
+        located = self._locate_batch(index)
+        if located is not None:
+            batch, batch_index = located
+            start, stop = batch.rows(batch_index)
+            size = stop - start
+            element = batch.get_rows(batch_index, iteration, r * size // n, (r + 1) * size // n)
+            return element, size
+        element = self.view._get(index, iteration)
+        size = batch_size_of(element)
+        return slice_rows(element, r * size // n, (r + 1) * size // n), size
+
+    def _locate_batch(self, index: int) -> tuple[Batch, int] | None:
+        """Follow ``index`` down through index-preserving nodes to the top ``Batch``, if possible."""
+        for node in self.view._nodes():
+            if isinstance(node, Batch):
+                length = node._length()
+                if length is not None and index >= length:
+                    raise IndexError(index)
+                return node, index
+            if isinstance(node, Skip):
+                index += node.count
+            elif not isinstance(node, (Prefetch, Take)):
+                return None
+        return None
+
+    def prefetch_size(self) -> int:
+        return self.view._prefetch_size()
+
+    def __iter__(self) -> Iterator[Any]:
+        """This replica's batches of the first pass (for custom training loops)."""
+        length, index = self.length(), 0
+        while length is None or index < length:
+            yield self.replica_batch(index, 0)[0]
+            index += 1
+
+    def __repr__(self) -> str:
+        return (f"<DistributedDataset replica {self.replica_id} of {self.num_replicas}, "
+                f"policy={self.policy.name}>")

@@ -1,0 +1,58 @@
+"""`MultiWorkerMirroredStrategy`: synchronous data parallelism across workers (hosts or processes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from meshfit.distribute._collective import CollectiveStrategy
+from meshfit.distribute._values import CommunicationOptions
+
+
+class MultiWorkerMirroredStrategy(CollectiveStrategy):
+    """One replica per worker process; each worker learns its role from ``TF_CONFIG``.
+
+    The cluster comes from ``cluster_resolver``, else from the environment: ``TF_CONFIG`` (as in
+    TensorFlow), torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``, or SLURM.
+    Without any, the strategy trains alone (one replica). A process group the user already
+    initialised is used as it is. Workers rendezvous at the chief's address (the ``chief`` task, or
+    worker 0).
+
+    Args:
+        communication_options: backend (RING = gloo, NCCL, AUTO), collective timeout, heartbeat.
+        cluster_resolver: a resolver from `meshfit.cluster` (default: resolved from the environment).
+
+    Example:
+        >>> strategy = MultiWorkerMirroredStrategy()  # no TF_CONFIG: a single worker
+        >>> strategy.num_replicas_in_sync
+        1
+    """
+
+    def __init__(self, communication_options: CommunicationOptions | None = None,
+                 cluster_resolver: Any = None) -> None:
+        super().__init__(communication_options)
+        from meshfit.cluster import resolve_cluster
+
+        if cluster_resolver is None and not dist.is_initialized():
+            cluster_resolver = resolve_cluster()
+        self.cluster_resolver = cluster_resolver
+        if dist.is_initialized():
+            self._join(dist.get_rank(), dist.get_world_size(), None)
+            self._chief = self._rank == 0
+            return
+        if cluster_resolver is None:
+            self._join(0, 1, None)
+            return
+        if cluster_resolver.task_type == "evaluator":
+            # The evaluator is not part of the training group: it evaluates checkpoints on its own.
+            self._chief = False
+            return
+        init_method = f"tcp://{_host(cluster_resolver.master_addr)}:{cluster_resolver.master_port}"
+        self._join(cluster_resolver.rank, cluster_resolver.world_size, init_method,
+                   local_rank=getattr(cluster_resolver, "local_rank", None) or 0)
+        self._chief = bool(cluster_resolver.is_chief)
+
+
+def _host(address: str) -> str:
+    return f"[{address}]" if ":" in address and not address.startswith("[") else address

@@ -1,0 +1,180 @@
+"""`Strategy`: how a training step runs. The base class is also the one-device strategy's engine.
+
+A strategy changes only *how* a step runs: how the module is wrapped, how data is split and how
+values are reduced. ``Model.fit`` is written once, against this small interface.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from meshfit.distribute._values import ReduceOp
+
+_SCOPE_STACK: list[Strategy] = []
+_DEFAULT: list[Strategy] = []
+
+
+class Strategy:
+    """Base class of meshfit strategies: one replica in this process, no communication."""
+
+    def __init__(self, device: str | torch.device | None = None) -> None:
+        self._device = _parse_device(device)
+        self.cluster_resolver: Any = None
+
+    # ---- identity ------------------------------------------------------------------------
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """How many replicas train together."""
+        return 1
+
+    @property
+    def replica_id(self) -> int:
+        """This process's replica index."""
+        return 0
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this process writes logs, progress and files."""
+        return True
+
+    @property
+    def device(self) -> torch.device:
+        """The device this process's replica runs on."""
+        return self._device
+
+    @property
+    def extended(self) -> Strategy:
+        """TF compatibility: ``strategy.extended`` is the strategy itself."""
+        return self
+
+    # ---- scope ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Strategy]:
+        """Models created inside this context train with this strategy."""
+        _SCOPE_STACK.append(self)
+        try:
+            yield self
+        finally:
+            _SCOPE_STACK.pop()
+
+    # ---- running and reducing -------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
+        """Run ``fn`` on this process's replica (one replica per process)."""
+        return fn(*args, **(kwargs or {}))
+
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> torch.Tensor:
+        """Combine a per-replica value across replicas (``SUM`` or ``MEAN``); ``axis`` reduces first."""
+        op = _reduce_op(reduce_op)
+        tensor = torch.as_tensor(value).detach().clone()
+        if axis is not None:
+            count = tensor.shape[axis]
+            tensor = tensor.sum(dim=axis)
+        else:
+            count = 1
+        dtype = tensor.dtype
+        tensor = self.all_reduce_sum(tensor.to(torch.float64))
+        if op is ReduceOp.MEAN:
+            total = self.all_reduce_sum(torch.tensor(float(count), dtype=torch.float64))
+            tensor = tensor / total
+        return tensor.to(dtype if dtype.is_floating_point else torch.float64)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over replicas, in place; returns it."""
+        return tensor
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every replica."""
+        return obj
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every replica's ``obj``, by replica."""
+        return [obj]
+
+    def barrier(self) -> None:
+        """Wait until every replica reaches this point."""
+
+    # ---- hooks used by Model ---------------------------------------------------------------
+    def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Place ``module`` for training (move it; distributed strategies add DDP)."""
+        return module.to(self.device)
+
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
+        """Split a dataset batched with the global batch size into this replica's batches."""
+        from meshfit.distribute._distributed_dataset import DistributedDataset
+
+        return DistributedDataset(dataset, self, options)
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Any], options: Any = None) -> Any:
+        """Build this replica's pipeline with ``dataset_fn(InputContext)``; it batches per replica."""
+        from meshfit.distribute._distributed_dataset import DistributedDataset
+        from meshfit.distribute._values import InputContext
+
+        context = InputContext(num_input_pipelines=self.num_replicas_in_sync,
+                               input_pipeline_id=self.replica_id,
+                               num_replicas_in_sync=self.num_replicas_in_sync)
+        return DistributedDataset.from_per_replica(dataset_fn(context), self, context)
+
+    def check_alive(self) -> None:
+        """Raise if a peer is known to have stopped (distributed strategies watch heartbeats)."""
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """A region in which peers are watched (training, evaluation, saving); no-op here."""
+        yield
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(device={str(self.device)!r})"
+
+
+class OneDeviceStrategy(Strategy):
+    """Everything on one device, as ``tf.distribute.OneDeviceStrategy``.
+
+    Args:
+        device: ``"cpu"``, ``"cuda:0"``... (default: the first GPU if any, else the CPU).
+
+    Example:
+        >>> OneDeviceStrategy("cpu").num_replicas_in_sync
+        1
+    """
+
+
+def get_strategy() -> Strategy:
+    """The strategy whose scope we are in, else the default one-device strategy."""
+    if _SCOPE_STACK:
+        return _SCOPE_STACK[-1]
+    if not _DEFAULT:
+        _DEFAULT.append(OneDeviceStrategy())
+    return _DEFAULT[0]
+
+
+def has_strategy() -> bool:
+    """Whether code runs inside some strategy's scope."""
+    return bool(_SCOPE_STACK)
+
+
+def _parse_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    try:
+        parsed = torch.device(device.replace("/", "").lower() if isinstance(device, str) else device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"Invalid `device`: expected 'cpu', 'cuda' or 'cuda:N', received device={device!r}.") \
+            from error
+    if parsed.type == "cpu":
+        return torch.device("cpu")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"Invalid `device`: {device!r} asks for a GPU but none is available here. "
+                         "Use 'cpu'.")
+    return parsed
+
+
+def _reduce_op(op: ReduceOp | str) -> ReduceOp:
+    if isinstance(op, ReduceOp):
+        return op
+    if isinstance(op, str) and op.upper() in ReduceOp.__members__:
+        return ReduceOp[op.upper()]
+    raise ValueError(f"Invalid `reduce_op`: expected ReduceOp.SUM or ReduceOp.MEAN, received {op!r}.")

@@ -1,0 +1,95 @@
+"""Small value objects of the distribute API: `InputContext`, `CommunicationOptions`, `ReduceOp`."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+class ReduceOp(enum.Enum):
+    """How `Strategy.reduce` combines the replicas' values."""
+
+    SUM = "sum"
+    MEAN = "mean"
+
+
+class CommunicationImplementation(enum.Enum):
+    """Which collective backend carries gradients: ``RING`` is gloo, ``NCCL`` needs GPUs, ``AUTO`` picks."""
+
+    AUTO = "auto"
+    RING = "ring"
+    NCCL = "nccl"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CommunicationOptions:
+    """Options for cross-worker communication.
+
+    Args:
+        implementation: the collective backend (see `CommunicationImplementation`).
+        timeout_seconds: how long one collective may wait for the other workers before it fails.
+        heartbeat_timeout_seconds: how long a worker may stay silent before the others declare it dead
+            and stop with an error that names it (``None`` turns the watchdog off).
+
+    Example:
+        >>> CommunicationOptions(implementation=CommunicationImplementation.RING)
+        CommunicationOptions(implementation=RING, timeout_seconds=300.0, heartbeat_timeout_seconds=6.0)
+    """
+
+    implementation: CommunicationImplementation = CommunicationImplementation.AUTO
+    timeout_seconds: float = 300.0
+    heartbeat_timeout_seconds: float | None = 6.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.implementation, CommunicationImplementation):
+            raise TypeError("Invalid `implementation`: expected a meshfit.CommunicationImplementation "
+                            f"(AUTO, RING, NCCL), received implementation={self.implementation!r}.")
+        if not isinstance(self.timeout_seconds, (int, float)) or self.timeout_seconds <= 0:
+            raise ValueError("Invalid `timeout_seconds`: expected a positive number, received "
+                             f"timeout_seconds={self.timeout_seconds!r}.")
+        hb = self.heartbeat_timeout_seconds
+        if hb is not None and (not isinstance(hb, (int, float)) or hb < 2):
+            raise ValueError("Invalid `heartbeat_timeout_seconds`: expected None or a number >= 2, "
+                             f"received heartbeat_timeout_seconds={hb!r}.")
+
+    def __repr__(self) -> str:
+        return (f"CommunicationOptions(implementation={self.implementation.name}, "
+                f"timeout_seconds={float(self.timeout_seconds)}, "
+                f"heartbeat_timeout_seconds={self.heartbeat_timeout_seconds})")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InputContext:
+    """What an input pipeline built by ``distribute_datasets_from_function`` needs to know.
+
+    Args:
+        num_input_pipelines: how many pipelines there are (one per process).
+        input_pipeline_id: this pipeline's index, ``0 <= id < num_input_pipelines``.
+        num_replicas_in_sync: the number of replicas training together.
+
+    Example:
+        >>> ctx = InputContext(num_input_pipelines=2, input_pipeline_id=1, num_replicas_in_sync=2)
+        >>> ctx.get_per_replica_batch_size(128)
+        64
+    """
+
+    num_input_pipelines: int = 1
+    input_pipeline_id: int = 0
+    num_replicas_in_sync: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_input_pipelines", "num_replicas_in_sync"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Invalid `{name}`: expected a positive int, received {name}={value!r}.")
+        if not 0 <= self.input_pipeline_id < self.num_input_pipelines:
+            raise ValueError(f"Invalid `input_pipeline_id`: expected 0 <= id < num_input_pipelines="
+                             f"{self.num_input_pipelines}, received input_pipeline_id={self.input_pipeline_id!r}.")
+
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
+        """The per-replica batch for ``global_batch_size``; raises if it does not divide evenly."""
+        if global_batch_size % self.num_replicas_in_sync:
+            raise ValueError(f"The global batch size {global_batch_size} is not divisible by the "
+                             f"{self.num_replicas_in_sync} replicas in sync. Use a multiple of "
+                             f"{self.num_replicas_in_sync}.")
+        return global_batch_size // self.num_replicas_in_sync
