@@ -65,12 +65,14 @@ class Model:
     # ---- compile -------------------------------------------------------------------------
     def compile(self, optimizer: Any = "rmsprop", loss: Any = None, metrics: list[Any] | None = None) -> None:
         """Configure training: optimizer, loss and metrics (strings, meshfit or torch objects)."""
-        self.optimizer = _optimizers.get(optimizer)
-        self.loss = _losses.get(loss) if loss is not None else None
+        # Resolve everything first: a failed compile leaves the model as it was.
+        resolved_optimizer = _optimizers.get(optimizer)
+        resolved_loss = _losses.get(loss) if loss is not None else None
         if metrics is not None and not isinstance(metrics, (list, tuple)):
             raise TypeError(f"Invalid `metrics`: expected a list such as ['accuracy'], received metrics={metrics!r}.")
-        self._metric_identifiers = list(metrics or [])
-        self._compiled_metrics = [_metrics.get(m, loss=self.loss) for m in self._metric_identifiers]
+        compiled_metrics = [_metrics.get(m, loss=resolved_loss) for m in metrics or []]
+        self.optimizer, self.loss = resolved_optimizer, resolved_loss
+        self._metric_identifiers, self._compiled_metrics = list(metrics or []), compiled_metrics
         self._compile_config = {
             "optimizer": _optimizers.serialize(self.optimizer),
             "loss": _losses.serialize(self.loss) if self.loss is not None else None,

@@ -49,6 +49,10 @@ from multiprocessing import resource_tracker  # noqa: E402
 resource_tracker.ensure_running()
 
 
+# Set by pytest itself, or by torch on first use of inductor-backed ops: not the test's doing.
+_ENV_SET_BY_TOOLS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
+
+
 @pytest.fixture(autouse=True)
 def _no_leaks():
     import time
@@ -63,7 +67,7 @@ def _no_leaks():
         dist.destroy_process_group()
     env_after = dict(os.environ)
     changed = {k for k in set(env_before) | set(env_after)
-               if env_before.get(k) != env_after.get(k) and k != "PYTEST_CURRENT_TEST"}
+               if env_before.get(k) != env_after.get(k) and k not in _ENV_SET_BY_TOOLS}
     os.environ.clear()
     os.environ.update(env_before)
     deadline = time.monotonic() + 5

@@ -196,16 +196,27 @@ class DatasetIterator:
     """Iterates a `Dataset`; ``state_dict()`` is its exact position, ``load_state_dict`` moves it there."""
 
     def __init__(self, dataset: Dataset, iteration: int = 0, index: int = 0) -> None:
+        self._prefetcher: Prefetcher | None = None  # first: ``__del__`` runs even if the rest raises
         self._dataset = dataset
         self._iteration = iteration
         self._index = index
         self._length = dataset._length()
-        self._prefetcher: Prefetcher | None = None
 
-    def _produce(self, index: int) -> Any:
-        if self._length is not None and index >= self._length:
-            raise StopIteration
-        return self._dataset._get(index, self._iteration)
+    def _producer(self) -> Callable[[int], Any]:
+        """``index -> element`` of the current pass, holding no reference to the iterator.
+
+        The prefetch thread keeps its producer alive; if that were a bound method, the thread would
+        keep the iterator alive too, ``__del__`` would never stop the thread, and an abandoned
+        iterator over an infinite dataset would leak a thread for the life of the process.
+        """
+        dataset, iteration, length = self._dataset, self._iteration, self._length
+
+        def produce(index: int) -> Any:
+            if length is not None and index >= length:
+                raise StopIteration
+            return dataset._get(index, iteration)
+
+        return produce
 
     def __iter__(self) -> DatasetIterator:
         return self
@@ -214,10 +225,10 @@ class DatasetIterator:
         size = self._dataset._prefetch_size()
         if size:
             if self._prefetcher is None:
-                self._prefetcher = Prefetcher(self._produce, self._index, size)
+                self._prefetcher = Prefetcher(self._producer(), self._index, size)
             element = self._prefetcher.get()
         else:
-            element = self._produce(self._index)
+            element = self._producer()(self._index)
         self._index += 1
         return element
 
@@ -259,13 +270,20 @@ class Shuffle(Dataset):
     def _length(self) -> int | None:
         return self._inner._length()
 
+    def _replace_inner(self, inner: Dataset) -> Dataset:
+        clone = super()._replace_inner(inner)
+        clone._cache = None  # the permutation was drawn for the old input's length
+        return clone
+
     def _permutation(self, iteration: int) -> np.ndarray:
         it = iteration if self.reshuffle else 0
-        if self._cache is None or self._cache[0] != it:
+        cached = self._cache  # read once: a prefetch thread may replace it concurrently
+        if cached is None or cached[0] != it:
             n = self._length()
             rng = np.random.default_rng([self.seed, it])
-            self._cache = (it, _buffer_permutation(n, self.buffer_size, rng))
-        return self._cache[1]
+            cached = (it, _buffer_permutation(n, self.buffer_size, rng))
+            self._cache = cached
+        return cached[1]
 
     def _source_index(self, index: int, iteration: int) -> int:
         if self._length() is None:  # infinite input: shuffle within consecutive windows
@@ -397,6 +415,11 @@ class Map(Dataset):
 class Cache(Dataset):
     def __init__(self, inner: Dataset) -> None:
         self._inner, self._store = inner, {}
+
+    def _replace_inner(self, inner: Dataset) -> Dataset:
+        clone = super()._replace_inner(inner)
+        clone._store = {}  # the cached elements are the old input's, not the new one's
+        return clone
 
     def _length(self) -> int | None:
         return self._inner._length()

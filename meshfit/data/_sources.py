@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from meshfit.data._dataset import Dataset
-from meshfit.data._structure import gather_rows, leaves, map_structure, stack, to_tensor
+from meshfit.data._structure import concat, gather_rows, leaves, map_structure, stack, to_tensor
 
 
 class TensorSlices(Dataset):
@@ -90,12 +90,8 @@ class Files(Dataset):
 
     def _table(self) -> TensorSlices:
         if self._loaded is None:
-            parts = [to_tensor(self.reader(p)) for p in self.paths]
-            if isinstance(parts[0], tuple):
-                merged = tuple(torch.cat([p[i] for p in parts]) for i in range(len(parts[0])))
-            else:
-                merged = torch.cat(parts)
-            self._loaded = TensorSlices(merged)
+            # A reader may return an array, or a tuple or dict of arrays: join the files leaf by leaf.
+            self._loaded = TensorSlices(concat([to_tensor(self.reader(p)) for p in self.paths]))
         return self._loaded
 
     def _length(self) -> int:

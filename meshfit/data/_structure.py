@@ -22,6 +22,8 @@ def to_tensor(value: Any) -> Any:
     if isinstance(value, tuple):
         return tuple(to_tensor(v) for v in value)
     if isinstance(value, list):
+        if value and all(isinstance(v, (torch.Tensor, np.ndarray, dict, tuple, list)) for v in value):
+            return tuple(to_tensor(v) for v in value)  # a DataLoader's [x, y] batch
         if value and all(isinstance(v, str) for v in value):
             return np.asarray(value)
         return torch.as_tensor(np.asarray(value))
@@ -60,6 +62,18 @@ def stack(elements: Sequence[Any]) -> Any:
     if isinstance(first, np.ndarray) or isinstance(first, (str, bytes)):
         return np.stack(elements) if isinstance(first, np.ndarray) else np.asarray(elements)
     return torch.as_tensor(np.asarray(elements))
+
+
+def concat(parts: Sequence[Any]) -> Any:
+    """Concatenate same-structured elements along their first dimension."""
+    first = parts[0]
+    if isinstance(first, dict):
+        return {k: concat([p[k] for p in parts]) for k in first}
+    if isinstance(first, (tuple, list)):
+        return type(first)(concat([p[i] for p in parts]) for i in range(len(first)))
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(parts))
+    return np.concatenate(parts)
 
 
 def batch_size_of(value: Any) -> int:

@@ -1,0 +1,24 @@
+"""Callbacks: hooks into `Model.fit`, `evaluate` and `predict`, with Keras's names."""
+
+from meshfit.callbacks._callback import Callback, CallbackList
+from meshfit.callbacks._csv_logger import CSVLogger
+from meshfit.callbacks._early_stopping import EarlyStopping
+from meshfit.callbacks._history import History
+from meshfit.callbacks._model_checkpoint import ModelCheckpoint
+from meshfit.callbacks._progbar import Progbar, ProgbarLogger
+from meshfit.callbacks._tensorboard import TensorBoard
+
+# from meshfit.callbacks._backup_and_restore import BackupAndRestore  (added by the lead)
+
+__all__ = [
+    # "BackupAndRestore",
+    "CSVLogger",
+    "Callback",
+    "CallbackList",
+    "EarlyStopping",
+    "History",
+    "ModelCheckpoint",
+    "Progbar",
+    "ProgbarLogger",
+    "TensorBoard",
+]

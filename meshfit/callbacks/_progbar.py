@@ -1,0 +1,359 @@
+"""`Progbar`, Keras's text progress bar, and `ProgbarLogger`, the callback that drives it."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any, TextIO
+
+from meshfit.callbacks._callback import Callback, _to_float
+
+# Off a terminal (log files, pipes), a long epoch prints a progress line at most this often.
+_FILE_INTERVAL_SECONDS = 30.0
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+def _supports_redraw(stream: TextIO) -> bool:
+    """Whether ``\\r`` redraws a line: a terminal, or a Jupyter kernel's own stdout/stderr."""
+    try:
+        if stream.isatty():
+            return True
+    except (AttributeError, ValueError):
+        return False
+    return "ipykernel" in sys.modules and stream in (sys.stdout, sys.stderr)
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4f}" if abs(value) > 1e-3 else f"{value:.4e}"
+    return str(value)
+
+
+def _format_time(seconds: float, unit_name: str) -> str:
+    if seconds >= 1 or seconds == 0:
+        return f" {seconds:.0f}s/{unit_name}"
+    if seconds >= 1e-3:
+        return f" {seconds * 1e3:.0f}ms/{unit_name}"
+    return f" {seconds * 1e6:.0f}us/{unit_name}"
+
+
+def _format_eta(seconds: float) -> str:
+    whole = int(seconds)
+    if whole > 3600:
+        return f"{whole // 3600}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
+    if whole > 60:
+        return f"{whole // 60}:{whole % 60:02d}"
+    return f"{whole}s"
+
+
+class Progbar:
+    """Keras's progress bar, in Keras's format.
+
+    With ``verbose=1`` on a terminal the line redraws in place (``\\r``, at most every
+    ``interval`` seconds): ``70/70 [==============================] - 1s 7ms/step - loss: 2.2700``.
+    On a stream that is not a terminal (a log file, a pipe) it writes no carriage returns: only
+    the final line, plus a progress line at most every 30 seconds during long runs.
+    ``verbose=2`` writes one line when done: ``70/70 - 1s - loss: 2.2700 - 1s/epoch - 7ms/step``.
+
+    Args:
+        target: Total number of steps, or None if unknown (shown as ``12/Unknown``).
+        width: Width of the bar in characters.
+        verbose: 0 (silent), 1 (bar) or 2 (one line at the end).
+        interval: Minimum seconds between redraws on a terminal.
+        stateful_metrics: Names whose values are shown as given; other values are averaged
+            over the steps seen, as Keras does.
+        unit_name: The unit in the per-step time, e.g. ``7ms/step``.
+        stream: Where to write; None means the current ``sys.stdout``.
+
+    Raises:
+        ValueError: If ``verbose`` is not 0, 1 or 2, or ``target`` or ``width`` is negative.
+
+    Example:
+        >>> import io
+        >>> out = io.StringIO()
+        >>> bar = Progbar(target=2, verbose=2, stream=out)
+        >>> bar.update(2, [("loss", 0.5)])
+        >>> out.getvalue().startswith("2/2 - ")
+        True
+    """
+
+    def __init__(
+        self,
+        target: int | None,
+        width: int = 30,
+        verbose: int = 1,
+        interval: float = 0.05,
+        stateful_metrics: Iterable[str] | None = None,
+        unit_name: str = "step",
+        stream: TextIO | None = None,
+    ) -> None:
+        if verbose not in (0, 1, 2):
+            raise ValueError(f"Invalid `verbose`: expected 0, 1 or 2, received verbose={verbose!r}.")
+        if target is not None and target < 0:
+            raise ValueError(f"Invalid `target`: expected None or an int >= 0, received target={target!r}.")
+        if width < 1:
+            raise ValueError(f"Invalid `width`: expected a positive int, received width={width!r}.")
+        self.target = target
+        self.width = width
+        self.verbose = verbose
+        self.interval = interval
+        self.stateful_metrics = set(stateful_metrics or ())
+        self.unit_name = unit_name
+        self.stream = sys.stdout if stream is None else stream
+        self._dynamic_display = _supports_redraw(self.stream)
+        self._values: dict[str, Any] = {}
+        self._values_order: list[str] = []
+        self._seen_so_far = 0
+        self._start = _now()
+        self._last_update = 0.0
+        self._last_file_line = self._start
+        self._time_after_first_step: float | None = None
+        self._total_width = 0
+        self._finalized = False
+
+    def update(
+        self,
+        current: int,
+        values: Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None,
+        finalize: bool | None = None,
+    ) -> None:
+        """Moves the bar to step ``current`` and records metric values.
+
+        Args:
+            current: Steps done so far.
+            values: ``(name, value)`` pairs or a mapping.
+            finalize: Whether this is the last update; default: ``current >= target``.
+        """
+        if finalize is None:
+            finalize = self.target is not None and current >= self.target
+        self._record(current, values)
+        now = _now()
+        if self.verbose == 1:
+            self._update_bar(current, now, finalize)
+        elif self.verbose == 2 and finalize and not self._finalized:
+            self._write(self._one_line(current, now) + "\n")
+        self._finalized = self._finalized or finalize
+
+    def add(self, n: int, values: Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None) -> None:
+        """Advances the bar by ``n`` steps."""
+        self.update(self._seen_so_far + n, values)
+
+    def _record(self, current: int, values: Any) -> None:
+        items = values.items() if isinstance(values, Mapping) else (values or ())
+        for name, raw in items:
+            value = _to_float(raw)
+            if name not in self._values_order:
+                self._values_order.append(name)
+            if name in self.stateful_metrics or not isinstance(value, float):
+                self._values[name] = value
+            else:
+                # Weighted by the steps since the last update, so the shown value is a mean per step.
+                steps = max(current - self._seen_so_far, 1)
+                total, count = self._values.get(name, (0.0, 0))
+                self._values[name] = (total + value * steps, count + steps)
+        self._seen_so_far = current
+
+    def _metrics_text(self) -> str:
+        text = ""
+        for name in self._values_order:
+            value = self._values[name]
+            if isinstance(value, tuple):
+                value = value[0] / max(1, value[1])
+            text += f" - {name}: {_format_value(value)}"
+        return text
+
+    def _step_duration(self, current: int, now: float) -> float:
+        if not current:
+            return 0.0
+        if self._time_after_first_step is not None and current > 1:
+            duration = (now - self._time_after_first_step) / (current - 1)
+        else:
+            duration = (now - self._start) / current
+        if current == 1:
+            self._time_after_first_step = now
+        return duration
+
+    def _bar(self, current: int) -> str:
+        if self.target is None:
+            return f"{current:7d}/Unknown"
+        digits = len(str(self.target))
+        bar = f"{current:{digits}d}/{self.target} ["
+        progress = min(current / self.target, 1.0) if self.target else 1.0
+        filled = int(self.width * progress)
+        if filled > 0:
+            bar += "=" * (filled - 1) + (">" if current < self.target else "=")
+        return bar + "." * (self.width - filled) + "]"
+
+    def _update_bar(self, current: int, now: float, finalize: bool) -> None:
+        if not finalize:
+            if self._dynamic_display and now - self._last_update < self.interval:
+                return
+            if not self._dynamic_display and now - self._last_file_line < _FILE_INTERVAL_SECONDS:
+                return
+        duration = self._step_duration(current, now)
+        bar = self._bar(current)
+        if self.target is None or finalize:
+            info = f" - {now - self._start:.0f}s" + _format_time(duration, self.unit_name)
+        else:
+            info = f" - ETA: {_format_eta(duration * (self.target - current))}"
+        line = bar + info + self._metrics_text()
+        if self._dynamic_display:
+            # Pad with spaces so a shorter line fully covers the previous one.
+            message = "\r" + line + " " * max(self._total_width - len(line), 0)
+            self._total_width = len(line)
+            self._write(message + ("\n" if finalize else ""))
+        else:
+            self._last_file_line = now
+            self._write(line + "\n")
+        self._last_update = now
+
+    def _one_line(self, current: int, now: float) -> str:
+        elapsed = now - self._start
+        target = current if self.target is None else self.target
+        line = f"{current}/{target} - {elapsed:.0f}s" + self._metrics_text()
+        line += " -" + _format_time(elapsed, "epoch")
+        return line + " -" + _format_time(elapsed / max(target, 1), self.unit_name)
+
+    def _write(self, text: str) -> None:
+        self.stream.write(text)
+        self.stream.flush()
+
+
+class ProgbarLogger(Callback):
+    """Prints Keras's progress bar during `fit`, `evaluate` and `predict`.
+
+    `fit` adds one itself; it reads ``params["verbose"]`` (0 silent, 1 bar, 2 one line per
+    epoch) and ``params["steps"]`` (None when unknown). Before each epoch it prints
+    ``Epoch 1/3`` (when there is more than one epoch); at the end of an epoch the line shows the
+    training and ``val_`` metrics from the epoch's logs. The logs a step reports are shown as
+    given (they are the epoch's running values, as in Keras). On a terminal the bar redraws in
+    place; written to a file or pipe it prints no carriage returns (see `Progbar`).
+
+    Args:
+        count_mode: ``"steps"`` counts batches; ``"samples"`` counts the ``size`` in each step's
+            logs against ``params["samples"]``.
+        stream: Where to write; None means the current ``sys.stdout``.
+
+    Raises:
+        ValueError: If ``count_mode`` is not ``"steps"`` or ``"samples"``.
+    """
+
+    def __init__(self, count_mode: str = "steps", stream: TextIO | None = None) -> None:
+        super().__init__()
+        if count_mode not in ("steps", "samples"):
+            raise ValueError(
+                f"Invalid `count_mode`: expected 'steps' or 'samples', received count_mode={count_mode!r}."
+            )
+        self.use_steps = count_mode == "steps"
+        self.stream = stream
+        self.verbose = 1
+        self.epochs = 1
+        self.target: int | None = None
+        self.seen = 0
+        self.progbar: Progbar | None = None
+        self._called_in_fit = False
+
+    def set_params(self, params: Mapping[str, Any]) -> None:
+        """Reads ``verbose``, ``epochs`` and ``steps`` (or ``samples``)."""
+        super().set_params(params)
+        verbose = params.get("verbose", 1)
+        if verbose not in (0, 1, 2):
+            raise ValueError(f"Invalid `verbose`: expected 0, 1 or 2, received verbose={verbose!r}.")
+        self.verbose = verbose
+        self.epochs = params.get("epochs", 1)
+        self.target = params.get("steps") if self.use_steps else params.get("samples")
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        """Marks that validation runs inside `fit`, whose results the epoch line shows."""
+        self._called_in_fit = True
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        """Ends the `fit` call, so a later `evaluate` shows its own bar."""
+        self._called_in_fit = False
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        """Starts a new bar and prints ``Epoch i/n``."""
+        self._reset()
+        if self.verbose and self.epochs > 1:
+            self._new_progbar()._write(f"Epoch {epoch + 1}/{self.epochs}\n")
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        """Finishes the bar with the epoch's training and validation metrics."""
+        self._finalize(logs)
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        """Advances the bar."""
+        self._batch_update(batch, logs)
+
+    def on_test_begin(self, logs: dict | None = None) -> None:
+        """Starts a bar for `evaluate` (validation inside `fit` has none)."""
+        if not self._called_in_fit:
+            self._reset()
+
+    def on_test_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        """Advances the `evaluate` bar."""
+        if not self._called_in_fit:
+            self._batch_update(batch, logs)
+
+    def on_test_end(self, logs: dict | None = None) -> None:
+        """Finishes the `evaluate` bar with its metrics."""
+        if not self._called_in_fit:
+            self._finalize(logs)
+
+    def on_predict_begin(self, logs: dict | None = None) -> None:
+        """Starts a bar for `predict`."""
+        self._reset()
+
+    def on_predict_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        """Advances the `predict` bar (predictions are not shown)."""
+        self._batch_update(batch, None)
+
+    def on_predict_end(self, logs: dict | None = None) -> None:
+        """Finishes the `predict` bar."""
+        self._finalize(None)
+
+    def _reset(self) -> None:
+        self.seen = 0
+        self.progbar = None
+
+    def _new_progbar(self) -> Progbar:
+        if self.progbar is None:
+            self.progbar = Progbar(
+                target=self.target,
+                verbose=self.verbose,
+                unit_name="step" if self.use_steps else "sample",
+                stream=self.stream,
+            )
+        return self.progbar
+
+    def _display_logs(self, logs: dict | None) -> dict:
+        logs = dict(logs or {})
+        for key in ("size", "num_steps", "batch"):
+            logs.pop(key, None)
+        return logs
+
+    def _batch_update(self, batch: int, logs: dict | None) -> None:
+        progbar = self._new_progbar()
+        if self.use_steps:
+            self.seen = batch + 1
+        else:
+            logs = logs or {}
+            self.seen += int(logs.get("num_steps", 1)) * int(logs.get("size", 0))
+        if self.verbose == 1:
+            logs = self._display_logs(logs)
+            progbar.stateful_metrics.update(logs)
+            progbar.update(self.seen, logs, finalize=False)
+
+    def _finalize(self, logs: dict | None) -> None:
+        progbar = self._new_progbar()
+        if self.target is None:
+            # An unknown length is known once the first pass ends; later bars use it.
+            self.target = self.seen
+            progbar.target = self.seen
+        logs = self._display_logs(logs)
+        progbar.stateful_metrics.update(logs)
+        progbar.update(self.target, logs, finalize=True)

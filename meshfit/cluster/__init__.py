@@ -1,0 +1,24 @@
+"""Cluster resolvers: where this process sits in a multi-process job (TF_CONFIG, torchrun, SLURM)."""
+
+from meshfit.cluster._base import ClusterInfo, ClusterResolver
+from meshfit.cluster._env_resolvers import (
+    DEFAULT_MASTER_PORT,
+    SimpleClusterResolver,
+    SlurmClusterResolver,
+    TorchrunClusterResolver,
+)
+from meshfit.cluster._hostlist import expand_hostlist
+from meshfit.cluster._resolver import resolve_cluster
+from meshfit.cluster._tf_config import TFConfigClusterResolver
+
+__all__ = [
+    "DEFAULT_MASTER_PORT",
+    "ClusterInfo",
+    "ClusterResolver",
+    "SimpleClusterResolver",
+    "SlurmClusterResolver",
+    "TFConfigClusterResolver",
+    "TorchrunClusterResolver",
+    "expand_hostlist",
+    "resolve_cluster",
+]

@@ -1,0 +1,179 @@
+"""`ClusterInfo` (what a process needs to join the job) and the `ClusterResolver` base class."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+TASK_TYPES = ("chief", "worker", "evaluator")
+
+
+def parse_address(address: object, field: str, source: str) -> tuple[str, int]:
+    """Split ``"host:port"`` (or ``"[ipv6]:port"``) into ``(host, port)``; raise naming ``field``."""
+    fix = (f"Set {field} to \"host:port\" with a port in 1..65535, e.g. \"10.0.0.1:12345\" "
+           "(IPv6 as \"[::1]:12345\").")
+    if not isinstance(address, str):
+        raise ValueError(f"Invalid {source}: {field} must be a \"host:port\" string, "
+                         f"received {address!r} ({type(address).__name__}). {fix}")
+    if address.startswith("["):
+        host, bracket, rest = address[1:].partition("]")
+        if not bracket or not rest.startswith(":"):
+            raise ValueError(f"Invalid {source}: {field}={address!r} has no port after the bracketed "
+                             f"IPv6 host. {fix}")
+        port_text = rest[1:]
+    else:
+        host, colon, port_text = address.rpartition(":")
+        if not colon:
+            raise ValueError(f"Invalid {source}: {field}={address!r} has no port. {fix}")
+        if ":" in host:
+            raise ValueError(f"Invalid {source}: {field}={address!r} looks like an IPv6 address without "
+                             f"brackets. {fix}")
+    if not host:
+        raise ValueError(f"Invalid {source}: {field}={address!r} has an empty host. {fix}")
+    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise ValueError(f"Invalid {source}: {field}={address!r} has port {port_text!r}, which is not a "
+                         f"number in 1..65535. {fix}")
+    return host, int(port_text)
+
+
+def format_endpoint(host: str, port: int) -> str:
+    """``host:port``, bracketing IPv6 hosts."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterInfo:
+    """Where this process sits in the job: everything needed to join the process group.
+
+    Attributes:
+        task_type: ``"chief"``, ``"worker"`` or ``"evaluator"``.
+        task_id: index of this task within its job (``task.index`` in ``TF_CONFIG``).
+        rank: the torch.distributed rank (chief first, then workers); ``None`` for the evaluator,
+            which does not join the training process group.
+        world_size: number of training processes (chief + workers; the evaluator is not counted).
+        num_workers: number of tasks in the ``worker`` job (the chief, if any, is not counted).
+        is_chief: ``True`` for the ``chief`` task, or worker 0 when there is no chief.
+        master_addr: host of rank 0, where the TCP rendezvous runs.
+        master_port: port of rank 0's rendezvous.
+        local_rank: index of this process among the training processes on its host, or ``None``
+            when unknown.
+
+    Example:
+        >>> ClusterInfo(task_type="worker", task_id=1, rank=1, world_size=2, num_workers=2,
+        ...             is_chief=False, master_addr="127.0.0.1", master_port=29500).init_method
+        'tcp://127.0.0.1:29500'
+    """
+
+    task_type: str
+    task_id: int
+    rank: int | None
+    world_size: int
+    num_workers: int
+    is_chief: bool
+    master_addr: str
+    master_port: int
+    local_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.task_type not in TASK_TYPES:
+            raise ValueError(f"Invalid `task_type`: expected one of {TASK_TYPES}, "
+                             f"received task_type={self.task_type!r}.")
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"Invalid `world_size`: expected a positive int, "
+                             f"received world_size={self.world_size!r}.")
+        if self.task_type == "evaluator":
+            if self.rank is not None:
+                raise ValueError(f"Invalid `rank`: the evaluator has no training rank; pass rank=None, "
+                                 f"received rank={self.rank!r}.")
+        elif not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"Invalid `rank`: expected an int in 0..{self.world_size - 1} "
+                             f"(world_size={self.world_size}), received rank={self.rank!r}.")
+        if not isinstance(self.task_id, int) or self.task_id < 0:
+            raise ValueError(f"Invalid `task_id`: expected a non-negative int, received task_id={self.task_id!r}.")
+        if not isinstance(self.master_port, int) or not 1 <= self.master_port <= 65535:
+            raise ValueError(f"Invalid `master_port`: expected an int in 1..65535, "
+                             f"received master_port={self.master_port!r}.")
+        if not self.master_addr:
+            raise ValueError(f"Invalid `master_addr`: expected a host name or IP, "
+                             f"received master_addr={self.master_addr!r}.")
+
+    @property
+    def init_method(self) -> str:
+        """``tcp://master_addr:master_port`` for ``torch.distributed.init_process_group``."""
+        return "tcp://" + format_endpoint(self.master_addr, self.master_port)
+
+
+class ClusterResolver:
+    """Base class: a resolved view of the cluster for this process.
+
+    Subclasses parse their source (``TF_CONFIG``, torchrun or SLURM environment) eagerly in
+    ``__init__`` so that a bad configuration fails before any socket opens.
+    """
+
+    def __init__(self, info: ClusterInfo, cluster_spec: dict[str, list[str | None]]) -> None:
+        self._info = info
+        self._cluster_spec = cluster_spec
+
+    @property
+    def info(self) -> ClusterInfo:
+        """The resolved `ClusterInfo`."""
+        return self._info
+
+    @property
+    def task_type(self) -> str:
+        """``"chief"``, ``"worker"`` or ``"evaluator"``."""
+        return self._info.task_type
+
+    @property
+    def task_id(self) -> int:
+        """Index of this task within its job."""
+        return self._info.task_id
+
+    @property
+    def rank(self) -> int | None:
+        """torch.distributed rank, or ``None`` for the evaluator."""
+        return self._info.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of training processes (chief + workers)."""
+        return self._info.world_size
+
+    @property
+    def num_workers(self) -> int:
+        """Number of tasks in the ``worker`` job."""
+        return self._info.num_workers
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this task is the chief (the ``chief`` task, or worker 0 without one)."""
+        return self._info.is_chief
+
+    @property
+    def master_addr(self) -> str:
+        """Host of rank 0."""
+        return self._info.master_addr
+
+    @property
+    def master_port(self) -> int:
+        """Rendezvous port on rank 0's host."""
+        return self._info.master_port
+
+    @property
+    def local_rank(self) -> int | None:
+        """Index among the training processes on this host, or ``None`` when unknown."""
+        return self._info.local_rank
+
+    @property
+    def init_method(self) -> str:
+        """``tcp://host:port`` of rank 0, for ``torch.distributed.init_process_group``."""
+        return self._info.init_method
+
+    def cluster_spec(self) -> dict[str, list[str | None]]:
+        """The cluster as ``{job: ["host:port", ...]}``; addresses the source does not give are ``None``."""
+        return copy.deepcopy(self._cluster_spec)
+
+    def __repr__(self) -> str:
+        i = self._info
+        return (f"{type(self).__name__}(task_type={i.task_type!r}, task_id={i.task_id}, rank={i.rank}, "
+                f"world_size={i.world_size}, master={format_endpoint(i.master_addr, i.master_port)!r})")

@@ -1,0 +1,214 @@
+"""Model.fit / evaluate / predict on one process: exactness, inputs, errors."""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import meshfit as mf
+
+
+def seed_cnn(size: int = 8) -> nn.Module:
+    """The seed tutorial's CNN, small: (n, size, size) images -> 10 logits."""
+    return nn.Sequential(nn.Unflatten(1, (1, size)), nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(),
+                         nn.LazyLinear(16), nn.ReLU(), nn.Linear(16, 10))
+
+
+def mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return mf.datasets.load_digits()
+
+
+def test_fit_equals_hand_written_loop_bitwise(digits):
+    (x, y), _ = digits
+    x, y = x[:256], y[:256]
+    torch.manual_seed(0)
+    ref = seed_cnn()
+    ds = mf.data.Dataset.from_tensor_slices((x, y)).shuffle(256, seed=3).repeat().batch(32)
+    # Reference: the same module, the same batches, a plain torch loop.
+    torch.manual_seed(1)
+    ref(torch.zeros(1, 8, 8))  # materialise the lazy layer with the same RNG draw fit will make
+    ref_state = {k: v.clone() for k, v in ref.state_dict().items()}
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    it = iter(ds)
+    for _ in range(12):
+        xb, yb = next(it)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(ref(xb), yb)
+        loss.backward()
+        opt.step()
+
+    torch.manual_seed(0)
+    module = seed_cnn()
+    torch.manual_seed(1)
+    module(torch.zeros(1, 8, 8))
+    for k, v in module.state_dict().items():
+        assert torch.equal(v, ref_state[k])
+    model = mf.Model(module)
+    model.compile(optimizer=mf.optimizers.SGD(learning_rate=0.05, momentum=0.9),
+                  loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    model.fit(ds, epochs=3, steps_per_epoch=4, verbose=0)
+    for (k, v), (_, r) in zip(model.module.state_dict().items(), ref.state_dict().items()):
+        assert torch.equal(v, r), k
+
+
+def test_fit_learns_digits_and_keras_output(digits, capsys):
+    (x, y), (xt, yt) = digits
+    torch.manual_seed(0)
+    model = mf.Model(mlp())
+    model.compile(optimizer=mf.optimizers.Adam(learning_rate=0.01),
+                  loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    history = model.fit(x, y, batch_size=64, epochs=3, validation_data=(xt, yt), verbose=2)
+    assert set(history.history) == {"loss", "accuracy", "val_loss", "val_accuracy"}
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    loss, acc = model.evaluate(xt, yt, verbose=0)
+    assert acc > 0.85
+    assert abs(acc - history.history["val_accuracy"][-1]) < 1e-12
+    out = capsys.readouterr().out
+    assert "Epoch 3/3" in out and "loss:" in out and "accuracy:" in out
+    assert "\r" not in out  # not a terminal: no carriage-return redraws
+    predictions = model.predict(xt, batch_size=50, verbose=0)
+    assert predictions.shape == (len(xt), 10)
+    assert (predictions.argmax(1) == yt).mean() == pytest.approx(acc)
+
+
+def test_initial_epoch_and_history(digits):
+    (x, y), _ = digits
+    model = mf.Model(mlp())
+    model.compile("sgd", nn.CrossEntropyLoss(), metrics=["acc"])
+    history = model.fit(x[:128], y[:128], batch_size=32, epochs=4, initial_epoch=2, verbose=0)
+    assert history.epoch == [2, 3]
+    assert len(history.history["loss"]) == 2
+
+
+def test_torch_dataset_and_dataloader_inputs(digits):
+    (x, y), _ = digits
+    tensors = torch.utils.data.TensorDataset(torch.from_numpy(x[:96]), torch.from_numpy(y[:96]))
+    model = mf.Model(mlp())
+    model.compile(torch.optim.SGD(model.module.parameters(), lr=0.1), "sparse_categorical_crossentropy")
+    h1 = model.fit(tensors, batch_size=32, epochs=1, verbose=0)
+    loader = torch.utils.data.DataLoader(tensors, batch_size=32)
+    h2 = model.fit(loader, epochs=1, verbose=0)
+    assert len(h1.history["loss"]) == 1 and len(h2.history["loss"]) == 1
+    assert model.optimizer.iterations == 6 if hasattr(model.optimizer, "iterations") else True
+    assert model.loop_state.iterations == 6
+
+
+def test_torchmetrics_metric_and_sample_weight(digits):
+    torchmetrics = pytest.importorskip("torchmetrics")
+    (x, y), _ = digits
+    model = mf.Model(mlp())
+    metric = torchmetrics.classification.MulticlassAccuracy(num_classes=10, average="micro")
+    model.compile("adam", mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=[metric, "accuracy"])
+    logs = model.evaluate(x[:100], y[:100], verbose=0, return_dict=True)
+    assert len(logs) == 3
+    values = [v for k, v in logs.items() if k != "loss"]
+    assert values[0] == pytest.approx(values[1])
+
+
+def test_errors_name_the_bad_value(digits, tmp_path):
+    (x, y), _ = digits
+    model = mf.Model(mlp())
+    with pytest.raises(ValueError, match="adamz"):
+        model.compile(optimizer="adamz", loss="mse")
+    with pytest.raises(ValueError, match="cross_entropyy"):
+        model.compile(optimizer="sgd", loss="cross_entropyy")
+    with pytest.raises(ValueError, match="acuracy"):
+        model.compile(optimizer="sgd", loss="mse", metrics=["acuracy"])
+    with pytest.raises(RuntimeError, match="compile"):
+        model.fit(x, y, verbose=0)
+    model.compile("sgd", mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    infinite = mf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(8)
+    with pytest.raises(ValueError, match="steps_per_epoch"):
+        model.fit(infinite, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="same number of samples"):
+        model.fit(x, y[:10], verbose=0)
+    with pytest.raises(RuntimeError, match="(?i)shape|size"):
+        model.fit(x.reshape(len(x), -1)[:, :50], y, verbose=0)
+    with pytest.raises(ValueError, match="verbose=7"):
+        model.fit(x, y, verbose=7)
+    with pytest.raises(FileNotFoundError, match="no_such_model"):
+        mf.load_model(os.path.join(tmp_path, "no_such_model"))
+    with pytest.raises(ValueError, match="y=None"):
+        model.fit(infinite, y, steps_per_epoch=1, verbose=0)
+
+
+def test_save_and_load_model_resumes(digits, tmp_path):
+    (x, y), (xt, yt) = digits
+    torch.manual_seed(0)
+    model = mf.Model(seed_cnn())
+    model.compile(mf.optimizers.Adam(learning_rate=0.01), mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    model.fit(x[:256], y[:256], batch_size=64, epochs=1, verbose=0, shuffle=False)
+    path = os.path.join(tmp_path, "model.keras")
+    model.save(path)
+    restored = mf.load_model(path)
+    np.testing.assert_array_equal(restored.predict(xt, verbose=0), model.predict(xt, verbose=0))
+    # Training continues identically: optimizer state came back too.
+    model.fit(x[:128], y[:128], batch_size=64, epochs=1, verbose=0, shuffle=False)
+    restored.fit(x[:128], y[:128], batch_size=64, epochs=1, verbose=0, shuffle=False)
+    for a, b in zip(model.get_weights(), restored.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    # A corrupt save is reported, not half-loaded.
+    with open(os.path.join(path, "model.safetensors"), "wb") as f:
+        f.write(b"garbage")
+    with pytest.raises(ValueError, match="model.safetensors"):
+        mf.load_model(path)
+
+
+def test_custom_module_needs_module_argument(tmp_path):
+    class Custom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.layer(x) * 2
+
+    model = mf.Model(Custom())
+    model.compile("sgd", "mse")
+    path = os.path.join(tmp_path, "custom")
+    model.save(path)
+    with pytest.raises(ValueError, match="module="):
+        mf.load_model(path)
+    restored = mf.load_model(path, module=Custom())
+    x = torch.randn(4, 3)
+    assert torch.equal(restored(x), model(x))
+
+
+def test_get_set_weights_roundtrip_and_errors():
+    model = mf.Model(mlp())
+    weights = model.get_weights()
+    other = mf.Model(mlp(seed=5))
+    other.set_weights(weights)
+    for a, b in zip(other.get_weights(), weights):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="shape"):
+        other.set_weights([w[..., :1] for w in weights])
+
+
+def test_progbar_redraws_on_terminal(digits, monkeypatch):
+    (x, y), _ = digits
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Terminal()
+    monkeypatch.setattr(sys, "stdout", out)
+    model = mf.Model(mlp())
+    model.compile("sgd", mf.losses.SparseCategoricalCrossentropy(from_logits=True), ["accuracy"])
+    model.fit(x[:256], y[:256], batch_size=32, epochs=1, verbose=1)
+    text = out.getvalue()
+    assert "8/8 [" in text and "step" in text
