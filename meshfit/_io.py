@@ -1,0 +1,191 @@
+"""Atomic file and directory writes shared by every meshfit saver.
+
+A reader never sees a half-written file or directory: data goes to a temporary sibling
+(``<name>.tmp-<pid>``), is flushed and fsynced, then renamed over the target with ``os.replace``,
+and the parent directory is fsynced so the rename itself survives a power loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = [
+    "atomic_directory",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "atomic_write_text",
+    "fsync_directory",
+]
+
+
+def fsync_directory(path: str | os.PathLike[str]) -> None:
+    """Fsyncs a directory so renames and new entries inside it are durable."""
+    try:
+        fd = os.open(os.fspath(path), os.O_RDONLY)
+    except OSError:  # platforms (Windows) that cannot open directories: nothing to sync
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _parent(path: str) -> str:
+    """The directory holding ``path`` ('.' for a bare name)."""
+    return os.path.dirname(os.path.abspath(path))
+
+
+def _remove(path: str) -> None:
+    """Removes a file or a directory tree if it exists."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Writes ``data`` to ``path`` atomically: the file holds either its old or its new content.
+
+    Args:
+        path: Destination file. Its parent directory must exist.
+        data: The bytes to write.
+
+    Raises:
+        TypeError: If ``data`` is not bytes-like.
+        FileNotFoundError: If the parent directory of ``path`` does not exist.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(
+            f"Invalid `data`: expected bytes, received an object of type {type(data).__name__}. "
+            "Encode text with atomic_write_text instead."
+        )
+    path = os.fspath(path)
+    parent = _parent(path)
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(
+            f"Cannot write {path!r}: its directory {parent!r} does not exist. Create it first."
+        )
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
+    fsync_directory(parent)
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str, encoding: str = "utf-8") -> None:
+    """Writes ``text`` to ``path`` atomically (see `atomic_write_bytes`).
+
+    Args:
+        path: Destination file. Its parent directory must exist.
+        text: The text to write.
+        encoding: Text encoding.
+
+    Raises:
+        TypeError: If ``text`` is not a str.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"Invalid `text`: expected a str, received an object of type {type(text).__name__}.")
+    atomic_write_bytes(path, text.encode(encoding))
+
+
+def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
+    """Writes ``obj`` as indented JSON to ``path`` atomically.
+
+    Args:
+        path: Destination file. Its parent directory must exist.
+        obj: A JSON-serializable object.
+
+    Raises:
+        TypeError: If ``obj`` is not JSON-serializable (nothing is written).
+    """
+    try:
+        text = json.dumps(obj, indent=2)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"Cannot write {os.fspath(path)!r} as JSON: {err}.") from err
+    atomic_write_text(path, text + "\n")
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike[str]) -> Iterator[str]:
+    """Builds a directory in a temporary sibling and moves it into place only on success.
+
+    Yields ``<path>.tmp-<pid>``, an empty directory to fill. On a clean exit its contents are
+    fsynced and it replaces ``path``: an existing ``path`` is first renamed to ``<path>.old-<pid>``,
+    the new directory is renamed into place, then the old one is deleted. If the body raises, the
+    temporary directory is removed and an existing ``path`` is left untouched.
+
+    Args:
+        path: The final directory. Its parent is created if missing.
+
+    Yields:
+        The temporary directory to write into.
+
+    Example:
+        >>> import os, tempfile
+        >>> root = tempfile.mkdtemp()
+        >>> with atomic_directory(os.path.join(root, "ckpt")) as tmp:
+        ...     atomic_write_text(os.path.join(tmp, "a.txt"), "hello")
+        >>> sorted(os.listdir(os.path.join(root, "ckpt")))
+        ['a.txt']
+        >>> import shutil; shutil.rmtree(root)
+    """
+    path = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    pid = os.getpid()
+    tmp = f"{path}.tmp-{pid}"
+    old = f"{path}.old-{pid}"
+    _remove(tmp)  # left over by a crashed process that had the same pid
+    os.makedirs(tmp)
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+    except BaseException:
+        _remove(tmp)
+        raise
+    _swap_into_place(tmp, path, old)
+    fsync_directory(parent)
+
+
+def _fsync_tree(root: str) -> None:
+    """Fsyncs every file and directory under ``root`` (bottom-up)."""
+    for dirpath, _, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            file_path = os.path.join(dirpath, name)
+            if os.path.islink(file_path):
+                continue
+            with open(file_path, "rb") as f:
+                os.fsync(f.fileno())
+        fsync_directory(dirpath)
+
+
+def _swap_into_place(tmp: str, path: str, old: str) -> None:
+    """Renames ``tmp`` to ``path``, moving an existing ``path`` aside first and deleting it after."""
+    had_old = os.path.lexists(path)
+    if had_old:
+        _remove(old)
+        os.replace(path, old)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        if had_old:  # put the previous version back rather than leave nothing at `path`
+            os.replace(old, path)
+        _remove(tmp)
+        raise
+    if had_old:
+        fsync_directory(os.path.dirname(path))
+        _remove(old)

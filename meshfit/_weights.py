@@ -1,0 +1,257 @@
+"""Model weights and optimizer state as safetensors files: no pickle on save or load.
+
+A weights file is a plain safetensors file (``safetensors.torch``), written atomically through
+`meshfit._io`. A torch optimizer's ``state_dict`` (nested dicts keyed by int parameter ids, tensors,
+python scalars such as ``momentum_buffer=None``, and ``param_groups`` lists) is split by
+`flatten_optimizer_state` into a flat tensor dict (for safetensors) and a JSON-able tree that
+references those tensors by name; `unflatten_optimizer_state` rebuilds it exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from meshfit._io import atomic_write_bytes
+
+__all__ = [
+    "OPTIMIZER_STATE_FORMAT",
+    "flatten_optimizer_state",
+    "load_metadata",
+    "load_state_dict_file",
+    "save_state_dict",
+    "unflatten_optimizer_state",
+]
+
+OPTIMIZER_STATE_FORMAT = "meshfit.optimizer_state/1"
+
+
+def _prepare_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached, contiguous CPU tensors; a tensor sharing storage with an earlier one is cloned."""
+    seen: set[int] = set()
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if not isinstance(key, str):
+            raise TypeError(
+                f"Invalid state dict key {key!r}: expected str keys, received {type(key).__name__}."
+            )
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"Invalid state dict entry {key!r}: expected a torch.Tensor, received {type(value).__name__}."
+            )
+        tensor = value.detach().to("cpu").contiguous()
+        if tensor.numel() > 0:
+            ptr = tensor.untyped_storage().data_ptr()
+            if ptr in seen:
+                tensor = tensor.clone()
+            else:
+                seen.add(ptr)
+        out[key] = tensor
+    return out
+
+
+def save_state_dict(
+    path: str | os.PathLike[str],
+    state: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """Saves a flat ``{name: tensor}`` dict as a safetensors file, atomically.
+
+    Tensors are moved to CPU and made contiguous; tensors that share memory (tied weights) are
+    stored as separate copies, so every key loads back.
+
+    Args:
+        path: Destination file; its parent directory must exist.
+        state: Mapping of string keys to tensors, e.g. ``module.state_dict()``.
+        metadata: Optional string-to-string metadata stored in the file header.
+
+    Raises:
+        TypeError: If a key, value or metadata entry has the wrong type.
+    """
+    if metadata is not None:
+        for key, value in metadata.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise TypeError(
+                    f"Invalid `metadata` entry {key!r}: {value!r}: keys and values must both be str. "
+                    "Encode other values with json.dumps."
+                )
+        metadata = dict(metadata)
+    data = safetensors.torch.save(_prepare_tensors(state), metadata=metadata)
+    atomic_write_bytes(path, data)
+
+
+def _check_file(path: str | os.PathLike[str]) -> str:
+    """The path as a str, or FileNotFoundError if there is no such file."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"No weights file at {path!r}. Check the path (received path={path!r}).")
+    return path
+
+
+def load_state_dict_file(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Loads a safetensors file written by `save_state_dict` into CPU tensors.
+
+    Args:
+        path: The file to read.
+
+    Returns:
+        The ``{name: tensor}`` dict, in the file's order.
+
+    Raises:
+        FileNotFoundError: If ``path`` is not an existing file.
+        ValueError: If the file is not a safetensors file or is corrupted.
+    """
+    path = _check_file(path)
+    try:
+        return safetensors.torch.load_file(path, device="cpu")
+    except Exception as err:
+        raise ValueError(
+            f"Cannot load {path!r}: not a meshfit/safetensors checkpoint or corrupted ({err})."
+        ) from err
+
+
+def load_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
+    """Reads the string metadata stored in a safetensors file's header (empty dict if none).
+
+    Raises:
+        FileNotFoundError: If ``path`` is not an existing file.
+        ValueError: If the file is not a safetensors file or is corrupted.
+    """
+    path = _check_file(path)
+    try:
+        with safetensors.safe_open(path, framework="pt") as f:
+            return dict(f.metadata() or {})
+    except Exception as err:
+        raise ValueError(
+            f"Cannot load {path!r}: not a meshfit/safetensors checkpoint or corrupted ({err})."
+        ) from err
+
+
+# JSON tree encoding. Every JSON object in the tree is a tagged node with exactly one key:
+#   {"tensor": name}, {"dict": [[key, value], ...]}, {"tuple": [...]}, {"float": "nan"|"inf"|"-inf"}.
+# Lists, str, int, bool, finite floats and None are stored as themselves.
+
+
+def _join(where: str, key: Any) -> str:
+    """The tensor name for ``key`` under path ``where``."""
+    return f"{where}/{key}" if where else str(key)
+
+
+def _encode(value: Any, where: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """Encodes one value of the optimizer state tree, moving tensors into ``tensors``."""
+    if isinstance(value, torch.Tensor):
+        name = where or "tensor"
+        suffix = 1
+        while name in tensors:
+            suffix += 1
+            name = f"{where}#{suffix}"
+        tensors[name] = value.detach()
+        return {"tensor": name}
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"float": repr(value)}
+    if isinstance(value, tuple):
+        return {"tuple": [_encode(v, _join(where, i), tensors) for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [_encode(v, _join(where, i), tensors) for i, v in enumerate(value)]
+    if isinstance(value, Mapping):
+        items = []
+        for key, item in value.items():
+            if not (key is None or isinstance(key, (bool, int, str, float))):
+                raise TypeError(f"Cannot store optimizer state key {key!r} at {where!r}: unsupported type.")
+            items.append([key, _encode(item, _join(where, key), tensors)])
+        return {"dict": items}
+    raise TypeError(
+        f"Cannot store optimizer state value at {where!r}: type {type(value).__name__} is not a tensor, "
+        "number, str, bool, None, list, tuple or dict."
+    )
+
+
+def _decode(node: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Inverse of `_encode`."""
+    if isinstance(node, list):
+        return [_decode(v, tensors) for v in node]
+    if not isinstance(node, dict):
+        return node
+    if len(node) != 1:
+        raise ValueError(f"Corrupted optimizer state: expected a tagged node, received {node!r}.")
+    ((tag, payload),) = node.items()
+    if tag == "tensor":
+        if payload not in tensors:
+            raise ValueError(
+                f"Corrupted optimizer state: tensor {payload!r} is missing from the tensor file."
+            )
+        return tensors[payload]
+    if tag == "tuple":
+        return tuple(_decode(v, tensors) for v in payload)
+    if tag == "dict":
+        return {key: _decode(value, tensors) for key, value in payload}
+    if tag == "float":
+        return float(payload)
+    raise ValueError(f"Corrupted optimizer state: unknown node tag {tag!r}.")
+
+
+def flatten_optimizer_state(
+    state_dict: Mapping[str, Any],
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Splits a torch optimizer ``state_dict`` into tensors and a JSON-able description.
+
+    Args:
+        state_dict: ``torch.optim.Optimizer.state_dict()`` (or any nested dict/list/tuple of
+            tensors, numbers, strings, bools and None).
+
+    Returns:
+        ``(tensors, meta)``: ``tensors`` maps names like ``"state/0/exp_avg"`` to the (detached,
+        not copied) tensors, ready for `save_state_dict`; ``meta`` is plain JSON
+        (``json.dumps(meta)`` works) that `unflatten_optimizer_state` turns back into the dict.
+
+    Raises:
+        TypeError: If the state holds a value of another type (it is named by its path).
+
+    Example:
+        >>> import torch
+        >>> p = torch.nn.Parameter(torch.ones(2))
+        >>> opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+        >>> tensors, meta = flatten_optimizer_state(opt.state_dict())
+        >>> unflatten_optimizer_state(tensors, meta) == opt.state_dict()
+        True
+    """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"Invalid `state_dict`: expected a dict from optimizer.state_dict(), "
+            f"received {type(state_dict).__name__}."
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    tree = _encode(state_dict, "", tensors)
+    return tensors, {"format": OPTIMIZER_STATE_FORMAT, "tree": tree}
+
+
+def unflatten_optimizer_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> dict[str, Any]:
+    """Rebuilds the optimizer ``state_dict`` saved by `flatten_optimizer_state`.
+
+    Args:
+        tensors: The tensor dict (e.g. from `load_state_dict_file`).
+        meta: The JSON description returned by `flatten_optimizer_state` (after a JSON round trip).
+
+    Returns:
+        A dict to pass to ``torch.optim.Optimizer.load_state_dict``.
+
+    Raises:
+        ValueError: If ``meta`` is not a meshfit optimizer-state description, or names a missing tensor.
+    """
+    if not isinstance(meta, Mapping) or meta.get("format") != OPTIMIZER_STATE_FORMAT or "tree" not in meta:
+        fmt = meta.get("format") if isinstance(meta, Mapping) else type(meta).__name__
+        raise ValueError(
+            f"Invalid optimizer state description: expected format {OPTIMIZER_STATE_FORMAT!r}, "
+            f"received {fmt!r}. Pass the `meta` returned by flatten_optimizer_state."
+        )
+    state = _decode(meta["tree"], tensors)
+    if not isinstance(state, dict):
+        raise ValueError(f"Corrupted optimizer state: the root is a {type(state).__name__}, not a dict.")
+    return state
