@@ -1,5 +1,6 @@
 """Callbacks: hooks into `Model.fit`, `evaluate` and `predict`, with Keras's names."""
 
+from meshfit.callbacks._backup_and_restore import BackupAndRestore
 from meshfit.callbacks._callback import Callback, CallbackList
 from meshfit.callbacks._csv_logger import CSVLogger
 from meshfit.callbacks._early_stopping import EarlyStopping
@@ -8,10 +9,9 @@ from meshfit.callbacks._model_checkpoint import ModelCheckpoint
 from meshfit.callbacks._progbar import Progbar, ProgbarLogger
 from meshfit.callbacks._tensorboard import TensorBoard
 
-# from meshfit.callbacks._backup_and_restore import BackupAndRestore  (added by the lead)
 
 __all__ = [
-    # "BackupAndRestore",
+    "BackupAndRestore",
     "CSVLogger",
     "Callback",
     "CallbackList",

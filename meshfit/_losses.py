@@ -1,0 +1,453 @@
+"""Keras-style losses on torch tensors: `Loss` classes, `get`, `serialize`, `deserialize`."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+EPSILON = 1e-7
+REDUCTIONS = ("sum_over_batch_size", "sum", "none")
+
+
+def _snake_case(name: str) -> str:
+    """`SparseCategoricalCrossentropy` -> `sparse_categorical_crossentropy`."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def _squeeze_or_expand(y_true: torch.Tensor, y_pred: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop a trailing size-1 dim so `(n, 1)` meets `(n,)` without broadcasting to `(n, n)`."""
+    if y_pred.ndim == y_true.ndim + 1 and y_pred.shape[-1] == 1:
+        y_pred = y_pred.squeeze(-1)
+    elif y_true.ndim == y_pred.ndim + 1 and y_true.shape[-1] == 1:
+        y_true = y_true.squeeze(-1)
+    return y_true, y_pred
+
+
+def _mean_last_dim(values: torch.Tensor) -> torch.Tensor:
+    """Per-sample value: the mean over the last dim, as Keras's `axis=-1` losses do."""
+    return values.mean(dim=-1) if values.ndim > 1 else values
+
+
+def broadcast_weight(
+    values: torch.Tensor, sample_weight: torch.Tensor | float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`values` and `sample_weight` broadcast together, the weight aligned on leading (batch) dims."""
+    weight = torch.as_tensor(sample_weight, dtype=values.dtype, device=values.device)
+    while weight.ndim > values.ndim and weight.shape[-1] == 1:
+        weight = weight.squeeze(-1)
+    while weight.ndim < values.ndim:
+        weight = weight.unsqueeze(-1)
+    values, weight = torch.broadcast_tensors(values, weight)
+    return values, weight
+
+
+def reduce_weighted(
+    values: torch.Tensor, sample_weight: torch.Tensor | float | None, reduction: str
+) -> torch.Tensor:
+    """Weight per-sample losses and reduce them the Keras way (`sum(w * l) / num_losses`)."""
+    if sample_weight is not None:
+        values, weight = broadcast_weight(values, sample_weight)
+        values = values * weight
+    if reduction == "none":
+        return values
+    total = values.sum()
+    if reduction == "sum":
+        return total
+    return total / max(values.numel(), 1)
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"Invalid `{name}`: expected one of {list(choices)}, received {name}={value!r}.")
+
+
+def _check_smoothing(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(
+            f"Invalid `label_smoothing`: expected a float in [0, 1], received label_smoothing={value!r}."
+        )
+    return float(value)
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"Invalid `{name}`: expected a bool, received {name}={value!r}.")
+
+
+class Loss:
+    """Base class of losses: `loss(y_true, y_pred, sample_weight=None)` gives a scalar tensor.
+
+    Subclasses implement `call(y_true, y_pred)` returning one loss per sample (the base class
+    applies `sample_weight` and the reduction) and list their other constructor arguments,
+    stored as attributes, in `config_keys`.
+
+    Args:
+        name: Name of the loss; defaults to the snake-case class name.
+        reduction: `"sum_over_batch_size"` (the mean over the batch, weighted as
+            `sum(w * loss) / batch_size`), `"sum"`, or `"none"` (per-sample losses).
+
+    Raises:
+        ValueError: If `reduction` is not one of the above.
+
+    Example:
+        >>> import torch, meshfit.losses as losses
+        >>> losses.MeanSquaredError()(torch.tensor([[0.0], [1.0]]), torch.tensor([[1.0], [1.0]]))
+        tensor(0.5000)
+    """
+
+    config_keys: tuple[str, ...] = ()
+
+    def __init__(self, name: str | None = None, reduction: str = "sum_over_batch_size") -> None:
+        _check_choice("reduction", reduction, REDUCTIONS)
+        self.name = name or _snake_case(type(self).__name__)
+        self.reduction = reduction
+
+    def call(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        """Per-sample losses; override in subclasses."""
+        raise NotImplementedError(f"{type(self).__name__} must implement `call(y_true, y_pred)`.")
+
+    def __call__(
+        self, y_true: torch.Tensor, y_pred: torch.Tensor, sample_weight: torch.Tensor | float | None = None
+    ) -> torch.Tensor:
+        """Compute the reduced loss of a batch."""
+        y_true = torch.as_tensor(y_true, device=y_pred.device)
+        return reduce_weighted(self.call(y_true, y_pred), sample_weight, self.reduction)
+
+    def get_config(self) -> dict[str, Any]:
+        """The constructor arguments, JSON-serialisable."""
+        extra = {key: getattr(self, key) for key in self.config_keys}
+        return {"name": self.name, "reduction": self.reduction, **extra}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Loss:
+        """Build a loss from `get_config()`'s output."""
+        return cls(**config)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        return f"{type(self).__name__}({args})"
+
+
+class SparseCategoricalCrossentropy(Loss):
+    """Cross-entropy between integer labels and class scores (classes on dim `axis`).
+
+    Args:
+        from_logits: Whether `y_pred` holds logits (else probabilities, clamped to `[1e-7, 1 - 1e-7]`).
+        axis: The class dim of `y_pred`; `-1` as in Keras, `1` for torch's `(n, classes, ...)`.
+        name: Name of the loss.
+        reduction: See `Loss`.
+    """
+
+    config_keys = ("from_logits", "axis")
+
+    def __init__(
+        self,
+        from_logits: bool = False,
+        axis: int = -1,
+        name: str | None = None,
+        reduction: str = "sum_over_batch_size",
+    ) -> None:
+        super().__init__(name, reduction)
+        _check_bool("from_logits", from_logits)
+        self.from_logits = from_logits
+        self.axis = axis
+
+    def call(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        """Per-sample cross-entropy."""
+        if y_true.ndim == y_pred.ndim and y_true.shape[-1] == 1:
+            y_true = y_true.squeeze(-1)
+        scores = torch.movedim(y_pred, self.axis, 1) if y_pred.ndim > 1 else y_pred
+        target = y_true.long()
+        if self.from_logits:
+            return F.cross_entropy(scores, target, reduction="none")
+        probs = scores / scores.sum(dim=1, keepdim=True)
+        return F.nll_loss(torch.log(probs.clamp(EPSILON, 1.0 - EPSILON)), target, reduction="none")
+
+
+class CategoricalCrossentropy(Loss):
+    """Cross-entropy between one-hot (or soft) labels and class scores.
+
+    Args:
+        from_logits: Whether `y_pred` holds logits (else probabilities, clamped to `[1e-7, 1 - 1e-7]`).
+        label_smoothing: In `[0, 1]`; labels become `y * (1 - s) + s / num_classes`.
+        axis: The class dim.
+        name: Name of the loss.
+        reduction: See `Loss`.
+
+    Raises:
+        ValueError: If `label_smoothing` is outside `[0, 1]`.
+    """
+
+    config_keys = ("from_logits", "label_smoothing", "axis")
+
+    def __init__(
+        self,
+        from_logits: bool = False,
+        label_smoothing: float = 0.0,
+        axis: int = -1,
+        name: str | None = None,
+        reduction: str = "sum_over_batch_size",
+    ) -> None:
+        super().__init__(name, reduction)
+        _check_bool("from_logits", from_logits)
+        self.from_logits = from_logits
+        self.label_smoothing = _check_smoothing(label_smoothing)
+        self.axis = axis
+
+    def call(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        """Per-sample cross-entropy."""
+        target = y_true.to(y_pred.dtype)
+        if self.label_smoothing:
+            classes = y_pred.shape[self.axis]
+            target = target * (1.0 - self.label_smoothing) + self.label_smoothing / classes
+        if self.from_logits:
+            log_probs = F.log_softmax(y_pred, dim=self.axis)
+        else:
+            probs = y_pred / y_pred.sum(dim=self.axis, keepdim=True)
+            log_probs = torch.log(probs.clamp(EPSILON, 1.0 - EPSILON))
+        return -(target * log_probs).sum(dim=self.axis)
+
+
+class BinaryCrossentropy(Loss):
+    """Binary cross-entropy, averaged over the last dim of each sample.
+
+    Args:
+        from_logits: Whether `y_pred` holds logits (else probabilities, clamped to `[1e-7, 1 - 1e-7]`).
+        label_smoothing: In `[0, 1]`; labels become `y * (1 - s) + s / 2`.
+        name: Name of the loss.
+        reduction: See `Loss`.
+    """
+
+    config_keys = ("from_logits", "label_smoothing")
+
+    def __init__(
+        self,
+        from_logits: bool = False,
+        label_smoothing: float = 0.0,
+        name: str | None = None,
+        reduction: str = "sum_over_batch_size",
+    ) -> None:
+        super().__init__(name, reduction)
+        _check_bool("from_logits", from_logits)
+        self.from_logits = from_logits
+        self.label_smoothing = _check_smoothing(label_smoothing)
+
+    def call(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        """Per-sample binary cross-entropy."""
+        y_true, y_pred = _squeeze_or_expand(y_true, y_pred)
+        target = y_true.to(y_pred.dtype)
+        if self.label_smoothing:
+            target = target * (1.0 - self.label_smoothing) + 0.5 * self.label_smoothing
+        if self.from_logits:
+            values = F.binary_cross_entropy_with_logits(y_pred, target, reduction="none")
+        else:
+            values = F.binary_cross_entropy(y_pred.clamp(EPSILON, 1.0 - EPSILON), target, reduction="none")
+        return _mean_last_dim(values)
+
+
+class MeanSquaredError(Loss):
+    """Mean of squared errors over the last dim of each sample."""
+
+    def call(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        """Per-sample squared error."""
+        y_true, y_pred = _squeeze_or_expand(y_true, y_pred)
+        return _mean_last_dim(F.mse_loss(y_pred, y_true.to(y_pred.dtype), reduction="none"))
+
+
+class MeanAbsoluteError(Loss):
+    """Mean of absolute errors over the last dim of each sample."""
+
+    def call(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        """Per-sample absolute error."""
+        y_true, y_pred = _squeeze_or_expand(y_true, y_pred)
+        return _mean_last_dim(F.l1_loss(y_pred, y_true.to(y_pred.dtype), reduction="none"))
+
+
+class Huber(Loss):
+    """Huber loss: quadratic for errors up to `delta`, linear beyond.
+
+    Args:
+        delta: Positive float where the loss turns linear.
+        name: Name of the loss; defaults to `"huber_loss"` as in Keras.
+        reduction: See `Loss`.
+    """
+
+    config_keys = ("delta",)
+
+    def __init__(
+        self, delta: float = 1.0, name: str | None = "huber_loss", reduction: str = "sum_over_batch_size"
+    ) -> None:
+        super().__init__(name, reduction)
+        if isinstance(delta, bool) or not isinstance(delta, (int, float)) or delta <= 0:
+            raise ValueError(f"Invalid `delta`: expected a positive float, received delta={delta!r}.")
+        self.delta = float(delta)
+
+    def call(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        """Per-sample Huber loss."""
+        y_true, y_pred = _squeeze_or_expand(y_true, y_pred)
+        values = F.huber_loss(y_pred, y_true.to(y_pred.dtype), reduction="none", delta=self.delta)
+        return _mean_last_dim(values)
+
+
+class _TorchModuleLoss(Loss):
+    """A torch loss module, called as `module(y_pred, y_true)`."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__(_snake_case(type(module).__name__))
+        self.module = module
+
+    def __call__(
+        self, y_true: torch.Tensor, y_pred: torch.Tensor, sample_weight: torch.Tensor | float | None = None
+    ) -> torch.Tensor:
+        y_true = torch.as_tensor(y_true, device=y_pred.device)
+        if sample_weight is None:
+            value = self.module(y_pred, y_true)
+            return value if value.ndim == 0 else value.mean()
+        if not hasattr(self.module, "reduction"):
+            raise TypeError(
+                f"Invalid `sample_weight`: {type(self.module).__name__} has no `reduction` to turn off, "
+                f"so it cannot weight samples; received sample_weight of type {type(sample_weight).__name__}."
+            )
+        saved, self.module.reduction = self.module.reduction, "none"
+        try:
+            values = self.module(y_pred, y_true)
+        finally:
+            self.module.reduction = saved
+        values = values.flatten(1).mean(dim=1) if values.ndim > 1 else values
+        return reduce_weighted(values, sample_weight, "sum_over_batch_size")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.module!r})"
+
+
+class _FunctionLoss(Loss):
+    """A plain callable `fn(y_true, y_pred)`: its per-sample values are reduced like any Loss."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor]) -> None:
+        name = getattr(fn, "__name__", "")
+        super().__init__(name if name.isidentifier() else "loss")
+        self.fn = fn
+
+    def call(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        return torch.as_tensor(self.fn(y_true, y_pred))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.fn!r})"
+
+
+_CLASSES: dict[str, type[Loss]] = {
+    cls.__name__: cls
+    for cls in (
+        SparseCategoricalCrossentropy,
+        CategoricalCrossentropy,
+        BinaryCrossentropy,
+        MeanSquaredError,
+        MeanAbsoluteError,
+        Huber,
+    )
+}
+_ALIASES: dict[str, type[Loss]] = {
+    "mse": MeanSquaredError,
+    "mae": MeanAbsoluteError,
+    "huber": Huber,
+    "huber_loss": Huber,
+    **{_snake_case(name): cls for name, cls in _CLASSES.items()},
+    **_CLASSES,
+}
+
+
+def _key(name: str) -> str:
+    return name.replace("_", "").lower()
+
+
+_LOOKUP: dict[str, type[Loss]] = {_key(name): cls for name, cls in _ALIASES.items()}
+
+
+def get(identifier: str | Loss | nn.Module | Callable[..., Any] | dict[str, Any]) -> Loss:
+    """Resolve a loss identifier to a `Loss`.
+
+    Args:
+        identifier: A name (`"sparse_categorical_crossentropy"`, `"mse"`, `"mae"`, `"huber"`,
+            `"binary_crossentropy"`, `"categorical_crossentropy"`, or a class name; case and
+            underscores are ignored), a `Loss` (returned as is), a torch loss module (called as
+            `module(y_pred, y_true)`), a callable `fn(y_true, y_pred)` (its values averaged), or a
+            dict from `serialize`.
+
+    Returns:
+        The `Loss`.
+
+    Raises:
+        ValueError: If a name is unknown.
+        TypeError: If the identifier has an unsupported type.
+
+    Example:
+        >>> import meshfit.losses as losses
+        >>> losses.get("mse").name
+        'mean_squared_error'
+    """
+    if isinstance(identifier, Loss):
+        return identifier
+    if isinstance(identifier, str):
+        cls = _LOOKUP.get(_key(identifier))
+        if cls is None:
+            raise ValueError(
+                f"Invalid `loss`: expected one of {sorted(_ALIASES)}, received loss={identifier!r}."
+            )
+        return cls()
+    if isinstance(identifier, dict):
+        return deserialize(identifier)
+    if isinstance(identifier, nn.Module):
+        return _TorchModuleLoss(identifier)
+    if callable(identifier):
+        return _FunctionLoss(identifier)
+    raise TypeError(
+        "Invalid `loss`: expected a name, a meshfit Loss, a torch loss module or a callable, "
+        f"received loss={identifier!r} of type {type(identifier).__name__}."
+    )
+
+
+def serialize(loss: str | Loss | nn.Module | Callable[..., Any]) -> dict[str, Any] | None:
+    """Describe a built-in loss as `{"class_name": ..., "config": ...}`, JSON-serialisable.
+
+    Args:
+        loss: Anything `get` accepts.
+
+    Returns:
+        The dict, or `None` when the loss cannot be rebuilt from a description (torch loss modules,
+        callables, user-defined `Loss` subclasses).
+    """
+    resolved = get(loss)
+    if _CLASSES.get(type(resolved).__name__) is not type(resolved):
+        return None
+    return {"class_name": type(resolved).__name__, "config": resolved.get_config()}
+
+
+def deserialize(config: dict[str, Any], custom_objects: dict[str, type[Loss]] | None = None) -> Loss:
+    """Rebuild a loss from `serialize`'s output.
+
+    Args:
+        config: `{"class_name": name, "config": dict}`.
+        custom_objects: Extra `Loss` classes by class name.
+
+    Returns:
+        The loss.
+
+    Raises:
+        ValueError: If the class name is unknown or the dict is malformed.
+    """
+    classes = {**_CLASSES, **(custom_objects or {})}
+    if not isinstance(config, dict) or "class_name" not in config:
+        raise ValueError(
+            f"Invalid `config`: expected {{'class_name': ..., 'config': ...}}, received config={config!r}."
+        )
+    cls = classes.get(config["class_name"])
+    if cls is None:
+        raise ValueError(
+            f"Invalid `class_name`: expected one of {sorted(classes)}, received class_name={config['class_name']!r}."
+        )
+    return cls.from_config(dict(config.get("config") or {}))

@@ -1,0 +1,476 @@
+"""Metrics whose state is additive float64 tensors, so replicas combine them with one all-reduce sum."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshfit import _losses
+from meshfit._losses import _snake_case, _squeeze_or_expand
+
+
+def _as_tensor(value: Any) -> torch.Tensor:
+    return value.detach() if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+
+
+class Metric:
+    """Base of metrics: additive state tensors, summed across replicas, and a result computed from them.
+
+    Subclasses declare their states with `add_state(name, shape)` in `__init__` and implement
+    `update_state` and `result_from`.
+
+    Args:
+        name: The metric's name in logs; defaults to the snake-case class name.
+    """
+
+    def __init__(self, name: str | None = None) -> None:
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"Invalid `name`: expected a str, received name={name!r}.")
+        self.name = name or _snake_case(type(self).__name__)
+        self._states: dict[str, torch.Tensor] = {}
+
+    def add_state(self, name: str, shape: tuple[int, ...] = ()) -> None:
+        """Declare a float64 CPU accumulator that starts at zero."""
+        self._states[name] = torch.zeros(shape, dtype=torch.float64)
+
+    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
+        """Accumulate one (per-replica) batch."""
+        raise NotImplementedError(f"{type(self).__name__} must implement `update_state`.")
+
+    def _live_states(self) -> dict[str, torch.Tensor]:
+        """The accumulators by name, as stored."""
+        return self._states
+
+    def _assign_states(self, states: dict[str, torch.Tensor]) -> None:
+        """Overwrite the accumulators (float64 CPU values, names and shapes checked)."""
+        for key, current in self._states.items():
+            current.copy_(states[key])
+
+    def state_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Copies of the accumulators (float64, CPU); safe to all-reduce in place."""
+        return tuple(t.detach().to("cpu", torch.float64, copy=True) for t in self._live_states().values())
+
+    def result_from(self, states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The metric's value for the given (e.g. summed across replicas) states."""
+        raise NotImplementedError(f"{type(self).__name__} must implement `result_from`.")
+
+    def result(self) -> torch.Tensor:
+        """The metric's value for this replica's states."""
+        return self.result_from(self.state_tensors())
+
+    def reset_state(self) -> None:
+        """Zero the accumulators."""
+        for t in self._states.values():
+            t.zero_()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The accumulators by name (float64, CPU)."""
+        return dict(zip(self._live_states(), self.state_tensors()))
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Restore the accumulators from `state_dict()`.
+
+        Raises:
+            ValueError: If names or shapes differ.
+        """
+        live = self._live_states()
+        if set(state_dict) != set(live):
+            raise ValueError(
+                f"Invalid `state_dict` for metric {self.name!r}: expected keys {sorted(live)}, "
+                f"received keys {sorted(state_dict)}."
+            )
+        values = {key: torch.as_tensor(state_dict[key]).to("cpu", torch.float64) for key in live}
+        for key, value in values.items():
+            if value.shape != live[key].shape:
+                raise ValueError(
+                    f"Invalid `state_dict` for metric {self.name!r}: expected {key!r} of shape "
+                    f"{tuple(live[key].shape)}, received shape {tuple(value.shape)}."
+                )
+        self._assign_states(values)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+class Mean(Metric):
+    """The (weighted) mean of the values it is given.
+
+    Args:
+        name: The metric's name.
+
+    Example:
+        >>> import meshfit.metrics as metrics
+        >>> m = metrics.Mean("loss")
+        >>> m.update_state(2.0, sample_weight=3)
+        >>> m.update_state(4.0, sample_weight=1)
+        >>> float(m.result())
+        2.5
+    """
+
+    def __init__(self, name: str = "mean") -> None:
+        super().__init__(name)
+        self.add_state("total")
+        self.add_state("count")
+
+    def update_state(self, values: Any, sample_weight: Any = None) -> None:  # type: ignore[override]
+        """Add `values` (any shape), each weighted by the broadcast `sample_weight`."""
+        values = _as_tensor(values).to(torch.float64)
+        if sample_weight is None:
+            weight = torch.ones_like(values)
+        else:
+            values, weight = _losses.broadcast_weight(values, _as_tensor(sample_weight))
+        self._states["total"] += (values * weight).sum().cpu()
+        self._states["count"] += weight.sum().cpu()
+
+    def result_from(self, states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """`total / count`, or 0 when nothing was counted."""
+        total, count = states
+        return total / count if count > 0 else torch.zeros_like(total)
+
+
+class Sum(Metric):
+    """The (weighted) sum of the values it is given.
+
+    Args:
+        name: The metric's name.
+    """
+
+    def __init__(self, name: str = "sum") -> None:
+        super().__init__(name)
+        self.add_state("total")
+
+    def update_state(self, values: Any, sample_weight: Any = None) -> None:  # type: ignore[override]
+        """Add `values` times `sample_weight`."""
+        values = _as_tensor(values).to(torch.float64)
+        if sample_weight is not None:
+            values, weight = _losses.broadcast_weight(values, _as_tensor(sample_weight))
+            values = values * weight
+        self._states["total"] += values.sum().cpu()
+
+    def result_from(self, states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The total."""
+        return states[0].clone()
+
+
+class MeanMetricWrapper(Mean):
+    """The weighted mean over samples of `fn(y_true, y_pred, **kwargs)`.
+
+    Args:
+        fn: Returns one value per sample (or per element); a scalar counts as one value.
+        name: The metric's name; defaults to `fn.__name__`.
+        **kwargs: Passed to `fn`.
+    """
+
+    def __init__(self, fn: Callable[..., Any], name: str | None = None, **kwargs: Any) -> None:
+        if not callable(fn):
+            raise TypeError(f"Invalid `fn`: expected a callable, received fn={fn!r}.")
+        fn_name = getattr(fn, "__name__", "")
+        super().__init__(name or (fn_name if fn_name.isidentifier() else "metric"))
+        self._fn = fn
+        self._fn_kwargs = kwargs
+
+    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:  # type: ignore[override]
+        """Accumulate `fn`'s values for one batch."""
+        y_pred = _as_tensor(y_pred)
+        y_true = _as_tensor(y_true).to(y_pred.device)
+        with torch.no_grad():
+            values = self._fn(y_true, y_pred, **self._fn_kwargs)
+        super().update_state(values, sample_weight)
+
+
+def _sparse_labels(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+    """Integer labels with one dim fewer than the class scores."""
+    return (y_true.squeeze(-1) if y_true.ndim == y_pred.ndim and y_true.shape[-1] == 1 else y_true).long()
+
+
+def sparse_categorical_accuracy(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+    """1.0 where the integer label equals the arg-max of the last dim of `y_pred`, else 0.0."""
+    return (y_pred.argmax(dim=-1) == _sparse_labels(y_true, y_pred)).to(torch.float64)
+
+
+def categorical_accuracy(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+    """1.0 where the arg-maxes of one-hot `y_true` and `y_pred` agree, else 0.0."""
+    return (y_pred.argmax(dim=-1) == y_true.argmax(dim=-1)).to(torch.float64)
+
+
+def binary_accuracy(y_true: torch.Tensor, y_pred: torch.Tensor, threshold: float = 0.5) -> torch.Tensor:
+    """1.0 where `y_pred > threshold` equals the 0/1 label, per element."""
+    y_true, y_pred = _squeeze_or_expand(y_true, y_pred)
+    return ((y_pred > threshold) == (y_true > 0.5)).to(torch.float64)
+
+
+def accuracy(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+    """1.0 where `y_pred` equals `y_true` exactly, per element."""
+    y_true, y_pred = _squeeze_or_expand(y_true, y_pred)
+    return (y_pred == y_true.to(y_pred.dtype)).to(torch.float64)
+
+
+def sparse_top_k_categorical_accuracy(y_true: torch.Tensor, y_pred: torch.Tensor, k: int = 5) -> torch.Tensor:
+    """1.0 where the integer label is among the `k` highest scores of the last dim, else 0.0."""
+    top = y_pred.topk(min(k, y_pred.shape[-1]), dim=-1).indices
+    return (top == _sparse_labels(y_true, y_pred).unsqueeze(-1)).any(dim=-1).to(torch.float64)
+
+
+class SparseCategoricalAccuracy(MeanMetricWrapper):
+    """How often the arg-max of `y_pred` equals the integer label `y_true`.
+
+    Example:
+        >>> import torch, meshfit.metrics as metrics
+        >>> m = metrics.SparseCategoricalAccuracy()
+        >>> m.update_state(torch.tensor([0, 1]), torch.tensor([[0.9, 0.1], [0.8, 0.2]]))
+        >>> float(m.result())
+        0.5
+    """
+
+    def __init__(self, name: str = "sparse_categorical_accuracy") -> None:
+        super().__init__(sparse_categorical_accuracy, name)
+
+
+class CategoricalAccuracy(MeanMetricWrapper):
+    """How often the arg-max of `y_pred` equals the arg-max of one-hot `y_true`."""
+
+    def __init__(self, name: str = "categorical_accuracy") -> None:
+        super().__init__(categorical_accuracy, name)
+
+
+class BinaryAccuracy(MeanMetricWrapper):
+    """How often `y_pred > threshold` matches the 0/1 label.
+
+    Args:
+        name: The metric's name.
+        threshold: Decision threshold (`0.0` suits logits).
+    """
+
+    def __init__(self, name: str = "binary_accuracy", threshold: float = 0.5) -> None:
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
+            raise TypeError(f"Invalid `threshold`: expected a float, received threshold={threshold!r}.")
+        super().__init__(binary_accuracy, name, threshold=float(threshold))
+
+
+class Accuracy(MeanMetricWrapper):
+    """How often `y_pred` equals `y_true` exactly."""
+
+    def __init__(self, name: str = "accuracy") -> None:
+        super().__init__(accuracy, name)
+
+
+class SparseTopKCategoricalAccuracy(MeanMetricWrapper):
+    """How often the integer label is among the `k` highest scores.
+
+    Args:
+        k: Positive int.
+        name: The metric's name.
+    """
+
+    def __init__(self, k: int = 5, name: str = "sparse_top_k_categorical_accuracy") -> None:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"Invalid `k`: expected a positive int, received k={k!r}.")
+        super().__init__(sparse_top_k_categorical_accuracy, name, k=k)
+
+
+class MeanSquaredError(MeanMetricWrapper):
+    """Mean of squared errors."""
+
+    def __init__(self, name: str = "mean_squared_error") -> None:
+        super().__init__(_losses.MeanSquaredError(reduction="none"), name)
+
+
+class MeanAbsoluteError(MeanMetricWrapper):
+    """Mean of absolute errors."""
+
+    def __init__(self, name: str = "mean_absolute_error") -> None:
+        super().__init__(_losses.MeanAbsoluteError(reduction="none"), name)
+
+
+class _AutoAccuracy(MeanMetricWrapper):
+    """`"accuracy"` with an unknown loss: picks binary / sparse / categorical from shapes, as Keras 3."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(self._pick, name)
+
+    @staticmethod
+    def _pick(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        if y_pred.ndim <= 1 or y_pred.shape[-1] == 1:
+            return binary_accuracy(y_true, y_pred)
+        if y_true.ndim < y_pred.ndim or y_true.shape[-1] == 1:
+            return sparse_categorical_accuracy(y_true, y_pred)
+        return categorical_accuracy(y_true, y_pred)
+
+
+class TorchMetricsMetric(Metric):
+    """Adapts a `torchmetrics.Metric` whose states all reduce by sum.
+
+    Its own states are the accumulators (as float64 copies); torchmetrics' distributed sync is
+    turned off, since meshfit sums the states across replicas itself.
+
+    Args:
+        metric: The torchmetrics metric, called as `metric.update(y_pred, y_true)`.
+        name: The metric's name; defaults to the snake-case class name.
+
+    Raises:
+        TypeError: If `metric` is not a torchmetrics metric, or has a state that is a list or is
+            not reduced by sum (so it cannot be summed across replicas).
+    """
+
+    def __init__(self, metric: Any, name: str | None = None) -> None:
+        from torchmetrics import Metric as TMMetric
+        from torchmetrics.utilities.data import dim_zero_sum
+
+        if not isinstance(metric, TMMetric):
+            raise TypeError(f"Invalid `metric`: expected a torchmetrics.Metric, received metric={metric!r}.")
+        bad = [
+            key
+            for key, default in metric._defaults.items()
+            if not isinstance(default, torch.Tensor) or metric._reductions[key] is not dim_zero_sum
+        ]
+        if bad:
+            raise TypeError(
+                f"Invalid `metric`: {type(metric).__name__} has states {bad} that are not tensors reduced by "
+                "sum, so they can't be summed across replicas; use a metric with sum-reduced states "
+                f"(e.g. MulticlassAccuracy(average='micro')), received metric={metric!r}."
+            )
+        super().__init__(name or _snake_case(type(metric).__name__))
+        metric.sync_on_compute = False
+        metric.dist_sync_on_step = False
+        metric._to_sync = False
+        self.metric = metric
+        self._keys = list(metric._defaults)
+
+    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
+        """`metric.update(y_pred, y_true)`; torchmetrics metrics take no sample weights."""
+        if sample_weight is not None:
+            raise TypeError(
+                f"Invalid `sample_weight`: the torchmetrics metric {self.name!r} can't weight samples, "
+                f"received sample_weight of type {type(sample_weight).__name__}."
+            )
+        y_pred = _as_tensor(y_pred)
+        y_true = _as_tensor(y_true).to(y_pred.device)
+        if self.metric.device != y_pred.device:
+            self.metric.to(y_pred.device)
+        self.metric._to_sync = False
+        self.metric.update(y_pred, y_true)
+
+    def _live_states(self) -> dict[str, torch.Tensor]:
+        return {key: getattr(self.metric, key) for key in self._keys}
+
+    def _assign_states(self, states: dict[str, torch.Tensor]) -> None:
+        for key, value in states.items():
+            dtype = self.metric._defaults[key].dtype
+            setattr(self.metric, key, torch.as_tensor(value).to(self.metric.device, dtype))
+        self.metric._computed = None
+        self.metric._update_count = max(self.metric._update_count, 1)  # compute() won't warn
+
+    def result_from(self, states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Compute the torchmetrics value with `states` set temporarily (no distributed sync)."""
+        if len(states) != len(self._keys):
+            raise ValueError(f"Invalid `states`: expected {len(self._keys)} tensors, received {len(states)}.")
+        metric = self.metric
+        saved, saved_count = self._live_states(), metric._update_count
+        try:
+            self._assign_states(dict(zip(self._keys, states)))
+            metric._to_sync = False
+            value = metric.compute()
+        finally:
+            self._assign_states(saved)
+            metric._update_count = saved_count
+        return torch.as_tensor(value).detach().to("cpu", torch.float64)
+
+    def reset_state(self) -> None:
+        """Reset the torchmetrics metric."""
+        self.metric.reset()
+
+
+_CLASSES: dict[str, type[Metric]] = {
+    cls.__name__: cls
+    for cls in (
+        SparseCategoricalAccuracy,
+        CategoricalAccuracy,
+        BinaryAccuracy,
+        Accuracy,
+        SparseTopKCategoricalAccuracy,
+        MeanSquaredError,
+        MeanAbsoluteError,
+    )
+}
+_ALIASES: dict[str, type[Metric]] = {
+    "mse": MeanSquaredError,
+    "mae": MeanAbsoluteError,
+    **{_snake_case(name): cls for name, cls in _CLASSES.items()},
+    **_CLASSES,
+}
+_LOOKUP = {key.replace("_", "").lower(): cls for key, cls in _ALIASES.items()}
+
+
+def _accuracy_for(name: str, loss: Any) -> Metric:
+    """Keras's `"accuracy"`: the accuracy that matches the loss, else chosen from shapes."""
+    if isinstance(loss, str | dict):
+        try:
+            loss = _losses.get(loss)
+        except (ValueError, TypeError):
+            loss = None
+    if isinstance(loss, _losses._TorchModuleLoss):
+        loss = loss.module
+    if isinstance(loss, _losses.SparseCategoricalCrossentropy | nn.CrossEntropyLoss | nn.NLLLoss):
+        return SparseCategoricalAccuracy(name)
+    if isinstance(loss, _losses.CategoricalCrossentropy):
+        return CategoricalAccuracy(name)
+    if isinstance(loss, _losses.BinaryCrossentropy | nn.BCELoss | nn.BCEWithLogitsLoss):
+        logits = isinstance(loss, nn.BCEWithLogitsLoss) or getattr(loss, "from_logits", False)
+        return BinaryAccuracy(name, threshold=0.0 if logits else 0.5)
+    return _AutoAccuracy(name)
+
+
+def get(identifier: Any, loss: Any = None) -> Metric:
+    """Resolve a metric identifier to a `Metric`.
+
+    `"accuracy"` / `"acc"` follow the loss: sparse categorical accuracy for sparse categorical
+    cross-entropy (also `nn.CrossEntropyLoss`, `nn.NLLLoss`), categorical accuracy for categorical
+    cross-entropy, binary accuracy for binary cross-entropy (threshold 0 when it takes logits). With
+    any other loss each batch picks by shape as Keras 3 does: binary when `y_pred`'s last dim is 1,
+    sparse when `y_true` has fewer dims (or a last dim of 1), else categorical. A string's metric is
+    named by the string as given.
+
+    Args:
+        identifier: A name (`"accuracy"`, `"acc"`, `"mse"`, `"mae"`, `"sparse_categorical_accuracy"`,
+            `"categorical_accuracy"`, `"binary_accuracy"`, `"sparse_top_k_categorical_accuracy"`, or a
+            class name), a `Metric` (returned as is), a `torchmetrics.Metric` (wrapped in
+            `TorchMetricsMetric`), or a callable `fn(y_true, y_pred)` (its mean, named after `fn`).
+        loss: The compiled loss (anything `meshfit.losses.get` accepts), used for `"accuracy"`.
+
+    Returns:
+        The metric.
+
+    Raises:
+        ValueError: If a name is unknown.
+        TypeError: If the identifier has an unsupported type.
+
+    Example:
+        >>> import meshfit.metrics as metrics
+        >>> type(metrics.get("accuracy", loss="sparse_categorical_crossentropy")).__name__
+        'SparseCategoricalAccuracy'
+    """
+    if isinstance(identifier, Metric):
+        return identifier
+    if isinstance(identifier, str):
+        if identifier.lower() in ("accuracy", "acc"):
+            return _accuracy_for(identifier, loss)
+        cls = _LOOKUP.get(identifier.replace("_", "").lower())
+        if cls is None:
+            valid = sorted({"accuracy", "acc", *_ALIASES})
+            raise ValueError(f"Invalid `metric`: expected one of {valid}, received metric={identifier!r}.")
+        return cls(name=identifier)
+    try:
+        from torchmetrics import Metric as TMMetric
+    except ImportError:  # pragma: no cover - torchmetrics is a dependency
+        TMMetric = ()  # noqa: N806
+    if isinstance(identifier, TMMetric):
+        return TorchMetricsMetric(identifier)
+    if callable(identifier):
+        return MeanMetricWrapper(identifier)
+    raise TypeError(
+        "Invalid `metric`: expected a name, a meshfit Metric, a torchmetrics Metric or a callable, "
+        f"received metric={identifier!r} of type {type(identifier).__name__}."
+    )

@@ -1,0 +1,442 @@
+"""Keras-style optimizer specs that build the matching `torch.optim` optimizer lazily."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.nn.parameter import is_lazy
+
+
+def _check_number(name: str, value: Any, rule: tuple[str, Callable[[float], bool]]) -> float:
+    expected, ok = rule
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+        raise ValueError(f"Invalid `{name}`: expected {expected}, received {name}={value!r}.")
+    return float(value)
+
+
+_POSITIVE = ("a positive number", lambda v: v > 0)
+_NON_NEGATIVE = ("a non-negative number", lambda v: v >= 0)
+_UNIT = ("a number in [0, 1)", lambda v: 0 <= v < 1)
+
+
+def _check_weight_decay(value: Any) -> float | None:
+    return None if value is None else _check_number("weight_decay", value, _NON_NEGATIVE)
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"Invalid `{name}`: expected a bool, received {name}={value!r}.")
+    return value
+
+
+_TORCH_NAMES = {"rho": "alpha", "epsilon": "eps"}  # Keras argument -> torch argument
+
+
+class Optimizer:
+    """Base of meshfit optimizers: a spec that builds a `torch.optim.Optimizer` on `build(params)`.
+
+    Subclasses set `torch_class` and `config_keys`: their constructor arguments besides
+    `learning_rate`, stored as attributes and passed on to `torch_class`.
+    `weight_decay` follows the torch class it builds (L2 added to the gradient for SGD, Adam,
+    RMSprop and Adagrad; decoupled for AdamW).
+
+    Args:
+        learning_rate: Positive step size.
+
+    Raises:
+        ValueError: If `learning_rate` is not a positive number.
+
+    Example:
+        >>> import torch, meshfit.optimizers as optimizers
+        >>> opt = optimizers.SGD(learning_rate=0.1)
+        >>> opt.build(torch.nn.Linear(2, 1).parameters())
+        >>> opt.torch_optimizer.param_groups[0]["lr"]
+        0.1
+    """
+
+    torch_class: type[torch.optim.Optimizer]
+    config_keys: tuple[str, ...] = ()
+
+    def __init__(self, learning_rate: float) -> None:
+        self._learning_rate = _check_number("learning_rate", learning_rate, _POSITIVE)
+        self._torch_optimizer: torch.optim.Optimizer | None = None
+        self._param_ids: list[int] = []
+        self.iterations = 0
+
+    def _torch_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of `torch_class` besides `params` and `lr`."""
+        kwargs = {_TORCH_NAMES.get(key, key): getattr(self, key) for key in self.config_keys}
+        if "weight_decay" in kwargs and kwargs["weight_decay"] is None:
+            kwargs["weight_decay"] = 0.0
+        return kwargs
+
+    @property
+    def built(self) -> bool:
+        """Whether `build` has created the torch optimizer."""
+        return self._torch_optimizer is not None
+
+    @property
+    def torch_optimizer(self) -> torch.optim.Optimizer:
+        """The built `torch.optim.Optimizer`."""
+        return self._require_built("torch_optimizer")
+
+    def _require_built(self, what: str) -> torch.optim.Optimizer:
+        if self._torch_optimizer is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.{what} needs a built optimizer: call `build(params)` first "
+                "(Model.fit and Model.compile do so)."
+            )
+        return self._torch_optimizer
+
+    def build(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]]) -> None:
+        """Create the torch optimizer on `params` (tensors or torch param-group dicts).
+
+        Args:
+            params: The parameters to optimise; lazy modules must be materialised first.
+
+        Raises:
+            ValueError: If a parameter is still lazy, or the optimizer was built on other parameters.
+        """
+        params = list(params)
+        flat = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
+        if any(is_lazy(p) for p in flat):
+            raise ValueError(
+                "Invalid `params`: some are uninitialized lazy parameters; run one forward pass "
+                "(or Model.build) to materialise them before building the optimizer."
+            )
+        ids = [id(p) for p in flat]
+        if self._torch_optimizer is not None:
+            if ids == self._param_ids:
+                return
+            raise ValueError(
+                f"Invalid `params`: this {type(self).__name__} is already built on other parameters; "
+                "create a new optimizer for another model."
+            )
+        self._torch_optimizer = self.torch_class(params, lr=self._learning_rate, **self._torch_kwargs())
+        self._param_ids = ids
+
+    def step(self, closure: Any = None) -> Any:
+        """Apply one update to the parameters and count it in `iterations`."""
+        result = self._require_built("step()").step(closure)
+        self.iterations += 1
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of the optimised parameters."""
+        self._require_built("zero_grad()").zero_grad(set_to_none=set_to_none)
+
+    @property
+    def learning_rate(self) -> float:
+        """The current learning rate (read from the torch optimizer once built)."""
+        if self._torch_optimizer is not None:
+            return float(self._torch_optimizer.param_groups[0]["lr"])
+        return self._learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value: float) -> None:
+        self._learning_rate = _check_number("learning_rate", value, _POSITIVE)
+        if self._torch_optimizer is not None:
+            for group in self._torch_optimizer.param_groups:
+                group["lr"] = self._learning_rate
+
+    def state_dict(self) -> dict[str, Any]:
+        """`{"iterations": int, "optimizer": torch_optimizer.state_dict()}`."""
+        return {"iterations": self.iterations, "optimizer": self._require_built("state_dict()").state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore from `state_dict()`; a bare torch optimizer state dict is accepted too.
+
+        Raises:
+            RuntimeError: If the optimizer is not built.
+            ValueError: If `state_dict` has neither form.
+        """
+        opt = self._require_built("load_state_dict()")
+        if "optimizer" in state_dict:
+            opt.load_state_dict(state_dict["optimizer"])
+            self.iterations = int(state_dict.get("iterations", 0))
+        elif "param_groups" in state_dict:
+            opt.load_state_dict(state_dict)
+        else:
+            raise ValueError(
+                "Invalid `state_dict`: expected the output of Optimizer.state_dict() or a torch optimizer "
+                f"state dict, received keys {sorted(state_dict)}."
+            )
+
+    def get_config(self) -> dict[str, Any]:
+        """The constructor arguments, JSON-serialisable."""
+        return {"learning_rate": self.learning_rate, **{key: getattr(self, key) for key in self.config_keys}}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Optimizer:
+        """Build an optimizer from `get_config()`'s output."""
+        return cls(**config)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        return f"{type(self).__name__}({args})"
+
+
+class SGD(Optimizer):
+    """Stochastic gradient descent; builds `torch.optim.SGD`.
+
+    Args:
+        learning_rate: Positive step size.
+        momentum: Momentum in `[0, 1)`.
+        nesterov: Whether to use Nesterov momentum (needs `momentum > 0`).
+        weight_decay: L2 penalty, or `None`.
+    """
+
+    torch_class = torch.optim.SGD
+    config_keys = ("momentum", "nesterov", "weight_decay")
+
+    def __init__(
+        self,
+        learning_rate: float = 0.01,
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        weight_decay: float | None = None,
+    ) -> None:
+        super().__init__(learning_rate)
+        self.momentum = _check_number("momentum", momentum, _UNIT)
+        self.nesterov = _check_bool("nesterov", nesterov)
+        if nesterov and momentum == 0:
+            raise ValueError(f"Invalid `nesterov`: needs momentum > 0, received momentum={momentum!r}.")
+        self.weight_decay = _check_weight_decay(weight_decay)
+
+
+class Adam(Optimizer):
+    """Adam; builds `torch.optim.Adam` with Keras's defaults.
+
+    Args:
+        learning_rate: Positive step size.
+        beta_1: Decay of the first-moment estimate, in `[0, 1)`.
+        beta_2: Decay of the second-moment estimate, in `[0, 1)`.
+        epsilon: Positive constant for numerical stability.
+        amsgrad: Whether to use the AMSGrad variant.
+        weight_decay: L2 penalty, or `None`.
+    """
+
+    torch_class: type[torch.optim.Optimizer] = torch.optim.Adam
+    config_keys = ("beta_1", "beta_2", "epsilon", "amsgrad", "weight_decay")
+
+    def __init__(
+        self,
+        learning_rate: float = 0.001,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-7,
+        amsgrad: bool = False,
+        weight_decay: float | None = None,
+    ) -> None:
+        super().__init__(learning_rate)
+        self.beta_1 = _check_number("beta_1", beta_1, _UNIT)
+        self.beta_2 = _check_number("beta_2", beta_2, _UNIT)
+        self.epsilon = _check_number("epsilon", epsilon, _POSITIVE)
+        self.amsgrad = _check_bool("amsgrad", amsgrad)
+        self.weight_decay = _check_weight_decay(weight_decay)
+
+    def _torch_kwargs(self) -> dict[str, Any]:
+        kwargs = super()._torch_kwargs()
+        kwargs["betas"] = (kwargs.pop("beta_1"), kwargs.pop("beta_2"))
+        return kwargs
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay; builds `torch.optim.AdamW` with Keras's defaults.
+
+    Args:
+        learning_rate: Positive step size.
+        weight_decay: Decoupled weight decay (non-negative).
+        beta_1: Decay of the first-moment estimate, in `[0, 1)`.
+        beta_2: Decay of the second-moment estimate, in `[0, 1)`.
+        epsilon: Positive constant for numerical stability.
+        amsgrad: Whether to use the AMSGrad variant.
+    """
+
+    torch_class = torch.optim.AdamW
+
+    def __init__(
+        self,
+        learning_rate: float = 0.001,
+        weight_decay: float = 0.004,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-7,
+        amsgrad: bool = False,
+    ) -> None:
+        _check_number("weight_decay", weight_decay, _NON_NEGATIVE)
+        super().__init__(learning_rate, beta_1, beta_2, epsilon, amsgrad, weight_decay)
+
+
+class RMSprop(Optimizer):
+    """RMSprop; builds `torch.optim.RMSprop` (`rho` is torch's `alpha`).
+
+    Args:
+        learning_rate: Positive step size.
+        rho: Decay of the squared-gradient average, in `[0, 1)`.
+        momentum: Momentum in `[0, 1)`.
+        epsilon: Positive constant for numerical stability.
+        centered: Whether to normalise by the gradient's estimated variance.
+        weight_decay: L2 penalty, or `None`.
+    """
+
+    torch_class = torch.optim.RMSprop
+    config_keys = ("rho", "momentum", "epsilon", "centered", "weight_decay")
+
+    def __init__(
+        self,
+        learning_rate: float = 0.001,
+        rho: float = 0.9,
+        momentum: float = 0.0,
+        epsilon: float = 1e-7,
+        centered: bool = False,
+        weight_decay: float | None = None,
+    ) -> None:
+        super().__init__(learning_rate)
+        self.rho = _check_number("rho", rho, _UNIT)
+        self.momentum = _check_number("momentum", momentum, _UNIT)
+        self.epsilon = _check_number("epsilon", epsilon, _POSITIVE)
+        self.centered = _check_bool("centered", centered)
+        self.weight_decay = _check_weight_decay(weight_decay)
+
+
+class Adagrad(Optimizer):
+    """Adagrad; builds `torch.optim.Adagrad` with Keras's defaults.
+
+    Args:
+        learning_rate: Positive step size.
+        initial_accumulator_value: Non-negative starting value of the accumulators.
+        epsilon: Positive constant for numerical stability.
+        weight_decay: L2 penalty, or `None`.
+    """
+
+    torch_class = torch.optim.Adagrad
+    config_keys = ("initial_accumulator_value", "epsilon", "weight_decay")
+
+    def __init__(
+        self,
+        learning_rate: float = 0.001,
+        initial_accumulator_value: float = 0.1,
+        epsilon: float = 1e-7,
+        weight_decay: float | None = None,
+    ) -> None:
+        super().__init__(learning_rate)
+        self.initial_accumulator_value = _check_number(
+            "initial_accumulator_value", initial_accumulator_value, _NON_NEGATIVE
+        )
+        self.epsilon = _check_number("epsilon", epsilon, _POSITIVE)
+        self.weight_decay = _check_weight_decay(weight_decay)
+
+
+class TorchOptimizer(Optimizer):
+    """Wraps an already-built `torch.optim.Optimizer` (`built` is True; `build` is a no-op).
+
+    Args:
+        optimizer: The torch optimizer.
+
+    Raises:
+        TypeError: If `optimizer` is not a `torch.optim.Optimizer`.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"Invalid `optimizer`: expected a torch.optim.Optimizer, received optimizer={optimizer!r}."
+            )
+        super().__init__(float(optimizer.param_groups[0]["lr"]))
+        self._torch_optimizer = optimizer
+        self.torch_class = type(optimizer)
+
+    def build(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]]) -> None:
+        """No-op: the wrapped optimizer already holds its parameters."""
+
+    def __repr__(self) -> str:
+        return f"TorchOptimizer({type(self._torch_optimizer).__name__})"
+
+
+_CLASSES: dict[str, type[Optimizer]] = {cls.__name__: cls for cls in (SGD, Adam, AdamW, RMSprop, Adagrad)}
+_LOOKUP: dict[str, type[Optimizer]] = {name.lower(): cls for name, cls in _CLASSES.items()}
+
+
+def get(identifier: str | Optimizer | torch.optim.Optimizer | dict[str, Any]) -> Optimizer:
+    """Resolve an optimizer identifier to an `Optimizer`.
+
+    Args:
+        identifier: `"sgd"`, `"adam"`, `"adamw"`, `"rmsprop"` or `"adagrad"` (any case), an
+            `Optimizer` (returned as is), a built `torch.optim.Optimizer` (wrapped in
+            `TorchOptimizer`), or a dict from `serialize`.
+
+    Returns:
+        The optimizer, unbuilt unless it wraps a torch optimizer.
+
+    Raises:
+        ValueError: If a name is unknown.
+        TypeError: If the identifier has an unsupported type.
+
+    Example:
+        >>> import meshfit.optimizers as optimizers
+        >>> optimizers.get("adam").learning_rate
+        0.001
+    """
+    if isinstance(identifier, Optimizer):
+        return identifier
+    if isinstance(identifier, torch.optim.Optimizer):
+        return TorchOptimizer(identifier)
+    if isinstance(identifier, str):
+        cls = _LOOKUP.get(identifier.lower())
+        if cls is None:
+            raise ValueError(
+                f"Invalid `optimizer`: expected one of {sorted(_LOOKUP)}, received optimizer={identifier!r}."
+            )
+        return cls()
+    if isinstance(identifier, dict):
+        return deserialize(identifier)
+    raise TypeError(
+        "Invalid `optimizer`: expected a name, a meshfit Optimizer or a torch.optim.Optimizer, "
+        f"received optimizer={identifier!r} of type {type(identifier).__name__}."
+    )
+
+
+def serialize(optimizer: str | Optimizer | torch.optim.Optimizer) -> dict[str, Any] | None:
+    """Describe a built-in optimizer as `{"class_name": ..., "config": ...}`, JSON-serialisable.
+
+    Args:
+        optimizer: Anything `get` accepts.
+
+    Returns:
+        The dict, or `None` for wrapped torch optimizers and user-defined subclasses.
+    """
+    resolved = get(optimizer)
+    if _CLASSES.get(type(resolved).__name__) is not type(resolved):
+        return None
+    return {"class_name": type(resolved).__name__, "config": resolved.get_config()}
+
+
+def deserialize(
+    config: dict[str, Any], custom_objects: dict[str, type[Optimizer]] | None = None
+) -> Optimizer:
+    """Rebuild an (unbuilt) optimizer from `serialize`'s output.
+
+    Args:
+        config: `{"class_name": name, "config": dict}`.
+        custom_objects: Extra `Optimizer` classes by class name.
+
+    Returns:
+        The optimizer.
+
+    Raises:
+        ValueError: If the class name is unknown or the dict is malformed.
+    """
+    classes = {**_CLASSES, **(custom_objects or {})}
+    if not isinstance(config, dict) or "class_name" not in config:
+        raise ValueError(
+            f"Invalid `config`: expected {{'class_name': ..., 'config': ...}}, received config={config!r}."
+        )
+    cls = classes.get(config["class_name"])
+    if cls is None:
+        raise ValueError(
+            f"Invalid `class_name`: expected one of {sorted(classes)}, received class_name={config['class_name']!r}."
+        )
+    return cls.from_config(dict(config.get("config") or {}))

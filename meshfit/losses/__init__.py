@@ -1,0 +1,27 @@
+"""Losses: Keras-style `Loss` classes and `get`, `serialize`, `deserialize`."""
+
+from meshfit._losses import (
+    BinaryCrossentropy,
+    CategoricalCrossentropy,
+    Huber,
+    Loss,
+    MeanAbsoluteError,
+    MeanSquaredError,
+    SparseCategoricalCrossentropy,
+    deserialize,
+    get,
+    serialize,
+)
+
+__all__ = [
+    "BinaryCrossentropy",
+    "CategoricalCrossentropy",
+    "Huber",
+    "Loss",
+    "MeanAbsoluteError",
+    "MeanSquaredError",
+    "SparseCategoricalCrossentropy",
+    "deserialize",
+    "get",
+    "serialize",
+]

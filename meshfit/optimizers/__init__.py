@@ -1,0 +1,27 @@
+"""Optimizers: Keras-style specs that build `torch.optim` optimizers, and `get`, `serialize`, `deserialize`."""
+
+from meshfit._optimizers import (
+    SGD,
+    Adagrad,
+    Adam,
+    AdamW,
+    Optimizer,
+    RMSprop,
+    TorchOptimizer,
+    deserialize,
+    get,
+    serialize,
+)
+
+__all__ = [
+    "SGD",
+    "Adagrad",
+    "Adam",
+    "AdamW",
+    "Optimizer",
+    "RMSprop",
+    "TorchOptimizer",
+    "deserialize",
+    "get",
+    "serialize",
+]

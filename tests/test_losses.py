@@ -1,0 +1,177 @@
+"""Losses: Keras values, sample weights, reductions, resolution and serialisation."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshfit.losses import (
+    BinaryCrossentropy,
+    CategoricalCrossentropy,
+    Huber,
+    Loss,
+    MeanAbsoluteError,
+    MeanSquaredError,
+    SparseCategoricalCrossentropy,
+    deserialize,
+    get,
+    serialize,
+)
+
+PROBS = torch.tensor([[0.9, 0.1], [0.2, 0.8]])
+
+
+def test_sparse_categorical_crossentropy_on_probabilities():
+    loss = SparseCategoricalCrossentropy()(torch.tensor([0, 1]), PROBS)
+    assert loss.ndim == 0
+    assert loss.item() == pytest.approx(-(math.log(0.9) + math.log(0.8)) / 2, rel=1e-6)
+
+
+def test_sparse_categorical_crossentropy_accepts_column_labels_and_float_labels():
+    expected = SparseCategoricalCrossentropy()(torch.tensor([0, 1]), PROBS)
+    assert torch.allclose(SparseCategoricalCrossentropy()(torch.tensor([[0], [1]]), PROBS), expected)
+    assert torch.allclose(SparseCategoricalCrossentropy()(torch.tensor([0.0, 1.0]), PROBS), expected)
+
+
+def test_probabilities_are_clamped_so_zero_probability_is_finite():
+    loss = SparseCategoricalCrossentropy()(torch.tensor([1]), torch.tensor([[1.0, 0.0]]))
+    assert loss.item() == pytest.approx(-math.log(1e-7), rel=1e-4)
+    bce = BinaryCrossentropy()(torch.tensor([1.0]), torch.tensor([0.0]))
+    assert math.isfinite(bce.item())
+
+
+def test_sparse_categorical_crossentropy_from_logits_matches_torch_and_backprops():
+    logits = torch.tensor([[2.0, -1.0, 0.5], [0.1, 0.2, 3.0]], requires_grad=True)
+    labels = torch.tensor([2, 0])
+    loss = SparseCategoricalCrossentropy(from_logits=True)(labels, logits)
+    assert torch.allclose(loss, F.cross_entropy(logits, labels))
+    loss.backward()
+    assert logits.grad is not None
+
+
+def test_sparse_categorical_crossentropy_axis_1_for_torch_layout():
+    logits = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([[0, 1, 2, 0], [2, 2, 1, 0]])
+    loss = SparseCategoricalCrossentropy(from_logits=True, axis=1)(labels, logits)
+    assert torch.allclose(loss, F.cross_entropy(logits, labels))
+
+
+def test_categorical_crossentropy_with_label_smoothing():
+    one_hot = torch.tensor([[1.0, 0.0]])
+    pred = torch.tensor([[0.7, 0.3]])
+    assert CategoricalCrossentropy()(one_hot, pred).item() == pytest.approx(-math.log(0.7), rel=1e-6)
+    smoothed = CategoricalCrossentropy(label_smoothing=0.2)(one_hot, pred).item()
+    assert smoothed == pytest.approx(-(0.9 * math.log(0.7) + 0.1 * math.log(0.3)), rel=1e-6)
+
+
+def test_categorical_crossentropy_from_logits():
+    logits = torch.tensor([[1.0, 2.0, 0.0]])
+    loss = CategoricalCrossentropy(from_logits=True)(torch.tensor([[0.0, 1.0, 0.0]]), logits)
+    assert torch.allclose(loss, F.cross_entropy(logits, torch.tensor([1])))
+
+
+def test_binary_crossentropy_probabilities_and_logits():
+    y = torch.tensor([[1.0], [0.0]])
+    loss = BinaryCrossentropy()(y, torch.tensor([[0.8], [0.4]]))
+    assert loss.item() == pytest.approx(-(math.log(0.8) + math.log(0.6)) / 2, rel=1e-6)
+    logits = torch.tensor([[1.5], [-0.3]])
+    expected = F.binary_cross_entropy_with_logits(logits, y)
+    assert torch.allclose(BinaryCrossentropy(from_logits=True)(y, logits), expected)
+
+
+def test_column_predictions_do_not_broadcast_against_flat_labels():
+    y_true = torch.tensor([1.0, 2.0, 3.0])
+    y_pred = torch.tensor([[1.0], [2.0], [5.0]])
+    assert MeanSquaredError()(y_true, y_pred).item() == pytest.approx(4 / 3)
+    assert MeanAbsoluteError()(y_true, y_pred).item() == pytest.approx(2 / 3)
+    assert BinaryCrossentropy()(torch.tensor([1.0, 0.0]), torch.tensor([[0.8], [0.4]])).ndim == 0
+
+
+def test_huber():
+    loss = Huber(delta=1.0)(torch.tensor([0.0, 0.0]), torch.tensor([0.5, 2.0]))
+    assert loss.item() == pytest.approx((0.125 + 1.5) / 2)
+    assert Huber().name == "huber_loss"
+
+
+def test_sample_weight_and_reductions_follow_keras():
+    y_true = torch.tensor([[0.0], [0.0]])
+    y_pred = torch.tensor([[1.0], [2.0]])
+    weight = torch.tensor([1.0, 0.0])
+    assert MeanSquaredError()(y_true, y_pred, sample_weight=weight).item() == pytest.approx(0.5)
+    assert MeanSquaredError(reduction="sum")(y_true, y_pred, sample_weight=weight).item() == pytest.approx(
+        1.0
+    )
+    per_sample = MeanSquaredError(reduction="none")(y_true, y_pred, sample_weight=weight)
+    assert per_sample.tolist() == [1.0, 0.0]
+    assert MeanSquaredError()(y_true, y_pred, sample_weight=2.0).item() == pytest.approx(5.0)
+
+
+def test_get_resolves_names_case_and_aliases():
+    assert isinstance(get("sparse_categorical_crossentropy"), SparseCategoricalCrossentropy)
+    assert isinstance(get("SparseCategoricalCrossentropy"), SparseCategoricalCrossentropy)
+    assert isinstance(get("mse"), MeanSquaredError)
+    assert isinstance(get("MAE"), MeanAbsoluteError)
+    assert isinstance(get("binary_crossentropy"), BinaryCrossentropy)
+    assert isinstance(get("categorical_crossentropy"), CategoricalCrossentropy)
+    assert isinstance(get("huber"), Huber)
+    loss = SparseCategoricalCrossentropy(from_logits=True)
+    assert get(loss) is loss
+
+
+def test_get_wraps_torch_loss_modules_called_prediction_first():
+    logits = torch.tensor([[2.0, -1.0, 0.5], [0.1, 0.2, 3.0]])
+    labels = torch.tensor([2, 0])
+    loss = get(nn.CrossEntropyLoss())
+    assert isinstance(loss, Loss)
+    assert torch.allclose(loss(labels, logits), F.cross_entropy(logits, labels))
+    weighted = loss(labels, logits, sample_weight=torch.tensor([0.0, 2.0]))
+    assert torch.allclose(weighted, F.cross_entropy(logits[1:], labels[1:]))
+
+
+def test_get_wraps_callables_and_averages_their_values():
+    loss = get(lambda y_true, y_pred: (y_true - y_pred).abs())
+    assert loss(torch.tensor([0.0, 0.0]), torch.tensor([1.0, 3.0])).item() == pytest.approx(2.0)
+
+
+def test_get_rejects_unknown_names_echoing_them():
+    with pytest.raises(ValueError, match=r"received loss='nope'") as info:
+        get("nope")
+    assert "sparse_categorical_crossentropy" in str(info.value)
+    with pytest.raises(TypeError, match="received loss=42"):
+        get(42)
+
+
+def test_constructor_validation_echoes_values():
+    with pytest.raises(ValueError, match=r"received reduction='avg'"):
+        MeanSquaredError(reduction="avg")
+    with pytest.raises(ValueError, match=r"received delta=-1"):
+        Huber(delta=-1)
+    with pytest.raises(ValueError, match=r"received label_smoothing=2"):
+        CategoricalCrossentropy(label_smoothing=2)
+    with pytest.raises(TypeError, match=r"received from_logits='yes'"):
+        SparseCategoricalCrossentropy(from_logits="yes")
+
+
+def test_serialize_round_trip_through_json():
+    loss = CategoricalCrossentropy(from_logits=True, label_smoothing=0.1)
+    config = json.loads(json.dumps(serialize(loss)))
+    restored = deserialize(config)
+    assert isinstance(restored, CategoricalCrossentropy)
+    assert restored.get_config() == loss.get_config()
+    assert isinstance(get(config), CategoricalCrossentropy)
+    assert serialize("mse") == {"class_name": "MeanSquaredError", "config": MeanSquaredError().get_config()}
+
+
+def test_serialize_gives_none_for_modules_and_callables():
+    assert serialize(nn.MSELoss()) is None
+    assert serialize(lambda y_true, y_pred: y_pred) is None
+
+
+def test_deserialize_rejects_unknown_class():
+    with pytest.raises(ValueError, match=r"received class_name='Foo'"):
+        deserialize({"class_name": "Foo", "config": {}})

@@ -1,0 +1,196 @@
+"""Optimizers: torch equivalence, lazy build, learning rate, state and resolution."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from meshfit.optimizers import (
+    SGD,
+    Adagrad,
+    Adam,
+    AdamW,
+    Optimizer,
+    RMSprop,
+    TorchOptimizer,
+    deserialize,
+    get,
+    serialize,
+)
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _train(module: nn.Module, step, zero_grad, steps: int = 5) -> None:
+    data = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+    for _ in range(steps):
+        zero_grad()
+        module(data).pow(2).mean().backward()
+        step()
+
+
+def _params(module: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in module.parameters()]
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs"),
+    [
+        (lambda: SGD(learning_rate=0.1), lambda p: torch.optim.SGD(p, lr=0.1)),
+        (
+            lambda: SGD(0.1, momentum=0.9, nesterov=True),
+            lambda p: torch.optim.SGD(p, 0.1, 0.9, nesterov=True),
+        ),
+        (lambda: Adam(learning_rate=0.01), lambda p: torch.optim.Adam(p, lr=0.01, eps=1e-7)),
+        (lambda: AdamW(), lambda p: torch.optim.AdamW(p, lr=0.001, eps=1e-7, weight_decay=0.004)),
+        (lambda: RMSprop(rho=0.8), lambda p: torch.optim.RMSprop(p, lr=0.001, alpha=0.8, eps=1e-7)),
+        (
+            lambda: Adagrad(),
+            lambda p: torch.optim.Adagrad(p, lr=0.001, initial_accumulator_value=0.1, eps=1e-7),
+        ),
+    ],
+)
+def test_updates_are_bit_identical_to_torch(ours, theirs):
+    reference = _model()
+    torch_opt = theirs(reference.parameters())
+    _train(reference, torch_opt.step, torch_opt.zero_grad)
+
+    module = _model()
+    opt = ours()
+    assert not opt.built
+    opt.build(module.parameters())
+    assert opt.built
+    _train(module, opt.step, opt.zero_grad)
+    assert opt.iterations == 5
+    for a, b in zip(_params(module), _params(reference)):
+        assert torch.equal(a, b)
+
+
+def test_unbuilt_optimizer_says_to_build():
+    opt = Adam()
+    for use in (lambda: opt.torch_optimizer, opt.step, opt.zero_grad, opt.state_dict):
+        with pytest.raises(RuntimeError, match="build"):
+            use()
+
+
+def test_learning_rate_get_set_updates_param_groups():
+    opt = SGD(learning_rate=0.5)
+    assert opt.learning_rate == 0.5
+    opt.build(_model().parameters())
+    opt.learning_rate = 0.25
+    assert all(group["lr"] == 0.25 for group in opt.torch_optimizer.param_groups)
+    opt.torch_optimizer.param_groups[0]["lr"] = 0.125  # e.g. a torch LR scheduler
+    assert opt.learning_rate == 0.125
+    assert opt.get_config()["learning_rate"] == 0.125
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, "fast", True, None])
+def test_learning_rate_must_be_positive_number(bad):
+    with pytest.raises(ValueError, match=rf"received learning_rate={bad!r}"):
+        SGD(learning_rate=bad)
+    opt = SGD()
+    with pytest.raises(ValueError, match=r"learning_rate"):
+        opt.learning_rate = bad
+
+
+def test_hyperparameter_validation_echoes_values():
+    with pytest.raises(ValueError, match=r"received momentum=1.5"):
+        SGD(momentum=1.5)
+    with pytest.raises(ValueError, match=r"received momentum=0.0"):
+        SGD(nesterov=True)
+    with pytest.raises(ValueError, match=r"received beta_1=-0.1"):
+        Adam(beta_1=-0.1)
+    with pytest.raises(ValueError, match=r"received epsilon=0"):
+        RMSprop(epsilon=0)
+    with pytest.raises(TypeError, match=r"received amsgrad='yes'"):
+        Adam(amsgrad="yes")
+
+
+def test_state_dict_round_trip_resumes_identically():
+    straight = _model()
+    opt = Adam(learning_rate=0.01)
+    opt.build(straight.parameters())
+    _train(straight, opt.step, opt.zero_grad, steps=6)
+
+    first = _model()
+    opt1 = Adam(learning_rate=0.01)
+    opt1.build(first.parameters())
+    _train(first, opt1.step, opt1.zero_grad, steps=3)
+    state = opt1.state_dict()
+    assert state["iterations"] == 3
+
+    resumed = _model()
+    resumed.load_state_dict(first.state_dict())
+    opt2 = Adam(learning_rate=0.01)
+    opt2.build(resumed.parameters())
+    opt2.load_state_dict(state)
+    assert opt2.iterations == 3
+    _train(resumed, opt2.step, opt2.zero_grad, steps=3)
+    assert opt2.iterations == 6
+    for a, b in zip(_params(resumed), _params(straight)):
+        assert torch.equal(a, b)
+
+
+def test_build_rejects_lazy_parameters_and_other_models():
+    with pytest.raises(ValueError, match="lazy"):
+        SGD().build(nn.LazyLinear(3).parameters())
+    module = _model()
+    opt = SGD()
+    opt.build(module.parameters())
+    opt.build(module.parameters())  # same parameters: no-op
+    with pytest.raises(ValueError, match="already built"):
+        opt.build(_model().parameters())
+
+
+def test_torch_optimizer_wrapper():
+    module = _model()
+    torch_opt = torch.optim.SGD(module.parameters(), lr=0.3)
+    opt = get(torch_opt)
+    assert isinstance(opt, TorchOptimizer)
+    assert opt.built and opt.torch_optimizer is torch_opt
+    opt.build(module.parameters())
+    assert opt.learning_rate == 0.3
+    opt.learning_rate = 0.1
+    assert torch_opt.param_groups[0]["lr"] == 0.1
+    _train(module, opt.step, opt.zero_grad, steps=2)
+    assert opt.iterations == 2
+    assert serialize(opt) is None
+
+
+def test_get_resolves_names_case_insensitively():
+    for name, cls in [
+        ("sgd", SGD),
+        ("Adam", Adam),
+        ("ADAMW", AdamW),
+        ("rmsprop", RMSprop),
+        ("adagrad", Adagrad),
+    ]:
+        assert type(get(name)) is cls
+    opt = SGD()
+    assert get(opt) is opt
+    assert isinstance(opt, Optimizer)
+
+
+def test_get_rejects_unknown_identifiers_echoing_them():
+    with pytest.raises(ValueError, match=r"received optimizer='adamax'") as info:
+        get("adamax")
+    assert "rmsprop" in str(info.value)
+    with pytest.raises(TypeError, match=r"received optimizer=3"):
+        get(3)
+
+
+def test_serialize_round_trip_through_json():
+    opt = RMSprop(learning_rate=0.02, rho=0.8, momentum=0.5, centered=True)
+    config = json.loads(json.dumps(serialize(opt)))
+    restored = deserialize(config)
+    assert type(restored) is RMSprop and not restored.built
+    assert restored.get_config() == opt.get_config()
+    assert type(get(serialize("adamw"))) is AdamW
+    with pytest.raises(ValueError, match=r"received class_name='Nadam'"):
+        deserialize({"class_name": "Nadam", "config": {}})
