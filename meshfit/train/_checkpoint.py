@@ -1,0 +1,385 @@
+"""`Checkpoint`: save and restore stateful objects with torch.distributed.checkpoint, atomically."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import warnings
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import MappingProxyType
+from typing import Any, Literal, overload
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from meshfit.train import _storage, _tree
+from meshfit.train._per_rank import PerRank, is_trackable
+from meshfit.train._save_future import SaveFuture
+
+_FORMAT = "meshfit.train.Checkpoint"
+_VERSION = 1
+_pending_lock = threading.Lock()
+_pending_save: SaveFuture | None = None  # the async save in flight in this process, if any
+
+
+def _wait_for_pending_save() -> None:
+    """Let the async save in flight finish first: saves and restores must not overlap."""
+    with _pending_lock:
+        pending = _pending_save
+    if pending is not None:
+        pending.exception()  # its failure belongs to whoever holds that future
+
+
+def _silence_single_process_warning() -> None:
+    # DCP warns on every call without a process group; meshfit supports that case on purpose.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+class Checkpoint:
+    """Saves and restores stateful objects (modules, optimizers, data positions, RNG streams...).
+
+    A trackable is anything with ``state_dict()`` / ``load_state_dict()``, or a ``torch.Tensor``
+    (restored in place). Wrap a trackable in :class:`PerRank` when its state differs between ranks.
+    Saving is collective when torch.distributed is initialized (every rank calls ``save`` with the
+    same path, on a file system all ranks share) and also works in a plain process.
+
+    Tensors go through ``torch.distributed.checkpoint`` (DCP): a tensor present on several ranks is
+    written once, and DTensor shards are written by their owners and resharded on load. Everything
+    else in the state dicts (ints, floats, strings, lists, dicts with int or str keys, bytes, e.g.
+    an optimizer's ``param_groups``) is written by rank 0 as JSON. Nothing is pickled: loading reads
+    JSON, DCP tensor data (``weights_only``) and DCP metadata restricted to DCP's own types.
+
+    On disk, ``save("run/ckpt-3")`` produces::
+
+        run/
+          ckpt-3.tmp/              while writing (ignored by readers; cleared by the next save)
+          ckpt-3/                  after rank 0's atomic rename, once every rank has written
+            __0_0.distcp           tensor data written by rank 0 (DCP)
+            __1_0.distcp           tensor data written by rank 1 (DCP; one file per writing rank)
+            .metadata              DCP's index of every tensor, written last by rank 0
+            meshfit_state.json     rank 0: {"format", "version", "world_size", "trackables": {
+                                     name: {"kind": "stateful" | "tensor", "per_rank": bool,
+                                            "state": <tree>}            (shared state)
+                                     name: {..., "ranks": [<tree of rank 0>, <tree of rank 1>]}}}
+
+    A ``<tree>`` is the state dict as tagged JSON (see ``meshfit/train/_tree.py``); each tensor in
+    it is ``{"tensor": "<DCP key>"}`` with key ``<name>/<path>`` (``optimizer/state/0/exp_avg``), or
+    ``<name>/rank<r>/<path>`` for a :class:`PerRank` trackable. A directory is a checkpoint only when
+    it has its final name, ``.metadata`` and ``meshfit_state.json``.
+
+    Args:
+        **trackables: the objects to save, by name (names may not contain ``/``).
+
+    Raises:
+        TypeError: a value is not trackable.
+        ValueError: a name is empty or contains ``/``.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from meshfit.train import Checkpoint
+        >>> model = torch.nn.Linear(2, 1)
+        >>> step = torch.tensor(7)
+        >>> ckpt = Checkpoint(model=model, step=step)
+        >>> path = ckpt.save(tempfile.mkdtemp() + "/ckpt-1")
+        >>> _ = step.fill_(0)
+        >>> ckpt.restore(path)
+        >>> int(step)
+        7
+    """
+
+    def __init__(self, **trackables: Any) -> None:
+        self._trackables: dict[str, tuple[Any, bool]] = {}
+        for name, value in trackables.items():
+            if not name or "/" in name:
+                raise ValueError(f"Invalid trackable name {name!r}: expected a non-empty name without '/'.")
+            per_rank = isinstance(value, PerRank)
+            target = value.trackable if per_rank else value
+            if not is_trackable(target):
+                raise TypeError(
+                    f"Invalid trackable `{name}`: expected a torch.Tensor or an object with state_dict() "
+                    f"and load_state_dict() (module, optimizer, ...), received {type(target).__name__} "
+                    f"{target!r:.80}. Wrap plain values in an object that has those two methods.")
+            self._trackables[name] = (target, per_rank)
+
+    @property
+    def trackables(self) -> Mapping[str, Any]:
+        """The tracked objects by name (``PerRank`` wrappers unwrapped), read-only."""
+        return MappingProxyType({name: target for name, (target, _) in self._trackables.items()})
+
+    def __repr__(self) -> str:
+        names = ", ".join(f"{n}=PerRank(...)" if pr else n for n, (_, pr) in self._trackables.items())
+        return f"Checkpoint({names})"
+
+    @overload
+    def save(self, path: str | os.PathLike, async_save: Literal[False] = False) -> str: ...
+
+    @overload
+    def save(self, path: str | os.PathLike, async_save: Literal[True]) -> SaveFuture: ...
+
+    def save(self, path: str | os.PathLike, async_save: bool = False) -> str | SaveFuture:
+        """Write a checkpoint directory at ``path``, collectively when a process group exists.
+
+        Data goes into ``<path>.tmp``; once every rank has written and DCP has committed its
+        ``.metadata``, rank 0 adds ``meshfit_state.json`` (fsynced) and renames the directory to
+        ``path``; a final collective makes every rank return only after that. A crash at any point
+        leaves no directory named ``path`` that looks complete, and any older checkpoint untouched.
+        An existing ``path`` is replaced (it is moved aside only after the new one is complete).
+
+        Args:
+            path: the checkpoint directory to write.
+            async_save: return once the tensors are staged (copied); the write continues in the
+                background (``torch.distributed.checkpoint.async_save`` on a dedicated gloo group).
+                Only one async save is in flight per process: any later save or restore waits
+                for it first.
+
+        Returns:
+            The absolute path written, or with ``async_save=True`` a :class:`SaveFuture` whose
+            ``result()`` returns that path once the checkpoint is complete on every rank.
+
+        Raises:
+            TypeError: a state dict holds a value that cannot be saved without pickling.
+            RuntimeError: writing failed on some rank (the message names each) or rank 0 could not
+                publish the directory; the partial ``.tmp`` directory is removed.
+        """
+        return self._save(path, async_save=async_save)
+
+    def _save(self, path: str | os.PathLike, async_save: bool,
+              on_commit: Callable[[str], None] | None = None) -> Any:
+        """``save`` plus ``on_commit(path)``, run on every rank after the rename (before a future resolves)."""
+        global _pending_save
+        path = os.path.abspath(os.fspath(path))
+        tmp = path + _storage.TMP_SUFFIX
+        _wait_for_pending_save()
+        distributed = dist.is_available() and dist.is_initialized()
+        if not distributed:
+            _silence_single_process_warning()
+        group = _storage.control_group() if distributed else None
+        rank = dist.get_rank() if distributed else 0
+        tensors, document = self._collect(rank, distributed, group)
+        _rank0_step(lambda: _storage.prepare_directory(tmp), distributed, rank, group, f"prepare {tmp!r}")
+        if not async_save:
+            _write(tensors, tmp, group, distributed, rank)
+            _rank0_step(lambda: _storage.commit_directory(tmp, path, document), distributed, rank, group,
+                        f"publish {path!r}")
+            if on_commit is not None:
+                on_commit(path)
+            return path
+
+        save_group = _storage.async_group() if distributed else None
+        try:
+            response = dcp.async_save(tensors, storage_writer=dcp.FileSystemWriter(tmp),
+                                      process_group=save_group, no_dist=not distributed)
+        except BaseException:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        upload: Future = getattr(response, "upload_completion", response)
+
+        def finish() -> str:
+            try:
+                upload.result()
+            except BaseException as error:
+                if rank == 0:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                if isinstance(error, CheckpointException):
+                    raise _dcp_error(error, "write", path) from error
+                raise
+            _rank0_step(lambda: _storage.commit_directory(tmp, path, document), distributed, rank,
+                        save_group, f"publish {path!r}")
+            if on_commit is not None:
+                on_commit(path)
+            return path
+
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshfit-checkpoint")
+        future = SaveFuture(path, executor.submit(finish))
+        executor.shutdown(wait=False)
+        with _pending_lock:
+            _pending_save = future
+        return future
+
+    def _collect(self, rank: int, distributed: bool, group: Any) -> tuple[dict[str, torch.Tensor], dict]:
+        """This rank's tensors for DCP and the JSON document rank 0 writes (per-rank trees gathered)."""
+        tensors: dict[str, torch.Tensor] = {}
+        entries: dict[str, dict[str, Any]] = {}
+        own_per_rank: dict[str, Any] = {}
+        for name, (target, per_rank) in self._trackables.items():
+            kind = "tensor" if isinstance(target, torch.Tensor) else "stateful"
+            state = target.detach() if kind == "tensor" else target.state_dict()
+            prefix = f"{name}/rank{rank}" if per_rank else name
+            tree = _tree.encode(state, prefix, tensors, name)
+            entries[name] = {"kind": kind, "per_rank": per_rank}
+            if per_rank:
+                own_per_rank[name] = tree
+            else:
+                entries[name]["state"] = tree
+        world = dist.get_world_size(group) if distributed else 1
+        if own_per_rank:
+            texts = (_storage.all_gather_text(json.dumps(own_per_rank), group) if distributed
+                     else [json.dumps(own_per_rank)])
+            trees = [json.loads(text) for text in texts]
+            for name in own_per_rank:
+                entries[name]["ranks"] = [trees_of_rank[name] for trees_of_rank in trees]
+        document = {"format": _FORMAT, "version": _VERSION, "world_size": world, "trackables": entries}
+        return tensors, document
+
+    def restore(self, path: str | os.PathLike) -> None:
+        """Load the checkpoint at ``path`` into the tracked objects, in place (collective).
+
+        Tracked names missing from the checkpoint are an error; names in the checkpoint that are
+        not tracked here are ignored. A :class:`PerRank` trackable on rank ``r`` gets the state
+        saved by rank ``r % saved_world_size`` (so a 1-process restore of a 2-rank checkpoint gets
+        rank 0's). Tensors already present in the current state dicts with the saved shape and dtype
+        are loaded into in place (DTensors are resharded); missing ones (e.g. a fresh optimizer's
+        state) are created on the CPU.
+
+        Args:
+            path: a checkpoint directory written by :meth:`save`.
+
+        Raises:
+            FileNotFoundError: nothing at ``path``; the message lists complete checkpoints beside it.
+            ValueError: ``path`` is incomplete or corrupt, or does not match the tracked objects.
+            RuntimeError: reading tensor data failed (on any rank; the message names each rank).
+        """
+        path = os.path.abspath(os.fspath(path))
+        _wait_for_pending_save()
+        document = _read_document(path)
+        distributed = dist.is_available() and dist.is_initialized()
+        if not distributed:
+            _silence_single_process_warning()
+        group = _storage.control_group() if distributed else None
+        rank = dist.get_rank() if distributed else 0
+        reader = _storage.SafeFileSystemReader(path)
+        try:
+            stored = reader.read_metadata().state_dict_metadata
+        except Exception as error:
+            raise ValueError(f"Checkpoint {path!r} has unreadable DCP metadata: {error}") from error
+        saved = document["trackables"]
+        destinations: dict[str, torch.Tensor] = {}
+        plans = []
+        for name, (target, per_rank) in self._trackables.items():
+            entry = _entry_for(saved, name, target, per_rank, path)
+            tree = entry["ranks"][rank % len(entry["ranks"])] if per_rank else entry["state"]
+            current = target if isinstance(target, torch.Tensor) else target.state_dict()
+            for key, sub_path in _tree.tensor_refs(tree):
+                destinations[key] = _destination(stored.get(key), _tree.lookup(current, sub_path), key, path)
+            plans.append((name, target, tree))
+        try:
+            dcp.load(destinations, storage_reader=reader, process_group=group, no_dist=not distributed)
+        except CheckpointException as error:
+            raise _dcp_error(error, "read", path) from error
+
+        def load(key: str, as_ndarray: bool) -> Any:
+            return destinations[key].numpy() if as_ndarray else destinations[key]
+
+        for name, target, tree in plans:
+            state = _tree.decode(tree, load, name)
+            if isinstance(target, torch.Tensor):
+                if state is not target:
+                    with torch.no_grad():
+                        target.copy_(state)
+            else:
+                target.load_state_dict(state)
+
+
+def _entry_for(saved: dict, name: str, target: Any, per_rank: bool, path: str) -> dict:
+    """The saved entry for ``name``, checked against how it is tracked now."""
+    entry = saved.get(name)
+    if not isinstance(entry, dict):
+        raise ValueError(f"Checkpoint {path!r} has no entry {name!r}; it holds {sorted(saved)}.")
+    kind = "tensor" if isinstance(target, torch.Tensor) else "stateful"
+    if entry.get("kind") != kind or bool(entry.get("per_rank")) != per_rank:
+        raise ValueError(
+            f"Checkpoint {path!r} saved {name!r} as kind={entry.get('kind')!r}, "
+            f"per_rank={entry.get('per_rank')!r}; it is tracked now as kind={kind!r}, per_rank={per_rank}. "
+            "Track it the same way (wrap it in PerRank, or not) as when it was saved.")
+    if per_rank and not (isinstance(entry.get("ranks"), list) and entry["ranks"]):
+        raise ValueError(f"Corrupt checkpoint {path!r}: per-rank entry {name!r} has no ranks.")
+    if not per_rank and "state" not in entry:
+        raise ValueError(f"Corrupt checkpoint {path!r}: entry {name!r} has no state.")
+    return entry
+
+
+def _destination(stored: Any, current: Any, key: str, path: str) -> torch.Tensor:
+    """The tensor DCP loads ``key`` into: the current one if it fits (in place), else a new CPU one."""
+    if not isinstance(stored, TensorStorageMetadata):
+        raise ValueError(f"Corrupt checkpoint {path!r}: tensor {key!r} is missing from its DCP metadata.")
+    if (isinstance(current, torch.Tensor) and tuple(current.shape) == tuple(stored.size)
+            and current.dtype == stored.properties.dtype):
+        return current.detach()
+    return torch.empty(tuple(stored.size), dtype=stored.properties.dtype)
+
+
+def _write(tensors: dict[str, torch.Tensor], tmp: str, group: Any, distributed: bool, rank: int) -> None:
+    """Every rank writes its DCP shards into ``tmp``; DCP's coordinator commits ``.metadata`` last.
+
+    DCP's final step gathers every rank's write results on rank 0, which writes ``.metadata`` before
+    answering; so when this returns on any rank, all data and the metadata are on disk (the barrier
+    before the rename). A write failure on any rank raises on every rank.
+    """
+    try:
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), process_group=group,
+                 no_dist=not distributed)
+    except BaseException as error:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(error, CheckpointException):
+            raise _dcp_error(error, "write", tmp) from error
+        raise
+
+
+def _dcp_error(error: CheckpointException, action: str, path: str) -> RuntimeError:
+    """DCP's ``CheckpointException`` (a ``BaseException``) as a ``RuntimeError`` naming each failed rank."""
+    failures = "; ".join(f"rank {rank}: {type(pair[0]).__name__}: {pair[0]}"
+                         for rank, pair in sorted(error.failures.items()))
+    return RuntimeError(f"Could not {action} checkpoint {path!r}: {failures}")
+
+
+def _rank0_step(step: Callable[[], None], distributed: bool, rank: int, group: Any, what: str) -> None:
+    """Run ``step`` on rank 0 and make every rank raise if it failed."""
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            step()
+        except BaseException as caught:
+            error = caught
+    ok = _storage.broadcast_status(error is None, group) if distributed else error is None
+    if error is not None:
+        raise error
+    if not ok:
+        raise RuntimeError(f"Checkpoint save failed: rank 0 could not {what}; see rank 0's error.")
+
+
+def _read_document(path: str) -> dict:
+    """The JSON state of the complete checkpoint at ``path``, with clear errors otherwise."""
+    if not os.path.exists(path):
+        parent = os.path.dirname(path)
+        found = [os.path.basename(p) for p in _storage.complete_checkpoints(parent)]
+        raise FileNotFoundError(
+            f"No checkpoint at {path!r}. Complete checkpoints in {parent!r}: "
+            f"{found if found else 'none'}.")
+    if not _storage.is_complete(path):
+        missing = [n for n in (_storage.DCP_METADATA, _storage.STATE_FILE)
+                   if not os.path.isfile(os.path.join(path, n))]
+        raise ValueError(
+            f"{path!r} is not a complete meshfit checkpoint (missing: {missing or 'a final name'}); it "
+            "may be a save interrupted by a crash. Use meshfit.train.latest_checkpoint(directory) "
+            "to find the newest complete one.")
+    file = os.path.join(path, _storage.STATE_FILE)
+    try:
+        with open(file, encoding="utf-8") as f:
+            document = json.load(f)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"Checkpoint {path!r} is corrupt: cannot read {file!r}: {error}") from error
+    if (not isinstance(document, dict) or document.get("format") != _FORMAT
+            or not isinstance(document.get("trackables"), dict)):
+        raise ValueError(f"Checkpoint {path!r} is corrupt: {file!r} is not a {_FORMAT} state file.")
+    if document.get("version") != _VERSION:
+        raise ValueError(f"Checkpoint {path!r} has format version {document.get('version')!r}; this "
+                         f"meshfit reads version {_VERSION}.")
+    return document

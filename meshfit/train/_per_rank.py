@@ -1,0 +1,49 @@
+"""`PerRank`: marks a trackable whose state is different on every rank."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def is_trackable(value: Any) -> bool:
+    """True for a tensor or an object with callable ``state_dict`` and ``load_state_dict``."""
+    return isinstance(value, torch.Tensor) or (
+        callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)))
+
+
+class PerRank:
+    """Wraps a trackable whose state differs per rank (RNG streams, a per-replica data position).
+
+    ``Checkpoint`` saves such a trackable once per rank (its tensors under ``<name>/rank<r>/...``,
+    its other values in ``"ranks"[r]`` of the JSON state) and on restore rank ``r`` loads its own.
+    When the checkpoint was written by fewer (or more) ranks than restore it, rank ``r`` loads the
+    state saved by rank ``r % saved_world_size``.
+
+    Args:
+        trackable: an object with ``state_dict()`` / ``load_state_dict()``, or a ``torch.Tensor``.
+
+    Raises:
+        TypeError: ``trackable`` is not trackable (or is itself a ``PerRank``).
+
+    Example:
+        >>> import torch
+        >>> from meshfit.train import Checkpoint, PerRank
+        >>> class TorchRNG:
+        ...     def state_dict(self):
+        ...         return {"cpu": torch.get_rng_state()}
+        ...     def load_state_dict(self, state):
+        ...         torch.set_rng_state(state["cpu"])
+        >>> ckpt = Checkpoint(rng=PerRank(TorchRNG()))
+    """
+
+    def __init__(self, trackable: Any) -> None:
+        if isinstance(trackable, PerRank) or not is_trackable(trackable):
+            raise TypeError(
+                "Invalid `trackable` for PerRank: expected a torch.Tensor or an object with state_dict() "
+                f"and load_state_dict(), received {type(trackable).__name__} {trackable!r:.80}.")
+        self.trackable = trackable
+
+    def __repr__(self) -> str:
+        return f"PerRank({self.trackable!r:.80})"
