@@ -1,0 +1,115 @@
+"""A worker script for the multi-process tests: the seed tutorial's flow on bundled digits.
+
+Run by the tests under TF_CONFIG, `meshfit launch`, or as a plain script with MirroredStrategy.
+Writes each rank's final weights to ``<out>/weights-<rank>.npz`` and, with --record, the ids of the
+examples each rank trained on to ``<out>/seen-<rank>-<restart>.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+import meshfit as mf
+
+
+def build_module() -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 10))
+
+
+class Chaos(mf.callbacks.Callback):
+    """Test hooks: kill (SIGKILL) or preempt (SIGTERM) this process at a step."""
+
+    def __init__(self, args, rank: int) -> None:
+        super().__init__()
+        self.args, self.rank = args, rank
+        self.first_round = os.environ.get("MESHFIT_RESTART_COUNT", "0") == "0"
+
+    def on_train_batch_begin(self, batch, logs=None):
+        step = self.model.loop_state.iterations + 1
+        if self.first_round and self.args.kill_rank == self.rank and step == self.args.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.first_round and self.args.term_rank == self.rank and step == self.args.term_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.args.sleep:
+            time.sleep(self.args.sleep)
+
+
+class RecordingModel(mf.Model):
+    """Writes the ids (last feature column) of every example this replica trains on."""
+
+    record = None
+
+    def train_step(self, data, loss_scale=1.0):
+        if self.record is not None:
+            ids = data[2].tolist()
+            self.record.write(" ".join(str(int(i)) for i in ids) + "\n")
+            self.record.flush()
+        super().train_step(data[:2], loss_scale)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", default="multiworker", choices=["multiworker", "mirrored", "one"])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--global-batch", type=int, default=64)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--examples", type=int, default=512)
+    parser.add_argument("--backup-dir", default=None)
+    parser.add_argument("--save-freq", default="epoch")
+    parser.add_argument("--async-save", action="store_true")
+    parser.add_argument("--keep-backup", action="store_true")
+    parser.add_argument("--record", action="store_true")
+    parser.add_argument("--kill-rank", type=int, default=-1)
+    parser.add_argument("--kill-at", type=int, default=-1)
+    parser.add_argument("--term-rank", type=int, default=-1)
+    parser.add_argument("--term-at", type=int, default=-1)
+    parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--heartbeat", type=float, default=4.0)
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(0)
+    options = mf.CommunicationOptions(heartbeat_timeout_seconds=args.heartbeat)
+    if args.strategy == "mirrored":
+        strategy = mf.MirroredStrategy(devices=["cpu:0", "cpu:1"], communication_options=options)
+    elif args.strategy == "multiworker":
+        strategy = mf.MultiWorkerMirroredStrategy(communication_options=options)
+    else:
+        strategy = mf.OneDeviceStrategy("cpu")
+    rank = strategy.replica_id
+    (x, y), _ = mf.datasets.load_digits()
+    x, y = x[: args.examples], y[: args.examples]
+    ids = np.arange(len(x), dtype=np.int64)
+    dataset = (mf.data.Dataset.from_tensor_slices((x, y, ids)).shuffle(len(x), seed=7)
+               .repeat().batch(args.global_batch).prefetch(2))
+    steps = args.steps or len(x) // args.global_batch
+    with strategy.scope():
+        model = RecordingModel(build_module())
+        model.compile(mf.optimizers.SGD(learning_rate=0.1, momentum=0.9),
+                      mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    if args.record:
+        restart = os.environ.get("MESHFIT_RESTART_COUNT", "0")
+        model.record = open(os.path.join(args.out, f"seen-{rank}-{restart}.txt"), "a")
+    callbacks = [Chaos(args, rank)]
+    if args.backup_dir:
+        save_freq = args.save_freq if args.save_freq == "epoch" else int(args.save_freq)
+        callbacks.insert(0, mf.callbacks.BackupAndRestore(args.backup_dir, save_freq=save_freq,
+                                                          delete_checkpoint=not args.keep_backup,
+                                                          async_save=args.async_save))
+    model.fit(dataset, epochs=args.epochs, steps_per_epoch=steps, callbacks=callbacks, verbose=2)
+    weights = {f"w{i}": w for i, w in enumerate(model.get_weights())}
+    np.savez(os.path.join(args.out, f"weights-{rank}.npz"), **weights)
+    print(f"rank {rank} of {strategy.num_replicas_in_sync} done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

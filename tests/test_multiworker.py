@@ -1,0 +1,200 @@
+"""Multi-worker training with real processes (gloo on localhost): equivalence, TF_CONFIG, launch, Mirrored."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+from _multiproc import run_distributed
+from _procs import child_env, finish, free_ports, start, tf_config
+from torch import nn
+
+import meshfit as mf
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "train_digits.py")
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def _train_50_steps(strategy: mf.distribute.Strategy) -> list[np.ndarray]:
+    (x, y), _ = mf.datasets.load_digits()
+    dataset = mf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=5).repeat().batch(128)
+    with strategy.scope():
+        model = mf.Model(_mlp())
+        model.compile(mf.optimizers.SGD(learning_rate=0.1, momentum=0.9),
+                      mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    history = model.fit(dataset, epochs=5, steps_per_epoch=10, verbose=0)
+    return model.get_weights(), history.history
+
+
+def _worker_50_steps(rank: int, world: int):
+    return _train_50_steps(mf.MultiWorkerMirroredStrategy())
+
+
+def test_two_workers_equal_one_process_on_the_same_global_batch():
+    single, single_history = _train_50_steps(mf.OneDeviceStrategy("cpu"))
+    results = run_distributed(_worker_50_steps, world_size=2, timeout=180)
+    (w0, h0), (w1, h1) = results
+    for a, b in zip(w0, w1):
+        np.testing.assert_array_equal(a, b)  # replicas hold identical weights
+    for a, b in zip(w0, single):
+        rel = np.abs(a - b).max() / max(np.abs(b).max(), 1e-12)
+        assert rel <= 1e-5, rel
+    # Metrics are aggregated over replicas: the same as on one process.
+    np.testing.assert_allclose(h0["accuracy"], single_history["accuracy"], atol=1e-6)
+    np.testing.assert_allclose(h0["loss"], single_history["loss"], rtol=1e-4)
+    assert h0 == h1
+
+
+def _worker_inputs(rank: int, world: int, tmp: str):
+    strategy = mf.MultiWorkerMirroredStrategy()
+    seen = []
+
+    def dataset_fn(context: mf.InputContext):
+        seen.append(context)
+        batch = context.get_per_replica_batch_size(8)
+        return mf.data.Dataset.range(16).shard(context.num_input_pipelines, context.input_pipeline_id).batch(batch)
+
+    per_replica = strategy.distribute_datasets_from_function(dataset_fn)
+    from_fn = [b.tolist() for b in per_replica]
+    global_ds = mf.data.Dataset.range(10).batch(4)
+    data_split = [b.tolist() for b in strategy.experimental_distribute_dataset(global_ds)]
+    off = global_ds.with_options(mf.data.Options(auto_shard_policy=mf.data.AutoShardPolicy.OFF))
+    off_split = [b.tolist() for b in strategy.experimental_distribute_dataset(off)]
+    total = strategy.reduce("SUM", torch.tensor(float(rank + 1)))
+    mean = strategy.reduce(mf.ReduceOp.MEAN, torch.tensor([float(rank), 2.0 * rank]), axis=0)
+
+    # Evaluate / predict are distributed; predict returns everything, in input order, everywhere.
+    (x, y), _ = mf.datasets.load_digits()
+    x, y = x[:101], y[:101]
+    with strategy.scope():
+        model = mf.Model(_mlp())
+        model.compile("sgd", mf.losses.SparseCategoricalCrossentropy(from_logits=True), ["accuracy"])
+    logs = model.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
+    predictions = model.predict(x, batch_size=32, verbose=0)
+    # Every worker saves to the same path: one complete copy, nobody deadlocks.
+    model.save(os.path.join(tmp, "shared-model"))
+    model.save_weights(os.path.join(tmp, "weights.safetensors"))
+    return {"contexts": [(c.num_input_pipelines, c.input_pipeline_id, c.num_replicas_in_sync) for c in seen],
+            "from_fn": from_fn, "data": data_split, "off": off_split, "sum": float(total),
+            "mean": mean.tolist(), "logs": logs, "predictions": predictions, "chief": strategy.is_chief}
+
+
+def test_inputs_reductions_evaluate_predict_and_save_across_workers(tmp_path):
+    r0, r1 = run_distributed(_worker_inputs, world_size=2, args=(str(tmp_path),), timeout=180)
+    assert r0["contexts"] == [(2, 0, 2)] and r1["contexts"] == [(2, 1, 2)]
+    assert r0["from_fn"] == [[0, 2, 4, 6], [8, 10, 12, 14]] and r1["from_fn"] == [[1, 3, 5, 7], [9, 11, 13, 15]]
+    # DATA: each global batch is cut in two; the last, partial batch too.
+    assert r0["data"] == [[0, 1], [4, 5], [8]] and r1["data"] == [[2, 3], [6, 7], [9]]
+    # OFF: every replica reads the same per-replica batches.
+    assert r0["off"] == r1["off"] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    assert r0["sum"] == r1["sum"] == 3.0
+    assert r0["mean"] == pytest.approx(0.75)  # mean of [0, 0] and [1, 2], over the axis and replicas
+    (x, y), _ = mf.datasets.load_digits()
+    single = mf.Model(_mlp())
+    single.compile("sgd", mf.losses.SparseCategoricalCrossentropy(from_logits=True), ["accuracy"])
+    expected = single.evaluate(x[:101], y[:101], batch_size=32, verbose=0, return_dict=True)
+    assert r0["logs"] == r1["logs"]
+    assert r0["logs"]["accuracy"] == pytest.approx(expected["accuracy"])
+    assert r0["logs"]["loss"] == pytest.approx(expected["loss"], rel=1e-6)
+    np.testing.assert_allclose(r0["predictions"], single.predict(x[:101], verbose=0), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(r0["predictions"], r1["predictions"])
+    assert r0["chief"] and not r1["chief"]
+    assert sorted(os.listdir(tmp_path / "shared-model")) == ["config.json", "model.safetensors", "optimizer.safetensors"]
+    assert not [p for p in os.listdir(tmp_path) if ".tmp" in p or ".old" in p]
+    restored = mf.load_model(str(tmp_path / "shared-model"))
+    np.testing.assert_allclose(restored.predict(x[:101], verbose=0), r0["predictions"], rtol=1e-6, atol=1e-6)
+
+
+def _worker_bad_batch(rank: int, world: int):
+    strategy = mf.MultiWorkerMirroredStrategy()
+    with pytest.raises(ValueError, match="global batch size 7 is not divisible by the 2 replicas"):
+        strategy.experimental_distribute_dataset(mf.data.Dataset.range(20).batch(7))
+    return True
+
+
+def test_global_batch_not_divisible_is_a_clear_error():
+    assert run_distributed(_worker_bad_batch, world_size=2, timeout=120) == [True, True]
+
+
+def _load(out: str, rank: int) -> list[np.ndarray]:
+    with np.load(os.path.join(out, f"weights-{rank}.npz")) as f:
+        return [f[f"w{i}"] for i in range(len(f.files))]
+
+
+def test_tutorial_flow_with_tf_config_two_separate_processes(tmp_path):
+    ports = free_ports(2)
+    out = str(tmp_path / "out")
+    args = [SCRIPT, "--out", out, "--epochs", "2", "--steps", "4"]
+    # As in the tutorial: worker 0 in the background, then worker 1 in the foreground.
+    background = start(args, child_env(TF_CONFIG=tf_config(ports, 0)))
+    try:
+        foreground = start(args, child_env(TF_CONFIG=tf_config(ports, 1)))
+        code1, out1 = finish(foreground, timeout=180)
+    finally:
+        code0, out0 = finish(background, timeout=60)
+    assert code0 == 0, out0
+    assert code1 == 0, out1
+    assert "Epoch 2/2" in out0 and "Epoch" not in out1  # progress from the chief only
+    assert "rank 0 of 2 done" in out0 and "rank 1 of 2 done" in out1
+    for a, b in zip(_load(out, 0), _load(out, 1)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_meshfit_launch_runs_the_same_script(tmp_path):
+    out = str(tmp_path / "out")
+    proc = start(["-m", "meshfit._cli", "launch", "--workers", "2", SCRIPT, "--out", out,
+                  "--epochs", "1", "--steps", "3"], child_env())
+    code, output = finish(proc, timeout=180)
+    assert code == 0, output
+    assert "[worker 0]" in output and "[worker 1] rank 1 of 2 done" in output
+    for a, b in zip(_load(out, 0), _load(out, 1)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_mirrored_strategy_from_a_plain_script_starts_its_second_replica(tmp_path):
+    out = str(tmp_path / "out")
+    proc = start([SCRIPT, "--strategy", "mirrored", "--out", out, "--epochs", "1", "--steps", "3"], child_env())
+    code, output = finish(proc, timeout=180)
+    assert code == 0, output
+    assert "rank 0 of 2 done" in output and "rank 1 of 2 done" in output
+    for a, b in zip(_load(out, 0), _load(out, 1)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_mirrored_strategy_single_device_and_bad_devices():
+    assert mf.MirroredStrategy(devices=["cpu:0"]).num_replicas_in_sync == 1
+    assert mf.MirroredStrategy().num_replicas_in_sync == max(1, torch.cuda.device_count())
+    with pytest.raises(ValueError, match="tpu:0"):
+        mf.MirroredStrategy(devices=["tpu:0"])
+    with pytest.raises(ValueError, match="devices="):
+        mf.MirroredStrategy(devices="cpu:0")
+
+
+def test_nccl_without_gpus_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has GPUs")
+    from meshfit.distribute._collective import choose_backend
+
+    options = mf.CommunicationOptions(implementation=mf.CommunicationImplementation.NCCL)
+    with pytest.raises(ValueError, match="NCCL needs GPUs"):
+        choose_backend(options)
+    assert choose_backend(mf.CommunicationOptions()) == "gloo"
+    with pytest.raises(ValueError, match="timeout_seconds=-1"):
+        mf.CommunicationOptions(timeout_seconds=-1)
+
+
+def test_malformed_tf_config_fails_before_any_socket(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["localhost:1"]}, "task": {"type": "worker", "index": 3}}')
+    with pytest.raises(ValueError, match="index"):
+        mf.MultiWorkerMirroredStrategy()
+    monkeypatch.setenv("TF_CONFIG", "{not json")
+    with pytest.raises(ValueError, match="TF_CONFIG"):
+        mf.MultiWorkerMirroredStrategy()
+    assert sys.modules.get("torch.distributed").is_initialized() is False
