@@ -142,6 +142,12 @@ class Model:
         x, y, sample_weight = unpack_batch(data)
         self.optimizer.zero_grad(set_to_none=True)
         y_pred = self._train_module(x)
+        if batch_size_of(y_pred) == 0:
+            # This replica's share of a last, small global batch is empty: it still joins the
+            # gradient all-reduce (with zeros), so that every replica takes the same step.
+            (y_pred.sum() * 0.0).backward()
+            self.optimizer.step()
+            return
         loss = self.compute_loss(x, y, y_pred, sample_weight)
         (loss * loss_scale if loss_scale != 1.0 else loss).backward()
         self.optimizer.step()
