@@ -10,6 +10,9 @@ same number of workers ends with bitwise the same weights as one never interrupt
 - every random stream of every rank (torch, numpy, Python), one saved per rank,
 - the metric accumulators and the state of the other callbacks (History, EarlyStopping...).
 
+A backup is taken after every other callback has run for that step or epoch (this callback always
+runs last), so a failure raised by another callback at an epoch's end re-runs that epoch.
+
 Resumed with another number of workers and the same global batch, training continues at the same
 step with exactly the examples not yet seen (random streams then come from rank ``r % saved``).
 
@@ -68,6 +71,7 @@ class BackupAndRestore(Callback):
     """
 
     handles_preemption = True
+    run_last = True  # back up only once every other callback has finished the step or epoch
 
     def __init__(self, backup_dir: str | os.PathLike, save_freq: str | int = "epoch",
                  delete_checkpoint: bool = True, async_save: bool = False) -> None:

@@ -171,6 +171,7 @@ class CallbackList:
         if self.history is None and add_history:
             self.history = History()
             self.callbacks.append(self.history)
+        self._order()
 
     def append(self, callback: Callback) -> None:
         """Adds a callback at the end of the list.
@@ -184,10 +185,16 @@ class CallbackList:
                 f"received {callback!r} of type {type(callback).__name__}."
             )
         self.callbacks.append(callback)
+        self._order()
         if getattr(self, "model", None) is not None:
             callback.set_model(self.model)
         if getattr(self, "params", None):
             callback.set_params(self.params)
+
+    def _order(self) -> None:
+        # Callbacks that save training state (BackupAndRestore) run after all others in every hook,
+        # so that what they save includes the others' updates for that step or epoch.
+        self.callbacks.sort(key=lambda c: bool(getattr(c, "run_last", False)))
 
     def set_model(self, model: Any) -> None:
         """Calls `set_model` on every callback."""

@@ -34,6 +34,8 @@ class Chaos(mf.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         step = self.model.loop_state.iterations + 1
         if self.first_round and self.args.kill_rank == self.rank and step == self.args.kill_at:
+            with open(os.path.join(self.args.out, "killed-at.txt"), "w") as f:
+                f.write(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
         if self.first_round and self.args.term_rank == self.rank and step == self.args.term_at:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -49,11 +51,11 @@ class RecordingModel(mf.Model):
     record = None
 
     def train_step(self, data, loss_scale=1.0):
-        if self.record is not None:
-            ids = data[2].tolist()
-            self.record.write(" ".join(str(int(i)) for i in ids) + "\n")
-            self.record.flush()
         super().train_step(data[:2], loss_scale)
+        if self.record is not None:  # "iteration: ids" of the examples this step trained on
+            ids = " ".join(str(int(i)) for i in data[2].tolist())
+            self.record.write(f"{self.loop_state.iterations + 1}: {ids}\n")
+            self.record.flush()
 
 
 def main() -> None:

@@ -1,0 +1,191 @@
+"""BackupAndRestore and the custom-loop checkpoint flow of the fault-tolerance seed, on one process."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import meshfit as mf
+
+
+class InterruptAtEpoch(mf.callbacks.Callback):
+    def __init__(self, interrupting_epoch: int = 3) -> None:
+        super().__init__()
+        self.interrupting_epoch = interrupting_epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.interrupting_epoch:
+            raise RuntimeError("Interruption")
+
+
+class InterruptAtStep(mf.callbacks.Callback):
+    def __init__(self, interrupting_step: int = 140) -> None:
+        super().__init__()
+        self.interrupting_step = interrupting_step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.model.loop_state.iterations == self.interrupting_step:
+            raise RuntimeError("Interruption")
+
+
+class Recorder(mf.callbacks.Callback):
+    """Where fit (re)starts: the first (epoch, batch) it runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[tuple[int, int]] = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.batches.append((self.model.loop_state.epoch, batch))
+
+
+@pytest.fixture(scope="module")
+def data():
+    (x, y), _ = mf.datasets.load_digits()
+    return x[:320], y[:320]
+
+
+def make_model() -> mf.Model:
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 10))
+    model = mf.Model(module)
+    model.compile(mf.optimizers.Adam(learning_rate=0.01), mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def dataset(x, y, batch=32):
+    return mf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=2).map(lambda a, b: (a * 1.0, b)).batch(batch)
+
+
+def fit(x, y, callbacks, epochs=6, steps_per_epoch=None, repeat=False):
+    model = make_model()
+    ds = dataset(x, y)
+    if repeat:
+        ds = mf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=2).repeat().batch(32)
+    history = model.fit(ds, epochs=epochs, steps_per_epoch=steps_per_epoch, verbose=0, callbacks=callbacks)
+    return model, history
+
+
+def assert_same_weights(a: mf.Model, b: mf.Model) -> None:
+    for wa, wb in zip(a.get_weights(), b.get_weights()):
+        np.testing.assert_array_equal(wa, wb)
+
+
+def test_interrupt_at_epoch_resumes_at_the_next_epoch_bitwise(data, tmp_path):
+    x, y = data
+    reference, ref_history = fit(x, y, [mf.callbacks.EarlyStopping(monitor="loss", patience=50)])
+    backup = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="Interruption"):
+        fit(x, y, [mf.callbacks.BackupAndRestore(backup), InterruptAtEpoch(3),
+                   mf.callbacks.EarlyStopping(monitor="loss", patience=50)])
+    assert mf.train.latest_checkpoint(backup) is not None
+    recorder = Recorder()
+    resumed, history = fit(x, y, [mf.callbacks.BackupAndRestore(backup), recorder,
+                                  mf.callbacks.EarlyStopping(monitor="loss", patience=50)])
+    # Epochs 0..2 were backed up; epoch 3 failed before it was committed and runs again.
+    assert recorder.batches[0] == (3, 0)
+    assert_same_weights(resumed, reference)
+    assert history.history == ref_history.history  # History, metrics and the loss came back too
+    assert not os.path.exists(backup)  # deleted after a successful fit
+
+
+def test_interrupt_at_step_resumes_after_the_last_backup(data, tmp_path):
+    # The seed: save_freq=30, failure at step 140 of 100-step epochs; the last backup is at
+    # step 120 (epoch 2, step 20, 1-based), so training resumes at epoch 2, step 21.
+    x, y = data
+    reference, _ = fit(x, y, [], epochs=2, steps_per_epoch=100, repeat=True)
+    backup = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="Interruption"):
+        fit(x, y, [mf.callbacks.BackupAndRestore(backup, save_freq=30), InterruptAtStep(140)],
+            epochs=2, steps_per_epoch=100, repeat=True)
+    recorder = Recorder()
+    resumed, _ = fit(x, y, [mf.callbacks.BackupAndRestore(backup, save_freq=30), recorder],
+                     epochs=2, steps_per_epoch=100, repeat=True)
+    assert recorder.batches[0] == (1, 20)  # 0-based: epoch 2, step 21
+    assert len(recorder.batches) == 80
+    assert_same_weights(resumed, reference)
+
+
+def test_async_backups_give_the_same_result(data, tmp_path):
+    x, y = data
+    reference, _ = fit(x, y, [], epochs=3)
+    backup = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="Interruption"):
+        fit(x, y, [mf.callbacks.BackupAndRestore(backup, save_freq=4, async_save=True), InterruptAtStep(23)], epochs=3)
+    resumed, _ = fit(x, y, [mf.callbacks.BackupAndRestore(backup, save_freq=4, async_save=True)], epochs=3)
+    assert_same_weights(resumed, reference)
+
+
+def test_early_stopping_counters_survive_a_restart(data, tmp_path):
+    x, y = data
+    backup = str(tmp_path / "backup")
+    stop = mf.callbacks.EarlyStopping(monitor="loss", patience=1, min_delta=10.0)
+    with pytest.raises(RuntimeError, match="Interruption"):
+        fit(x, y, [mf.callbacks.BackupAndRestore(backup), InterruptAtEpoch(0), stop])
+    # Epoch 0 set the baseline; a fresh EarlyStopping restored from the backup stops after epoch 1.
+    again = mf.callbacks.EarlyStopping(monitor="loss", patience=1, min_delta=10.0)
+    _, history = fit(x, y, [mf.callbacks.BackupAndRestore(backup), again])
+    assert history.epoch == [0, 1]
+    assert again.stopped_epoch == 1
+
+
+def test_keep_the_backup_and_bad_arguments(data, tmp_path):
+    x, y = data
+    backup = str(tmp_path / "kept")
+    fit(x, y, [mf.callbacks.BackupAndRestore(backup, delete_checkpoint=False)], epochs=1)
+    assert mf.train.latest_checkpoint(backup) is not None
+    with pytest.raises(ValueError, match="save_freq=-1"):
+        mf.callbacks.BackupAndRestore(backup, save_freq=-1)
+    with pytest.raises(ValueError, match="save_freq='batch'"):
+        mf.callbacks.BackupAndRestore(backup, save_freq="batch")
+
+
+def test_custom_loop_with_checkpoint_manager(tmp_path):
+    # The seed's custom training loop: Checkpoint(model, optimizer) + CheckpointManager(max_to_keep).
+    torch.manual_seed(0)
+    (x, y), _ = mf.datasets.load_digits()
+    x, y = torch.from_numpy(x[:128]).flatten(1), torch.from_numpy(y[:128])
+
+    def build():
+        torch.manual_seed(0)
+        module = nn.Linear(64, 10)
+        return module, torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+
+    def train_epoch(module, optimizer):
+        for i in range(0, 128, 32):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(module(x[i:i + 32]), y[i:i + 32]).backward()
+            optimizer.step()
+
+    reference, ref_opt = build()
+    for _ in range(4):
+        train_epoch(reference, ref_opt)
+
+    module, optimizer = build()
+    epoch = torch.tensor(0)
+    checkpoint = mf.train.Checkpoint(model=module, optimizer=optimizer, epoch=epoch)
+    manager = mf.train.CheckpointManager(checkpoint, str(tmp_path / "ckpts"), max_to_keep=2)
+    for _ in range(3):
+        train_epoch(module, optimizer)
+        epoch += 1
+        manager.save()
+    assert [os.path.basename(p) for p in manager.checkpoints] == ["ckpt-2", "ckpt-3"]
+
+    # A new process: rebuild, restore the latest, continue.
+    module, optimizer = build()
+    epoch = torch.tensor(0)
+    checkpoint = mf.train.Checkpoint(model=module, optimizer=optimizer, epoch=epoch)
+    latest = mf.train.latest_checkpoint(str(tmp_path / "ckpts"))
+    assert latest.endswith("ckpt-3")
+    checkpoint.restore(latest)
+    assert int(epoch) == 3
+    train_epoch(module, optimizer)
+    for a, b in zip(module.state_dict().values(), reference.state_dict().values()):
+        assert torch.equal(a, b)
+    with pytest.raises(FileNotFoundError, match="ckpt-9"):
+        checkpoint.restore(str(tmp_path / "ckpts" / "ckpt-9"))
