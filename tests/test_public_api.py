@@ -1,0 +1,64 @@
+"""Every public name imports; importing meshfit has no side effects; doctests in public modules run."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+
+import meshfit
+
+PACKAGES = ["meshfit", "meshfit.callbacks", "meshfit.cluster", "meshfit.data", "meshfit.datasets",
+            "meshfit.distribute", "meshfit.losses", "meshfit.metrics", "meshfit.optimizers", "meshfit.train"]
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_name_in_all_imports(package):
+    module = importlib.import_module(package)
+    assert module.__all__, package
+    assert len(set(module.__all__)) == len(module.__all__)
+    for name in module.__all__:
+        assert getattr(module, name) is not None, f"{package}.{name}"
+
+
+def test_spec_names_exist():
+    for name in ["Model", "load_model", "get_strategy", "OneDeviceStrategy", "MirroredStrategy",
+                 "MultiWorkerMirroredStrategy", "CommunicationOptions", "CommunicationImplementation",
+                 "InputContext"]:
+        assert hasattr(meshfit, name), name
+    for attr in ["AUTO", "RING", "NCCL"]:
+        assert hasattr(meshfit.CommunicationImplementation, attr)
+    for attr in ["AUTO", "FILE", "DATA", "OFF"]:
+        assert hasattr(meshfit.data.AutoShardPolicy, attr)
+    assert meshfit.get_strategy().num_replicas_in_sync == 1
+
+
+def test_import_has_no_side_effects():
+    code = ("import os, logging; before = dict(os.environ); import meshfit, torch.distributed as d; "
+            "assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items()); "
+            "assert not d.is_initialized(); assert not logging.getLogger().handlers; print('clean')")
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0 and "clean" in out.stdout, out.stderr
+
+
+def _modules_with_examples() -> list[str]:
+    root = os.path.dirname(meshfit.__file__)
+    names = []
+    for folder, _, files in os.walk(root):
+        for file in files:
+            if file.endswith(".py") and file not in ("_demo.py", "__main__.py"):
+                rel = os.path.relpath(os.path.join(folder, file), os.path.dirname(root))
+                names.append(rel[:-3].replace(os.sep, ".").removesuffix(".__init__"))
+    return sorted(names)
+
+
+@pytest.mark.parametrize("module_name", _modules_with_examples())
+def test_docstring_examples_run(module_name):
+    module = importlib.import_module(module_name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0, module_name
