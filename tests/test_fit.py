@@ -212,3 +212,26 @@ def test_progbar_redraws_on_terminal(digits, monkeypatch):
     model.fit(x[:256], y[:256], batch_size=32, epochs=1, verbose=1)
     text = out.getvalue()
     assert "8/8 [" in text and "step" in text
+
+
+def test_model_checkpoint_and_make_or_restore_model(digits, tmp_path):
+    """The seed's pattern: ModelCheckpoint saves every N batches; a restart loads the newest save."""
+    (x, y), _ = digits
+    checkpoint_dir = str(tmp_path / "ckpt")
+    os.makedirs(checkpoint_dir)
+
+    def make_or_restore_model():
+        checkpoints = [os.path.join(checkpoint_dir, name) for name in os.listdir(checkpoint_dir)]
+        if checkpoints:
+            return mf.load_model(max(checkpoints, key=os.path.getctime))
+        model = mf.Model(mlp())
+        model.compile("adam", mf.losses.SparseCategoricalCrossentropy(from_logits=True), ["accuracy"])
+        return model
+
+    model = make_or_restore_model()
+    callback = mf.callbacks.ModelCheckpoint(filepath=checkpoint_dir + "/ckpt-loss={loss:.2f}", save_freq=5)
+    model.fit(x[:320], y[:320], batch_size=32, epochs=1, verbose=0, callbacks=[callback])
+    assert len(os.listdir(checkpoint_dir)) == 2  # after batches 5 and 10
+    restored = make_or_restore_model()
+    np.testing.assert_array_equal(restored.predict(x[:50], verbose=0), model.predict(x[:50], verbose=0))
+    assert restored.optimizer.get_config()["learning_rate"] == pytest.approx(0.001)

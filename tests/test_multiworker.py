@@ -198,3 +198,15 @@ def test_malformed_tf_config_fails_before_any_socket(monkeypatch):
     with pytest.raises(ValueError, match="TF_CONFIG"):
         mf.MultiWorkerMirroredStrategy()
     assert sys.modules.get("torch.distributed").is_initialized() is False
+
+
+def test_the_same_script_under_torchrun(tmp_path):
+    out = str(tmp_path / "out")
+    (port,) = free_ports(1)
+    proc = start(["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                  "--master-port", str(port), SCRIPT, "--out", out, "--epochs", "1", "--steps", "3"], child_env())
+    code, output = finish(proc, timeout=180)
+    assert code == 0, output
+    assert "rank 1 of 2 done" in output
+    for a, b in zip(_load(out, 0), _load(out, 1)):
+        np.testing.assert_array_equal(a, b)
