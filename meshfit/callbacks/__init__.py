@@ -9,7 +9,6 @@ from meshfit.callbacks._model_checkpoint import ModelCheckpoint
 from meshfit.callbacks._progbar import Progbar, ProgbarLogger
 from meshfit.callbacks._tensorboard import TensorBoard
 
-
 __all__ = [
     "BackupAndRestore",
     "CSVLogger",
