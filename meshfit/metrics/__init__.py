@@ -12,9 +12,9 @@ from meshfit._metrics import (
     SparseCategoricalAccuracy,
     SparseTopKCategoricalAccuracy,
     Sum,
-    TorchMetricsMetric,
     get,
 )
+from meshfit._torchmetrics import TorchMetricsMetric
 
 __all__ = [
     "Accuracy",

@@ -11,6 +11,7 @@ from typing import Any, Literal, overload
 import torch
 import torch.distributed as dist
 
+from meshfit._io import atomic_write_json
 from meshfit.train import _storage
 from meshfit.train._checkpoint import Checkpoint
 from meshfit.train._save_future import SaveFuture
@@ -205,7 +206,7 @@ class CheckpointManager:
             _best_effort(lambda old=old: _storage.remove_tree(old), f"delete old checkpoint {old!r}")
         state = {"latest_checkpoint": os.path.basename(path),
                  "all_checkpoints": [os.path.basename(p) for p in kept]}
-        _best_effort(lambda: _storage.write_json_atomic(os.path.join(self._directory, STATE_FILE_NAME), state),
+        _best_effort(lambda: atomic_write_json(os.path.join(self._directory, STATE_FILE_NAME), state),
                      f"write {os.path.join(self._directory, STATE_FILE_NAME)!r}")
 
 

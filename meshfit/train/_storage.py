@@ -15,6 +15,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from meshfit._io import fsync_directory
+
 STATE_FILE = "meshfit_state.json"  # written by rank 0, inside each checkpoint directory
 DCP_METADATA = ".metadata"  # DCP's commit marker, written last by its coordinator
 TMP_SUFFIX = ".tmp"
@@ -23,31 +25,6 @@ _NUMBERED = re.compile(r"^(?P<name>.+)-(?P<number>\d+)$")
 
 
 # --- files -------------------------------------------------------------------------------------
-
-def fsync_directory(path: str) -> None:
-    """Make a rename or create inside ``path`` durable (no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_json_atomic(path: str, document: Any) -> None:
-    """Write ``document`` to ``path`` as JSON: ``<path>.tmp``, flush, fsync, ``os.replace``, fsync dir."""
-    tmp = path + TMP_SUFFIX
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(document, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_directory(os.path.dirname(os.path.abspath(path)))
-
 
 def remove_tree(path: str) -> None:
     """Delete a checkpoint directory so that no crash leaves a half-deleted one that looks complete."""
