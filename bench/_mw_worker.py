@@ -1,0 +1,209 @@
+"""One worker of the multi-worker benchmarks; started under ``TF_CONFIG`` by bench_multiworker.py and
+bench_backup.py (not meant to be run by hand, but it can be: see those scripts' printed commands).
+
+Every worker interleaves the variants of its ``--mode`` in blocks of ``--steps`` steps; every block
+starts and ends with ``dist.barrier()`` on the strategy's process group, and rank 0's wall time
+between the two barriers is the block's time. Rank 0 writes all ranks' numbers to ``--out`` (JSON).
+
+Modes:
+  ddp     fit2w: ``fit`` under MultiWorkerMirroredStrategy on the global batch of 128;
+          ddp2w: a hand-written loop, ``DistributedDataParallel`` on the same default process group,
+                 each rank taking its 64 rows of the same global batches;
+          fit1w: rank 0 alone runs ``fit`` of a one-device model on the same global batches of 128
+                 while rank 1 waits at the closing barrier (idle: its CPU time is reported).
+  backup  plain: ``fit`` without callbacks; sync: with ``BackupAndRestore(save_freq=30)``;
+          async: with ``BackupAndRestore(save_freq=30, async_save=True)``; a fresh backup dir per
+          block, ``delete_checkpoint=True`` (the deletion at the end of fit is part of the block).
+          Every model first trains 15 steps untimed, so saves land mid-block (steps 15, 45 of 60).
+
+All variants of a mode train their own copy of the same initial seed CNN on the same global batches
+(block ``k`` of fit gets ``dataset.skip(k * steps)``), so the final weights must agree: printed.
+"""
+
+from __future__ import annotations
+
+import time
+
+T_SCRIPT = time.time()
+
+import argparse  # noqa: E402
+import copy  # noqa: E402
+import itertools  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common as C  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+import meshfit as mf  # noqa: E402
+
+GLOBAL_BATCH = 128
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=("ddp", "backup"), required=True)
+    parser.add_argument("--rounds", type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--save-freq", type=int, default=30)
+    parser.add_argument("--backup-base", default=None)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--default-malloc", action="store_true")
+    args = parser.parse_args()
+    tuned = False if args.default_malloc else C.tune_malloc()
+    C.quiet_threads()
+    torch.manual_seed(0)
+
+    strategy = mf.MultiWorkerMirroredStrategy()
+    rank, world = strategy.replica_id, strategy.num_replicas_in_sync
+    assert dist.is_initialized() and world > 1, "run me under TF_CONFIG with 2+ workers"
+    local = GLOBAL_BATCH // world
+
+    x, y = C.load_train()
+    n = len(x)
+    x_t, y_t = torch.from_numpy(x), torch.from_numpy(y)
+    base = C.materialised_seed_module(x_t[:2])
+    dataset = mf.data.Dataset.from_tensor_slices((x, y)).shuffle(n, seed=0).repeat().batch(GLOBAL_BATCH)
+    blocks = args.rounds + 1
+
+    # In backup mode every model first trains save_freq // 2 steps (no callback): the counter that
+    # save_freq counts (loop_state.iterations) carries across fit calls, so the saves then fall in the
+    # middle of blocks, as in a long run, not on a block's last step, where fit's end has to wait for
+    # an async save to finish anyway.
+    offset = args.save_freq // 2 if args.mode == "backup" else 0
+
+    def block_data(k: int):
+        start = offset + k * args.steps
+        return dataset.skip(start) if start else dataset
+
+    def fit_model(distributed: bool) -> mf.Model:
+        if distributed:
+            with strategy.scope():
+                model = mf.Model(copy.deepcopy(base))
+        else:
+            model = mf.Model(copy.deepcopy(base))  # outside the scope: the default one-device strategy
+        C.compile_seed(model)
+        return model
+
+    def timed(run, only_rank0: bool = False):
+        """Barrier, run (on every rank, or rank 0 only), barrier; per-step numbers."""
+        dist.barrier()
+        clock = C.Clock()
+        if not only_rank0 or rank == 0:
+            run()
+        dist.barrier()
+        return clock.per(args.steps)
+
+    variants: dict[str, object] = {}
+    models: dict[str, torch.nn.Module] = {}
+    if args.mode == "ddp":
+        fit2w = fit_model(True)
+        count = {"fit2w": 0, "ddp2w": 0, "fit1w": 0}
+
+        def run_fit2w():
+            k = count["fit2w"]
+            count["fit2w"] += 1
+            fit2w.fit(block_data(k), steps_per_epoch=args.steps, epochs=1, verbose=0)
+
+        # The hand-written DDP loop, on the process group the strategy initialised.
+        index_stream = (mf.data.Dataset.from_tensor_slices(np.arange(n)).shuffle(n, seed=0).repeat()
+                        .batch(GLOBAL_BATCH))
+        indices = [b[rank * local:(rank + 1) * local].clone()
+                   for b in itertools.islice(iter(index_stream), blocks * args.steps)]
+        ddp = DistributedDataParallel(copy.deepcopy(base))
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+
+        def run_ddp2w():
+            k = count["ddp2w"]
+            count["ddp2w"] += 1
+            for idx in indices[k * args.steps:(k + 1) * args.steps]:
+                xb, yb = x_t[idx], y_t[idx]
+                opt.zero_grad()
+                loss = F.cross_entropy(ddp(xb), yb)
+                loss.backward()
+                opt.step()
+
+        fit1w = fit_model(False) if rank == 0 else None
+
+        def run_fit1w():
+            k = count["fit1w"]
+            count["fit1w"] += 1
+            fit1w.fit(block_data(k), steps_per_epoch=args.steps, epochs=1, verbose=0)
+
+        variants = {"fit2w": lambda: timed(run_fit2w), "ddp2w": lambda: timed(run_ddp2w),
+                    "fit1w": lambda: timed(run_fit1w, only_rank0=True)}
+        models = {"fit2w": fit2w.module, "ddp2w": ddp.module}
+        if fit1w is not None:
+            models["fit1w"] = fit1w.module
+    else:
+        base_dir = args.backup_base
+        specs = {"plain": None, "sync": False, "async": True}
+        run_models = {name: fit_model(True) for name in specs}
+        count = dict.fromkeys(specs, 0)
+        restored: list[str] = []
+
+        def make_run(name: str, async_save: bool | None):
+            def run():
+                k = count[name]
+                count[name] += 1
+                callbacks = []
+                if async_save is not None:
+                    callback = mf.callbacks.BackupAndRestore(
+                        os.path.join(base_dir, f"{name}-block{k}"), save_freq=args.save_freq,
+                        delete_checkpoint=True, async_save=async_save)
+                    callbacks.append(callback)
+                run_models[name].fit(block_data(k), steps_per_epoch=args.steps, epochs=1, verbose=0,
+                                     callbacks=callbacks)
+                if callbacks and callbacks[0].restored_from is not None:
+                    restored.append(callbacks[0].restored_from)
+            return run
+
+        def make_timed(run):
+            return lambda: timed(run)
+
+        variants = {name: make_timed(make_run(name, a)) for name, a in specs.items()}
+        for model in run_models.values():
+            if offset:
+                model.fit(dataset, steps_per_epoch=offset, epochs=1, verbose=0)
+        models = {name: m.module for name, m in run_models.items()}
+
+    ready = time.time()
+    times = C.interleave(variants, args.rounds)
+    extra: dict[str, float] = {}
+    if args.mode == "ddp":
+        # For reading the scaling: one gloo all_reduce of a gradient-sized float32 tensor.
+        grad = torch.ones(sum(p.numel() for p in base.parameters()))
+        samples = []
+        for _ in range(7):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(grad)
+            samples.append((time.perf_counter() - start) * 1e3)
+        extra = {"allreduce_ms": C.median(samples[1:]), "gradient_floats": grad.numel()}
+    # Same-work check: every variant trained on the same global batches from the same weights.
+    reference = next(iter(models.values()))
+    diffs = {name: max((a - b).abs().max().item() for a, b in zip(reference.parameters(), m.parameters()))
+             for name, m in models.items()}
+    mine = {"rank": rank, "times": times, "weight_diff_vs_" + next(iter(models)): diffs, "malloc_tuned": tuned,
+            "script_start": T_SCRIPT, "ready": ready, "pid": os.getpid(), **extra}
+    if args.mode == "backup":
+        mine["restored"] = restored
+        mine["leftover_backup_dirs"] = sorted(os.listdir(args.backup_base)) if rank == 0 else []
+    everyone = strategy.all_gather_object(mine)
+    if rank == 0:
+        with open(args.out + ".tmp", "w") as f:
+            json.dump({"ranks": everyone, "world": world, "mode": args.mode, "steps": args.steps,
+                       "rounds": args.rounds}, f)
+        os.replace(args.out + ".tmp", args.out)
+    print(f"rank {rank}: done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
