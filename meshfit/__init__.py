@@ -5,7 +5,7 @@ many devices and machines, survives killed workers and preemption, and resumes e
 Importing meshfit has no side effects: no environment changes, log handlers or process groups.
 """
 
-from meshfit import callbacks, cluster, data, datasets, distribute, losses, metrics, optimizers, train
+from meshfit import callbacks, cluster, data, datasets, distribute, losses, metrics, optimizers
 from meshfit._model import Model
 from meshfit._saving import load_model
 from meshfit.distribute import (
@@ -44,3 +44,12 @@ __all__ = [
     "optimizers",
     "train",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # meshfit.train imports torch.distributed.checkpoint (about a second): load it on first use.
+    if name == "train":
+        import importlib
+
+        return importlib.import_module("meshfit.train")
+    raise AttributeError(f"module 'meshfit' has no attribute {name!r}")

@@ -83,6 +83,9 @@ class DataHandler:
     def __init__(self, x: Any, y: Any, sample_weight: Any, batch_size: int | None, steps: int | None,
                  shuffle: bool, strategy: Any, argument: str = "steps_per_epoch") -> None:
         self.strategy = strategy
+        # Like a fresh tf.data iterator, each fit() on the same Dataset object starts a new pass
+        # (reshuffled) instead of replaying the batches the previous call trained on.
+        self._origin = x if isinstance(x, Dataset) and argument == "steps_per_epoch" else None
         self.source = self._adapt(x, y, sample_weight, batch_size, shuffle)
         length = self.source.length()
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0):
@@ -94,7 +97,7 @@ class DataHandler:
             raise ValueError("The input data is empty: it yields no batch.")
         self.steps = steps if steps is not None else length
         self._length = length
-        self.iteration, self.index = 0, 0
+        self.iteration, self.index = getattr(self._origin, "_next_fit_pass", 0), 0
         self._prefetcher: Prefetcher | None = None
         self._prefetch_from: tuple[int, int] | None = None
 
@@ -193,6 +196,8 @@ class DataHandler:
             self.iteration, self.index = self._normalized()
 
     def close(self) -> None:
+        if self._origin is not None:
+            self._origin._next_fit_pass = self.iteration + 1
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None

@@ -62,8 +62,9 @@ def sync_logs(model: Any, flags: list[float] | None = None) -> tuple[dict[str, f
 class _PreemptionWatch:
     """SIGTERM sets a flag; the loop shares it with every replica at the next step boundary."""
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, context: dict[str, Any]) -> None:
         self.requested = False
+        self._context = context
         self._previous: Any = None
         if enabled:
             try:
@@ -73,6 +74,9 @@ class _PreemptionWatch:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.requested = True
+        # If a peer died and the launcher is stopping the group, a broken collective should end
+        # this worker at once rather than wait for the heartbeat to name the peer.
+        self._context["terminating"] = True
 
     def close(self) -> None:
         if self._previous is not None:
@@ -96,9 +100,9 @@ def run_fit(model: Any, *, x: Any, y: Any, batch_size: Any, epochs: Any, verbose
         loop = model.loop_state
         loop.epoch, loop.step = initial_epoch, 0
         model.stop_training = False
-        preemption = _PreemptionWatch(any(getattr(c, "handles_preemption", False) for c in cbs))
-        model.fit_context = {"data": data, "callbacks": cbs, "loop": loop}
         context = getattr(strategy, "failure_context", {})
+        preemption = _PreemptionWatch(any(getattr(c, "handles_preemption", False) for c in cbs), context)
+        model.fit_context = {"data": data, "callbacks": cbs, "loop": loop}
         logs: dict[str, float] = {}
         epoch_logs: dict[str, float] = {}
         try:

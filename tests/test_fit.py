@@ -235,3 +235,26 @@ def test_model_checkpoint_and_make_or_restore_model(digits, tmp_path):
     restored = make_or_restore_model()
     np.testing.assert_array_equal(restored.predict(x[:50], verbose=0), model.predict(x[:50], verbose=0))
     assert restored.optimizer.get_config()["learning_rate"] == pytest.approx(0.001)
+
+
+def test_repeated_fit_calls_continue_with_fresh_passes(digits):
+    """Like a new tf.data iterator, a second fit() on the same dataset does not replay its batches."""
+    (x, y), _ = digits
+    seen = []
+
+    class Spy(mf.Model):
+        def train_step(self, data, loss_scale=1.0):
+            seen.append(data[1].clone())
+            super().train_step(data, loss_scale)
+
+    model = Spy(mlp())
+    model.compile("sgd", mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    ds = mf.data.Dataset.from_tensor_slices((x[:64], y[:64])).shuffle(64, seed=0).repeat().batch(16)
+    model.fit(ds, epochs=1, steps_per_epoch=2, verbose=0)
+    model.fit(ds, epochs=1, steps_per_epoch=2, verbose=0)
+    assert not torch.equal(seen[0], seen[2])
+    finite = mf.data.Dataset.from_tensor_slices((x[:32], y[:32])).shuffle(32, seed=0).batch(32)
+    seen.clear()
+    model.fit(finite, epochs=1, verbose=0)
+    model.fit(finite, epochs=1, verbose=0)
+    assert not torch.equal(seen[0], seen[1]) and sorted(seen[0].tolist()) == sorted(seen[1].tolist())

@@ -353,7 +353,9 @@ class Repeat(Dataset):
             return index, iteration
         if n == 0:
             raise StopIteration
-        passes = 0 if self.count is None else iteration * self.count
+        # Pass ``iteration`` of a finite repeat covers inner passes ``[iteration*count, ...)``; passes
+        # of an infinite one are kept apart by a large stride.
+        passes = iteration * (2**32 if self.count is None else self.count)
         return index % n, passes + index // n
 
     def _get(self, index: int, iteration: int) -> Any:

@@ -160,7 +160,7 @@ class CollectiveStrategy(Strategy):
             except (RuntimeError, dist.DistBackendError) as error:
                 from meshfit.distribute._heartbeat import PeerFailureError
 
-                if isinstance(error, PeerFailureError):
+                if isinstance(error, PeerFailureError) or self.failure_context.get("terminating"):
                     raise
                 failure = self._heartbeat.wait_for_failure(self.communication_options.heartbeat_timeout_seconds + 2)
                 if failure is not None:
