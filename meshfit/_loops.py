@@ -233,8 +233,8 @@ def run_predict(model: Any, *, x: Any, batch_size: Any, verbose: Any, steps: Any
             data.close()
         cbs.on_predict_end()
         policy = getattr(data.source, "policy", None)
-        if strategy.num_replicas_in_sync > 1 and getattr(policy, "name", "DATA") != "OFF" \
-                or hasattr(data.source, "context"):
+        replicas_differ = getattr(policy, "name", "DATA") != "OFF" or hasattr(data.source, "context")
+        if strategy.num_replicas_in_sync > 1 and replicas_differ:
             by_replica = strategy.all_gather_object(outputs)
             outputs = [part for step in range(len(outputs)) for part in (r[step] for r in by_replica)]
     return _concatenate(outputs)
