@@ -323,8 +323,11 @@ def _write(tensors: dict[str, torch.Tensor], tmp: str, group: Any, distributed: 
     before the rename). A write failure on any rank raises on every rank.
     """
     try:
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+        planner = DefaultSavePlanner(enable_plan_caching=True)
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), process_group=group,
-                 no_dist=not distributed)
+                 no_dist=not distributed, planner=planner)
     except BaseException as error:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)

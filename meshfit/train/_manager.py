@@ -203,7 +203,8 @@ class CheckpointManager:
         if rank != 0:
             return
         for old in doomed:
-            _best_effort(lambda old=old: _storage.remove_tree(old), f"delete old checkpoint {old!r}")
+            _best_effort(lambda old=old: _storage.remove_tree(old, background=True),
+                         f"delete old checkpoint {old!r}")
         state = {"latest_checkpoint": os.path.basename(path),
                  "all_checkpoints": [os.path.basename(p) for p in kept]}
         _best_effort(lambda: atomic_write_json(os.path.join(self._directory, STATE_FILE_NAME), state),

@@ -8,6 +8,7 @@ import pathlib
 import pickle
 import re
 import shutil
+import threading
 from typing import Any
 
 import torch
@@ -26,15 +27,22 @@ _NUMBERED = re.compile(r"^(?P<name>.+)-(?P<number>\d+)$")
 
 # --- files -------------------------------------------------------------------------------------
 
-def remove_tree(path: str) -> None:
-    """Delete a checkpoint directory so that no crash leaves a half-deleted one that looks complete."""
+def remove_tree(path: str, background: bool = False) -> None:
+    """Delete a checkpoint directory so that no crash leaves a half-deleted one that looks complete.
+
+    The rename to ``<path>.deleting`` is the commit; with ``background`` the files are then removed
+    on a thread, off the training step's critical path (readers ignore ``.deleting`` folders).
+    """
     if not os.path.lexists(path):
         return
     doomed = path + ".deleting"
     if os.path.lexists(doomed):
         shutil.rmtree(doomed, ignore_errors=True)
     os.replace(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+    if background:
+        threading.Thread(target=shutil.rmtree, args=(doomed, True), name="meshfit-prune").start()
+    else:
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def publish_directory(tmp: str, final: str) -> None:
