@@ -12,10 +12,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshfit.data._dataset import Dataset, Shuffle
+from meshfit.data._dataset import Dataset
 from meshfit.data._prefetch import Prefetcher
 from meshfit.data._sources import TorchMapDataset
 from meshfit.data._structure import batch_size_of, to_tensor
+from meshfit.data._transforms import Shuffle
 from meshfit.distribute._distributed_dataset import DistributedDataset
 
 

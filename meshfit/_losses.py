@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshfit._serialization import describe, rebuild
+
 EPSILON = 1e-7
 REDUCTIONS = ("sum_over_batch_size", "sum", "none")
 
@@ -421,10 +423,7 @@ def serialize(loss: str | Loss | nn.Module | Callable[..., Any]) -> dict[str, An
         The dict, or `None` when the loss cannot be rebuilt from a description (torch loss modules,
         callables, user-defined `Loss` subclasses).
     """
-    resolved = get(loss)
-    if _CLASSES.get(type(resolved).__name__) is not type(resolved):
-        return None
-    return {"class_name": type(resolved).__name__, "config": resolved.get_config()}
+    return describe(get(loss), _CLASSES)
 
 
 def deserialize(config: dict[str, Any], custom_objects: dict[str, type[Loss]] | None = None) -> Loss:
@@ -440,14 +439,4 @@ def deserialize(config: dict[str, Any], custom_objects: dict[str, type[Loss]] | 
     Raises:
         ValueError: If the class name is unknown or the dict is malformed.
     """
-    classes = {**_CLASSES, **(custom_objects or {})}
-    if not isinstance(config, dict) or "class_name" not in config:
-        raise ValueError(
-            f"Invalid `config`: expected {{'class_name': ..., 'config': ...}}, received config={config!r}."
-        )
-    cls = classes.get(config["class_name"])
-    if cls is None:
-        raise ValueError(
-            f"Invalid `class_name`: expected one of {sorted(classes)}, received class_name={config['class_name']!r}."
-        )
-    return cls.from_config(dict(config.get("config") or {}))
+    return rebuild(config, _CLASSES, custom_objects)

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch.nn.parameter import is_lazy
 
+from meshfit._serialization import describe, rebuild
+
 
 def _check_number(name: str, value: Any, rule: tuple[str, Callable[[float], bool]]) -> float:
     expected, ok = rule
@@ -408,10 +410,7 @@ def serialize(optimizer: str | Optimizer | torch.optim.Optimizer) -> dict[str, A
     Returns:
         The dict, or `None` for wrapped torch optimizers and user-defined subclasses.
     """
-    resolved = get(optimizer)
-    if _CLASSES.get(type(resolved).__name__) is not type(resolved):
-        return None
-    return {"class_name": type(resolved).__name__, "config": resolved.get_config()}
+    return describe(get(optimizer), _CLASSES)
 
 
 def deserialize(
@@ -429,14 +428,4 @@ def deserialize(
     Raises:
         ValueError: If the class name is unknown or the dict is malformed.
     """
-    classes = {**_CLASSES, **(custom_objects or {})}
-    if not isinstance(config, dict) or "class_name" not in config:
-        raise ValueError(
-            f"Invalid `config`: expected {{'class_name': ..., 'config': ...}}, received config={config!r}."
-        )
-    cls = classes.get(config["class_name"])
-    if cls is None:
-        raise ValueError(
-            f"Invalid `class_name`: expected one of {sorted(classes)}, received class_name={config['class_name']!r}."
-        )
-    return cls.from_config(dict(config.get("config") or {}))
+    return rebuild(config, _CLASSES, custom_objects)

@@ -23,6 +23,7 @@ from meshfit.data import (
     _prefetch,
     _sources,
     _structure,
+    _transforms,
 )
 
 
@@ -474,7 +475,7 @@ def test_iteration_selects_the_pass_of_a_finite_pipeline():
 
 def test_docstring_examples_pass():
     attempted = 0
-    for module in (meshfit.data, _dataset, _options, _prefetch, _sources, _structure):
+    for module in (meshfit.data, _dataset, _options, _prefetch, _sources, _structure, _transforms):
         result = doctest.testmod(module, verbose=False, report=False)
         assert result.failed == 0, f"{module.__name__}: {result.failed} doctest failures"
         attempted += result.attempted

@@ -17,10 +17,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from meshfit.data._dataset import Batch, Dataset, Prefetch, Skip, Take
+from meshfit.data._dataset import Dataset
 from meshfit.data._options import AutoShardPolicy, Options
 from meshfit.data._sources import Files
 from meshfit.data._structure import batch_size_of, slice_rows
+from meshfit.data._transforms import Batch, Prefetch, Skip, Take
 
 
 def _top_batch(dataset: Dataset) -> Batch | None:

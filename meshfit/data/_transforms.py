@@ -1,0 +1,266 @@
+"""The transformation nodes of a `Dataset` pipeline: each computes its element ``i`` of pass ``t``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from meshfit.data._dataset import AUTOTUNE, Dataset
+from meshfit.data._structure import stack
+
+
+def _check_positive_int(name: str, value: Any, allow: tuple = ()) -> None:
+    if value in allow:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"Invalid `{name}`: expected a positive int, received {name}={value!r}.")
+
+
+class Shuffle(Dataset):
+    """Emulates ``tf.data``'s buffer shuffle with a generator seeded by (seed, iteration)."""
+
+    def __init__(self, inner: Dataset, buffer_size: int, seed: int | None, reshuffle: bool) -> None:
+        _check_positive_int("buffer_size", buffer_size)
+        if seed is None:
+            seed = _unseeded_shuffle_seed()
+        self._inner, self.buffer_size, self.seed, self.reshuffle = inner, int(buffer_size), int(seed), reshuffle
+        self._cache: tuple[int, np.ndarray] | None = None
+
+    def _length(self) -> int | None:
+        return self._inner._length()
+
+    def _replace_inner(self, inner: Dataset) -> Dataset:
+        clone = super()._replace_inner(inner)
+        clone._cache = None  # the permutation was drawn for the old input's length
+        return clone
+
+    def _permutation(self, iteration: int) -> np.ndarray:
+        it = iteration if self.reshuffle else 0
+        cached = self._cache  # read once: a prefetch thread may replace it concurrently
+        if cached is None or cached[0] != it:
+            n = self._length()
+            rng = np.random.default_rng([self.seed, it])
+            cached = (it, _buffer_permutation(n, self.buffer_size, rng))
+            self._cache = cached
+        return cached[1]
+
+    def _source_index(self, index: int, iteration: int) -> int:
+        if self._length() is None:  # infinite input: shuffle within consecutive windows
+            window, offset = divmod(index, self.buffer_size)
+            it = iteration if self.reshuffle else 0
+            perm = np.random.default_rng([self.seed, it, window]).permutation(self.buffer_size)
+            return window * self.buffer_size + int(perm[offset])
+        return int(self._permutation(iteration)[index])
+
+    def _get(self, index: int, iteration: int) -> Any:
+        return self._inner._get(self._source_index(index, iteration), iteration)
+
+    def _gather(self, indices: np.ndarray, iteration: int) -> Any:
+        if self._length() is None:
+            source = np.array([self._source_index(int(i), iteration) for i in indices], dtype=np.int64)
+        else:
+            source = self._permutation(iteration)[indices]
+        return self._inner._gather(source, iteration)
+
+
+_UNSEEDED = [0]
+
+
+def _unseeded_shuffle_seed() -> int:
+    """A seed for ``shuffle(seed=None)``: from torch's initial seed and a per-process counter."""
+    import torch
+
+    _UNSEEDED[0] += 1
+    return int(np.random.SeedSequence([torch.initial_seed() % 2**63, _UNSEEDED[0]]).generate_state(1)[0])
+
+
+def _buffer_permutation(n: int, buffer_size: int, rng: np.random.Generator) -> np.ndarray:
+    """The order a ``buffer_size`` shuffle buffer emits ``0..n-1`` in, for random draws from ``rng``."""
+    if buffer_size >= n:
+        return rng.permutation(n)
+    draws = rng.random(n)
+    buffer = list(range(buffer_size))
+    out = np.empty(n, dtype=np.int64)
+    upcoming = buffer_size
+    for k in range(n):
+        slot = int(draws[k] * len(buffer))
+        out[k] = buffer[slot]
+        if upcoming < n:
+            buffer[slot] = upcoming
+            upcoming += 1
+        else:
+            buffer[slot] = buffer[-1]
+            buffer.pop()
+    return out
+
+
+class Repeat(Dataset):
+    def __init__(self, inner: Dataset, count: int | None) -> None:
+        if count is not None and count != -1:
+            _check_positive_int("count", count)
+        self._inner, self.count = inner, None if count in (None, -1) else int(count)
+
+    def _length(self) -> int | None:
+        n = self._inner._length()
+        if n is None or self.count is None:
+            return None
+        return n * self.count
+
+    def _locate(self, index: int, iteration: int) -> tuple[int, int]:
+        n = self._inner._length()
+        if n is None:
+            return index, iteration
+        if n == 0:
+            raise StopIteration
+        # Pass ``iteration`` of a finite repeat covers inner passes ``[iteration*count, ...)``; passes
+        # of an infinite one are kept apart by a large stride.
+        passes = iteration * (2**32 if self.count is None else self.count)
+        return index % n, passes + index // n
+
+    def _get(self, index: int, iteration: int) -> Any:
+        return self._inner._get(*self._locate(index, iteration))
+
+    def _gather(self, indices: np.ndarray, iteration: int) -> Any:
+        located = [self._locate(int(i), iteration) for i in indices]
+        if len({t for _, t in located}) == 1:
+            return self._inner._gather(np.array([i for i, _ in located], dtype=np.int64), located[0][1])
+        return stack([self._inner._get(i, t) for i, t in located])
+
+
+class Batch(Dataset):
+    def __init__(self, inner: Dataset, batch_size: int, drop_remainder: bool) -> None:
+        _check_positive_int("batch_size", batch_size)
+        self._inner, self.batch_size, self.drop_remainder = inner, int(batch_size), bool(drop_remainder)
+
+    def _length(self) -> int | None:
+        n = self._inner._length()
+        if n is None:
+            return None
+        return n // self.batch_size if self.drop_remainder else -(-n // self.batch_size)
+
+    def rows(self, index: int) -> tuple[int, int]:
+        """The example range ``[start, stop)`` of batch ``index``."""
+        start = index * self.batch_size
+        n = self._inner._length()
+        stop = start + self.batch_size if n is None else min(start + self.batch_size, n)
+        return start, stop
+
+    def _get(self, index: int, iteration: int) -> Any:
+        length = self._length()
+        if length is not None and index >= length:
+            raise IndexError(index)
+        start, stop = self.rows(index)
+        return self._inner._gather(np.arange(start, stop, dtype=np.int64), iteration)
+
+    def get_rows(self, index: int, iteration: int, start: int, stop: int) -> Any:
+        """Rows ``[start, stop)`` (relative) of batch ``index``, computing only those."""
+        first, last = self.rows(index)
+        lo, hi = min(first + start, last), min(first + stop, last)
+        return self._inner._gather(np.arange(lo, hi, dtype=np.int64), iteration)
+
+
+class Map(Dataset):
+    def __init__(self, inner: Dataset, fn: Callable[..., Any]) -> None:
+        if not callable(fn):
+            raise TypeError(f"Invalid `map_func`: expected a callable, received {fn!r}.")
+        self._inner, self.fn = inner, fn
+
+    def _length(self) -> int | None:
+        return self._inner._length()
+
+    def _get(self, index: int, iteration: int) -> Any:
+        element = self._inner._get(index, iteration)
+        return self.fn(*element) if isinstance(element, tuple) else self.fn(element)
+
+
+class Cache(Dataset):
+    def __init__(self, inner: Dataset) -> None:
+        self._inner, self._store = inner, {}
+
+    def _replace_inner(self, inner: Dataset) -> Dataset:
+        clone = super()._replace_inner(inner)
+        clone._store = {}  # the cached elements are the old input's, not the new one's
+        return clone
+
+    def _length(self) -> int | None:
+        return self._inner._length()
+
+    def _get(self, index: int, iteration: int) -> Any:
+        if index not in self._store:
+            self._store[index] = self._inner._get(index, 0)
+        return self._store[index]
+
+
+class Prefetch(Dataset):
+    def __init__(self, inner: Dataset, buffer_size: int) -> None:
+        _check_positive_int("buffer_size", buffer_size, allow=(AUTOTUNE,))
+        self._inner, self.buffer_size = inner, 2 if buffer_size == AUTOTUNE else int(buffer_size)
+
+    def _length(self) -> int | None:
+        return self._inner._length()
+
+    def _get(self, index: int, iteration: int) -> Any:
+        return self._inner._get(index, iteration)
+
+    def _gather(self, indices: np.ndarray, iteration: int) -> Any:
+        return self._inner._gather(indices, iteration)
+
+    def _prefetch_size(self) -> int:
+        return max(self.buffer_size, self._inner._prefetch_size())
+
+
+class Shard(Dataset):
+    def __init__(self, inner: Dataset, num_shards: int, index: int) -> None:
+        _check_positive_int("num_shards", num_shards)
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < num_shards:
+            raise ValueError(f"Invalid `index`: expected 0 <= index < num_shards={num_shards}, "
+                             f"received index={index!r}.")
+        self._inner, self.num_shards, self.index = inner, int(num_shards), int(index)
+
+    def _length(self) -> int | None:
+        n = self._inner._length()
+        return None if n is None else max(0, -(-(n - self.index) // self.num_shards))
+
+    def _get(self, index: int, iteration: int) -> Any:
+        return self._inner._get(self.index + index * self.num_shards, iteration)
+
+    def _gather(self, indices: np.ndarray, iteration: int) -> Any:
+        return self._inner._gather(self.index + indices * self.num_shards, iteration)
+
+
+class Take(Dataset):
+    def __init__(self, inner: Dataset, count: int) -> None:
+        if isinstance(count, bool) or not isinstance(count, int) or count < -1:
+            raise ValueError(f"Invalid `count`: expected an int >= -1, received count={count!r}.")
+        self._inner, self.count = inner, count
+
+    def _length(self) -> int | None:
+        n = self._inner._length()
+        if self.count == -1:
+            return n
+        return self.count if n is None else min(n, self.count)
+
+    def _get(self, index: int, iteration: int) -> Any:
+        return self._inner._get(index, iteration)
+
+    def _gather(self, indices: np.ndarray, iteration: int) -> Any:
+        return self._inner._gather(indices, iteration)
+
+
+class Skip(Dataset):
+    def __init__(self, inner: Dataset, count: int) -> None:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"Invalid `count`: expected an int >= 0, received count={count!r}.")
+        self._inner, self.count = inner, count
+
+    def _length(self) -> int | None:
+        n = self._inner._length()
+        return None if n is None else max(0, n - self.count)
+
+    def _get(self, index: int, iteration: int) -> Any:
+        return self._inner._get(index + self.count, iteration)
+
+    def _gather(self, indices: np.ndarray, iteration: int) -> Any:
+        return self._inner._gather(indices + self.count, iteration)
