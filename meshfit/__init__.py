@@ -8,6 +8,7 @@ Importing meshfit has no side effects: no environment changes, log handlers or p
 from meshfit import callbacks, cluster, data, datasets, distribute, losses, metrics, optimizers
 from meshfit._model import Model
 from meshfit._saving import load_model
+from meshfit._sidecar import SidecarEvaluator
 from meshfit.distribute import (
     CommunicationImplementation,
     CommunicationOptions,
@@ -32,6 +33,7 @@ __all__ = [
     "OneDeviceStrategy",
     "PeerFailureError",
     "ReduceOp",
+    "SidecarEvaluator",
     "callbacks",
     "cluster",
     "data",

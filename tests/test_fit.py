@@ -258,3 +258,20 @@ def test_repeated_fit_calls_continue_with_fresh_passes(digits):
     model.fit(finite, epochs=1, verbose=0)
     model.fit(finite, epochs=1, verbose=0)
     assert not torch.equal(seen[0], seen[1]) and sorted(seen[0].tolist()) == sorted(seen[1].tolist())
+
+
+def test_sidecar_evaluator_evaluates_the_checkpoints_training_writes(digits, tmp_path):
+    (x, y), (xt, yt) = digits
+    checkpoint_dir = str(tmp_path / "ckpts")
+    model = mf.Model(mlp())
+    model.compile("adam", mf.losses.SparseCategoricalCrossentropy(from_logits=True), ["accuracy"])
+    saver = mf.callbacks.ModelCheckpoint(checkpoint_dir + "/ckpt-{epoch}", save_freq="epoch")
+    model.fit(x[:256], y[:256], batch_size=64, epochs=2, verbose=0, callbacks=[saver])
+    evaluator_model = mf.Model(mlp(seed=9))
+    evaluator_model.compile("sgd", mf.losses.SparseCategoricalCrossentropy(from_logits=True), ["accuracy"])
+    evaluator = mf.SidecarEvaluator(evaluator_model, (xt, yt), checkpoint_dir, max_evaluations=1, poll_interval=0.05)
+    (path, logs), = evaluator.start()
+    assert path.endswith("ckpt-2")  # the newest save
+    assert logs == model.evaluate(xt, yt, verbose=0, return_dict=True)
+    with pytest.raises(ValueError, match="max_evaluations=0"):
+        mf.SidecarEvaluator(evaluator_model, (xt, yt), checkpoint_dir, max_evaluations=0)
