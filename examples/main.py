@@ -7,7 +7,8 @@ Run on two workers, as in the tutorial, each with its own ``TF_CONFIG``::
     TF_CONFIG='{"cluster": {"worker": ["localhost:12345", "localhost:23456"]}, "task": {"type": "worker", "index": 1}}' \\
         python examples/main.py
 
-or in one command: ``meshfit launch --workers 2 examples/main.py``. Pass ``--mnist path/to/mnist.npz``
+or in one command: ``meshfit launch --workers 2 examples/main.py``; add ``--evaluator`` for an
+``evaluator`` task that evaluates each checkpoint the workers save (``mf.SidecarEvaluator``). Pass ``--mnist path/to/mnist.npz``
 to train on MNIST (Keras's file layout); without it, scikit-learn's bundled digits resized to 28x28.
 """
 
@@ -44,16 +45,25 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mnist", default=None, help="path to a local mnist.npz")
     parser.add_argument("--backup-dir", default="/tmp/meshfit-example-backup")
+    parser.add_argument("--checkpoint-dir", default="/tmp/meshfit-example-checkpoints")
     args = parser.parse_args()
     per_worker_batch_size = 64
     tf_config = json.loads(os.environ.get("TF_CONFIG", '{"cluster": {"worker": ["localhost:0"]}}'))
     num_workers = len(tf_config["cluster"]["worker"])
     strategy = mf.MultiWorkerMirroredStrategy()
+    resolver = strategy.cluster_resolver
+    if resolver is not None and resolver.task_type == "evaluator":
+        with strategy.scope():
+            model = build_and_compile_cnn_model()
+        evaluation_data = mnist_dataset(256, args.mnist)
+        mf.SidecarEvaluator(model, evaluation_data, args.checkpoint_dir, steps=4, max_evaluations=3).start()
+        return
     multi_worker_dataset = mnist_dataset(per_worker_batch_size * num_workers, args.mnist)
     with strategy.scope():
         multi_worker_model = build_and_compile_cnn_model()
-    multi_worker_model.fit(multi_worker_dataset, epochs=3, steps_per_epoch=70,
-                           callbacks=[mf.callbacks.BackupAndRestore(backup_dir=args.backup_dir)])
+    callbacks = [mf.callbacks.BackupAndRestore(backup_dir=args.backup_dir),
+                 mf.callbacks.ModelCheckpoint(os.path.join(args.checkpoint_dir, "ckpt-{epoch}"))]
+    multi_worker_model.fit(multi_worker_dataset, epochs=3, steps_per_epoch=70, callbacks=callbacks)
 
 
 if __name__ == "__main__":
