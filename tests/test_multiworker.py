@@ -210,3 +210,14 @@ def test_the_same_script_under_torchrun(tmp_path):
     assert "rank 1 of 2 done" in output
     for a, b in zip(_load(out, 0), _load(out, 1)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_launch_with_an_evaluator_task_evaluates_every_checkpoint(tmp_path):
+    out, checkpoints = str(tmp_path / "out"), str(tmp_path / "ckpts")
+    proc = start(["-m", "meshfit._cli", "launch", "--workers", "2", "--evaluator", SCRIPT, "--out", out,
+                  "--epochs", "2", "--steps", "3", "--checkpoint-dir", checkpoints], child_env())
+    code, output = finish(proc, timeout=180)
+    assert code == 0, output
+    assert "[evaluator 0] SidecarEvaluator: ckpt-" in output, output
+    assert "[evaluator 0] evaluated" in output and "ckpt-2" in output.split("[evaluator 0] evaluated")[1]
+    assert sorted(os.listdir(checkpoints)) == ["ckpt-1", "ckpt-2"]  # one copy each, from all workers

@@ -58,6 +58,17 @@ class RecordingModel(mf.Model):
             self.record.flush()
 
 
+def run_evaluator(args) -> None:
+    """The evaluator task: evaluate each checkpoint the workers save, then report them."""
+    (_, _), (x_test, y_test) = mf.datasets.load_digits()
+    model = mf.Model(build_module())
+    model.compile("sgd", mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    evaluator = mf.SidecarEvaluator(model, (x_test, y_test), args.checkpoint_dir,
+                                    max_evaluations=args.epochs, timeout=15, poll_interval=0.1)
+    results = evaluator.start()
+    print("evaluated " + " ".join(os.path.basename(path) for path, _ in results), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", default="multiworker", choices=["multiworker", "mirrored", "one"])
@@ -77,6 +88,7 @@ def main() -> None:
     parser.add_argument("--term-at", type=int, default=-1)
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--heartbeat", type=float, default=4.0)
+    parser.add_argument("--checkpoint-dir", default=None)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
@@ -88,6 +100,10 @@ def main() -> None:
     else:
         strategy = mf.OneDeviceStrategy("cpu")
     rank = strategy.replica_id
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is not None and resolver.task_type == "evaluator":
+        run_evaluator(args)
+        return
     (x, y), _ = mf.datasets.load_digits()
     x, y = x[: args.examples], y[: args.examples]
     ids = np.arange(len(x), dtype=np.int64)
@@ -107,6 +123,8 @@ def main() -> None:
         callbacks.insert(0, mf.callbacks.BackupAndRestore(args.backup_dir, save_freq=save_freq,
                                                           delete_checkpoint=not args.keep_backup,
                                                           async_save=args.async_save))
+    if args.checkpoint_dir:
+        callbacks.append(mf.callbacks.ModelCheckpoint(os.path.join(args.checkpoint_dir, "ckpt-{epoch}")))
     model.fit(dataset, epochs=args.epochs, steps_per_epoch=steps, callbacks=callbacks, verbose=2)
     weights = {f"w{i}": w for i, w in enumerate(model.get_weights())}
     np.savez(os.path.join(args.out, f"weights-{rank}.npz"), **weights)
