@@ -13,10 +13,10 @@ import numpy as np
 import torch
 
 from meshfit.data._dataset import Dataset
+from meshfit.data._options import AutoShardPolicy
 from meshfit.data._prefetch import Prefetcher
 from meshfit.data._sources import TorchMapDataset
 from meshfit.data._structure import batch_size_of, to_tensor
-from meshfit.data._transforms import Shuffle
 from meshfit.distribute._distributed_dataset import DistributedDataset
 
 
@@ -41,6 +41,7 @@ class _StreamSource:
         self.loader, self.num_replicas, self.replica_id = loader, strategy.num_replicas_in_sync, strategy.replica_id
         self._iterator: Iterator[Any] | None = None
         self._at: tuple[int, int] = (-1, -1)
+        self._last: tuple[tuple[int, int], tuple[Any, int]] | None = None
 
     def length(self) -> int | None:
         try:
@@ -49,6 +50,13 @@ class _StreamSource:
             return None
 
     def replica_batch(self, index: int, iteration: int) -> tuple[Any, int]:
+        if self._last is not None and self._last[0] == (iteration, index):
+            return self._last[1]  # peeked (to build the model): a one-shot iterable can't replay it
+        result = self._read(index, iteration)
+        self._last = ((iteration, index), result)
+        return result
+
+    def _read(self, index: int, iteration: int) -> tuple[Any, int]:
         if self._iterator is None or self._at != (iteration, index):
             self._iterator, skip = iter(self.loader), index
             for _ in range(skip):
@@ -84,9 +92,10 @@ class DataHandler:
     def __init__(self, x: Any, y: Any, sample_weight: Any, batch_size: int | None, steps: int | None,
                  shuffle: bool, strategy: Any, argument: str = "steps_per_epoch") -> None:
         self.strategy = strategy
-        # Like a fresh tf.data iterator, each fit() on the same Dataset object starts a new pass
+        # Like a fresh tf.data iterator, each fit() on the same dataset object starts a new pass
         # (reshuffled) instead of replaying the batches the previous call trained on.
-        self._origin = x if isinstance(x, Dataset) and argument == "steps_per_epoch" else None
+        training = argument == "steps_per_epoch"
+        self._origin = x if training and isinstance(x, (Dataset, DistributedDataset)) else None
         self.source = self._adapt(x, y, sample_weight, batch_size, shuffle)
         length = self.source.length()
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0):
@@ -98,7 +107,8 @@ class DataHandler:
             raise ValueError("The input data is empty: it yields no batch.")
         self.steps = steps if steps is not None else length
         self._length = length
-        self.iteration, self.index = getattr(self._origin, "_next_fit_pass", 0), 0
+        self.iteration, self.index = (self._origin._start_pass() if self._origin is not None else 0), 0
+        self._check_same_length_everywhere(length, steps, argument)
         self._prefetcher: Prefetcher | None = None
         self._prefetch_from: tuple[int, int] | None = None
 
@@ -150,13 +160,21 @@ class DataHandler:
             raise ValueError(f"Invalid `batch_size`: a {kind} is already batched; pass batch_size=None.")
 
     def _distribute(self, dataset: Dataset) -> DistributedDataset:
-        if self.strategy.num_replicas_in_sync > 1:
-            shuffles = [node for node in dataset._nodes() if isinstance(node, Shuffle)]
-            seeds = self.strategy.broadcast_object([node.seed for node in shuffles])
-            for node, seed in zip(shuffles, seeds):
-                if node.seed != seed:
-                    node.seed, node._cache = seed, None
         return self.strategy.experimental_distribute_dataset(dataset)
+
+    def _check_same_length_everywhere(self, length: int | None, steps: int | None, argument: str) -> None:
+        """Replicas that read their own pipelines (FILE, OFF, per-replica functions, loaders) must
+        agree on the number of steps, or the ones that run out first leave the others waiting."""
+        if self.strategy.num_replicas_in_sync == 1 or steps is not None:
+            return
+        if getattr(self.source, "policy", None) is AutoShardPolicy.DATA:
+            return
+        lengths = self.strategy.all_gather_object(length)
+        if len(set(lengths)) > 1:
+            listing = ", ".join(f"replica {r}: {n}" for r, n in enumerate(lengths))
+            raise ValueError(f"The replicas' input pipelines have different numbers of batches ({listing}), "
+                             f"so they would not take the same steps. Pass `{argument}` (and .repeat() the "
+                             "data), or balance the files across workers.")
 
     # ---- iteration -----------------------------------------------------------------------
     def _normalized(self) -> tuple[int, int]:
@@ -198,7 +216,7 @@ class DataHandler:
 
     def close(self) -> None:
         if self._origin is not None:
-            self._origin._next_fit_pass = self.iteration + 1
+            self._origin._next_pass = max(self._origin._next_pass, self.iteration + 1)
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None

@@ -119,21 +119,26 @@ def run_fit(model: Any, *, x: Any, y: Any, batch_size: Any, epochs: Any, verbose
                     cbs.on_train_batch_begin(step)
                     strategy.check_alive()
                     batch, global_size = data.next_batch()
-                    local = batch_size_of(batch)
-                    model.train_step(model._to_device(batch),
-                                     loss_scale=local * strategy.num_replicas_in_sync / global_size)
+                    model.loss_scale = batch_size_of(batch) * strategy.num_replicas_in_sync / global_size
+                    returned = model.train_step(model._to_device(batch))
                     loop.step += 1
                     loop.iterations += 1
                     context["step"] = loop.iterations
                     logs, (preempt, stop) = sync_logs(model, [float(preemption.requested),
                                                               float(model.stop_training)])
-                    model.stop_training = stop > 0
+                    logs.update(_as_logs(returned))
+                    stop_agreed = stop > 0
+                    model.stop_training = stop_agreed
                     cbs.on_train_batch_end(step, logs)
                     if preempt > 0:
                         _stop_for_preemption(model, cbs)
-                    if model.stop_training:
+                    # A stop asked for in on_train_batch_end reaches the other replicas with the next
+                    # step's all-reduce; stopping on it alone here would leave them waiting.
+                    if stop_agreed or (model.stop_training and strategy.num_replicas_in_sync == 1):
                         break
-                epoch_logs = dict(logs)
+                # The epoch's metrics from their (possibly restored) accumulators, on every replica.
+                epoch_logs, _ = sync_logs(model)
+                epoch_logs.update({k: v for k, v in logs.items() if k not in epoch_logs})
                 if validation_data is not None and (epoch + 1) % validation_freq == 0:
                     val_x, val_y, val_w = _unpack_validation(validation_data)
                     val_logs = run_evaluate(model, x=val_x, y=val_y, sample_weight=val_w,
@@ -143,6 +148,7 @@ def run_fit(model: Any, *, x: Any, y: Any, batch_size: Any, epochs: Any, verbose
                 data.end_epoch()
                 loop.epoch, loop.step = epoch + 1, 0
                 cbs.on_epoch_end(epoch, epoch_logs)
+                model.stop_training = _agree(strategy, model.stop_training)
             cbs.on_train_end(epoch_logs or logs)
             strategy.barrier()
         finally:
@@ -151,6 +157,20 @@ def run_fit(model: Any, *, x: Any, y: Any, batch_size: Any, epochs: Any, verbose
             model.fit_context = {}
     model.history = cbs.history
     return cbs.history
+
+
+def _as_logs(returned: Any) -> dict[str, Any]:
+    """What a Keras-style ``train_step`` override returned, as log values."""
+    if not isinstance(returned, dict):
+        return {}
+    return {k: float(v) if isinstance(v, torch.Tensor) and v.numel() == 1 else v for k, v in returned.items()}
+
+
+def _agree(strategy: Any, flag: bool) -> bool:
+    """True on every replica when it is true on any (e.g. a chief-only callback stopped training)."""
+    if strategy.num_replicas_in_sync == 1:
+        return flag
+    return bool(strategy.all_reduce_sum(torch.tensor([float(flag)], dtype=torch.float64)).item() > 0)
 
 
 def _stop_for_preemption(model: Any, cbs: Any) -> None:
@@ -232,9 +252,7 @@ def run_predict(model: Any, *, x: Any, batch_size: Any, verbose: Any, steps: Any
             model.module.train(was_training)
             data.close()
         cbs.on_predict_end()
-        policy = getattr(data.source, "policy", None)
-        replicas_differ = getattr(policy, "name", "DATA") != "OFF" or hasattr(data.source, "context")
-        if strategy.num_replicas_in_sync > 1 and replicas_differ:
+        if strategy.num_replicas_in_sync > 1 and getattr(data.source, "replicas_read_different_rows", True):
             by_replica = strategy.all_gather_object(outputs)
             outputs = [part for step in range(len(outputs)) for part in (r[step] for r in by_replica)]
     return _concatenate(outputs)

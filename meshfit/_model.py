@@ -61,6 +61,9 @@ class Model:
         self._compile_config: dict[str, Any] | None = None
         self.loop_state = LoopState()
         self.fit_context: dict[str, Any] = {}
+        # Set by fit for each step: makes the all-reduced gradient that of the mean over the global
+        # batch when the replicas' shares of it differ in size (a last, partial batch).
+        self.loss_scale = 1.0
 
     # ---- compile -------------------------------------------------------------------------
     def compile(self, optimizer: Any = "rmsprop", loss: Any = None, metrics: list[Any] | None = None) -> None:
@@ -104,6 +107,8 @@ class Model:
     def build(self, sample_x: Any) -> None:
         """Materialise lazy modules with one forward pass, build the optimizer, wrap for the strategy."""
         if self._train_module is not None:
+            if self.optimizer is not None and not self.optimizer.built:  # compiled again after fit
+                self.optimizer.build(self.module.parameters())
             return
         self.module.to(self.strategy.device)
         if any(isinstance(p, nn.parameter.UninitializedParameter) for p in self.module.parameters()):
@@ -133,15 +138,15 @@ class Model:
         """The loss of one (per-replica) batch: the mean over its examples."""
         return self.loss(y, y_pred, sample_weight=sample_weight)
 
-    def train_step(self, data: Any, loss_scale: float = 1.0) -> None:
+    def train_step(self, data: Any) -> dict[str, Any] | None:
         """One optimisation step on this replica's batch; updates the metrics.
 
-        ``loss_scale`` makes the all-reduced gradient that of the mean over the global batch when the
-        replicas' shares differ in size (a last, partial batch).
+        Override it as in Keras (``y_pred = self(x)`` runs the strategy-wrapped module while
+        training). A returned dict is merged into the step's logs.
         """
         x, y, sample_weight = unpack_batch(data)
         self.optimizer.zero_grad(set_to_none=True)
-        y_pred = self._train_module(x)
+        y_pred = self(x)
         if batch_size_of(y_pred) == 0:
             # This replica's share of a last, small global batch is empty: it still joins the
             # gradient all-reduce (with zeros), so that every replica takes the same step.
@@ -149,9 +154,10 @@ class Model:
             self.optimizer.step()
             return
         loss = self.compute_loss(x, y, y_pred, sample_weight)
-        (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+        (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
         self.optimizer.step()
         self._update_metrics(loss, x, y, y_pred, sample_weight)
+        return None
 
     def test_step(self, data: Any) -> None:
         """One evaluation step on this replica's batch; updates the metrics."""
@@ -213,6 +219,10 @@ class Model:
         return run_predict(self, x=x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # While training (grad on, train mode) go through the strategy's wrapper (DDP), so that a
+        # Keras-style ``train_step`` override calling ``self(x)`` all-reduces its gradients.
+        if self._train_module is not None and self.module.training and torch.is_grad_enabled():
+            return self._train_module(*args, **kwargs)
         return self.module(*args, **kwargs)
 
     # ---- weights ---------------------------------------------------------------------------

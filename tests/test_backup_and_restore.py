@@ -189,3 +189,15 @@ def test_custom_loop_with_checkpoint_manager(tmp_path):
         assert torch.equal(a, b)
     with pytest.raises(FileNotFoundError, match="ckpt-9"):
         checkpoint.restore(str(tmp_path / "ckpts" / "ckpt-9"))
+
+
+def test_resume_from_a_backup_at_an_epochs_last_step_keeps_that_epochs_logs(data, tmp_path):
+    x, y = data
+    _, reference = fit(x, y, [], epochs=3, steps_per_epoch=4, repeat=True)
+    backup = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="Interruption"):
+        fit(x, y, [mf.callbacks.BackupAndRestore(backup, save_freq=4), InterruptAtStep(5)],
+            epochs=3, steps_per_epoch=4, repeat=True)
+    _, history = fit(x, y, [mf.callbacks.BackupAndRestore(backup, save_freq=4)], epochs=3, steps_per_epoch=4,
+                     repeat=True)
+    assert history.history == reference.history

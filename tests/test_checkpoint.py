@@ -343,3 +343,16 @@ def test_two_rank_save_restore_per_rank_state_and_restore_on_one_process(tmp_pat
     assert position.value == 101 and noise.tolist() == [0.0, 0.0, 0.0]
     torch.manual_seed(0)
     assert torch.equal(model.weight, torch.nn.Linear(3, 2).weight)
+
+
+def _save_to_different_paths(rank: int, world: int, root: str) -> str:
+    ckpt = Checkpoint(step=torch.tensor(rank))
+    with pytest.raises(ValueError, match="same path") as info:
+        ckpt.save(os.path.join(root, f"worker{rank}", "ckpt-1"))
+    return str(info.value)
+
+
+def test_ranks_saving_to_different_paths_is_an_error(tmp_path):
+    messages = run_distributed(_save_to_different_paths, world_size=2, args=(str(tmp_path),), timeout=120)
+    assert all("rank 0:" in m and "rank 1:" in m for m in messages)
+    assert latest_checkpoint(str(tmp_path / "worker0")) is None

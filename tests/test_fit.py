@@ -49,6 +49,7 @@ def test_fit_equals_hand_written_loop_bitwise(digits):
         loss.backward()
         opt.step()
 
+    ds = mf.data.Dataset.from_tensor_slices((x, y)).shuffle(256, seed=3).repeat().batch(32)  # its first pass
     torch.manual_seed(0)
     module = seed_cnn()
     torch.manual_seed(1)
@@ -243,9 +244,9 @@ def test_repeated_fit_calls_continue_with_fresh_passes(digits):
     seen = []
 
     class Spy(mf.Model):
-        def train_step(self, data, loss_scale=1.0):
+        def train_step(self, data):
             seen.append(data[1].clone())
-            super().train_step(data, loss_scale)
+            super().train_step(data)
 
     model = Spy(mlp())
     model.compile("sgd", mf.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -275,3 +276,51 @@ def test_sidecar_evaluator_evaluates_the_checkpoints_training_writes(digits, tmp
     assert logs == model.evaluate(xt, yt, verbose=0, return_dict=True)
     with pytest.raises(ValueError, match="max_evaluations=0"):
         mf.SidecarEvaluator(evaluator_model, (xt, yt), checkpoint_dir, max_evaluations=0)
+
+
+def test_generator_input_keeps_its_first_batch_and_recompile_after_fit(digits):
+    (x, y), _ = digits
+    seen = []
+
+    class Spy(mf.Model):
+        def train_step(self, data):
+            seen.append(int(data[1][0]))
+            return super().train_step(data)
+
+    def batches():
+        for i in range(4):
+            yield torch.from_numpy(x[i * 8:(i + 1) * 8]), torch.full((8,), i)
+
+    model = Spy(mlp())
+    model.compile("sgd", mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(batches(), steps_per_epoch=3, verbose=0)
+    assert seen == [0, 1, 2]
+    model.compile("adam", mf.losses.SparseCategoricalCrossentropy(from_logits=True))  # again, after fit
+    history = model.fit(x[:64], y[:64], batch_size=32, verbose=0)
+    assert model.optimizer.built and len(history.history["loss"]) == 1
+
+
+def test_new_iterators_reshuffle_like_tf_data():
+    ds = mf.data.Dataset.range(8).shuffle(8, seed=1)
+    first, second = [int(v) for v in ds], [int(v) for v in ds]
+    assert sorted(first) == sorted(second) == list(range(8)) and first != second
+    again = mf.data.Dataset.range(8).shuffle(8, seed=1)
+    assert [int(v) for v in again] == first  # a new pipeline object starts at the first pass again
+
+
+def test_keras_style_train_step_override_returns_logs(digits):
+    (x, y), _ = digits
+
+    class Custom(mf.Model):
+        def train_step(self, data):
+            x, y = data
+            self.optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(self(x), y)
+            loss.backward()
+            self.optimizer.step()
+            return {"my_loss": loss.detach()}
+
+    model = Custom(mlp())
+    model.compile("sgd", mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = model.fit(x[:64], y[:64], batch_size=32, epochs=2, verbose=0)
+    assert len(history.history["my_loss"]) == 2

@@ -245,3 +245,48 @@ def test_uneven_last_batch_still_matches_one_process():
     for a, b, c in zip(w0, w1, single):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6)
+
+
+def _worker_review_cases(rank: int, world: int, tmp: str):
+    import time
+
+    strategy = mf.MultiWorkerMirroredStrategy()
+    (x, y), _ = mf.datasets.load_digits()
+
+    class Custom(mf.Model):  # Keras-style override: self(x) must still all-reduce gradients
+        def train_step(self, data):
+            xb, yb = data
+            self.optimizer.zero_grad()
+            nn.functional.cross_entropy(self(xb), yb).backward()
+            self.optimizer.step()
+
+    class ChiefStops(mf.callbacks.Callback):  # only the chief asks to stop: nobody may hang
+        def on_train_batch_end(self, batch, logs=None):
+            if self.model.strategy.is_chief and batch == 1:
+                self.model.stop_training = True
+
+    with strategy.scope():
+        model = Custom(_mlp())
+        model.compile(mf.optimizers.SGD(learning_rate=0.5), mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x[:256], y[:256], batch_size=32, epochs=2, verbose=0, callbacks=[ChiefStops()])
+    steps = model.loop_state.iterations
+    # Replicas with different numbers of batches (FILE sharding of 3 files) get a clear error.
+    for i, n in enumerate((64, 64, 64)):
+        np.savez(os.path.join(tmp, f"part{i}.npz"), x=x[i * n:(i + 1) * n], y=y[i * n:(i + 1) * n])
+    files = mf.data.Dataset.list_files(os.path.join(tmp, "part*.npz")).batch(32)
+    with pytest.raises(ValueError, match="different numbers of batches"):
+        model.fit(files, verbose=0)
+    # A user error inside fit surfaces at once (not after waiting for a dead-peer verdict).
+    started = time.monotonic()
+    with pytest.raises(RuntimeError):
+        model.fit(x[:64, :4], y[:64], batch_size=32, verbose=0)
+    return model.get_weights(), steps, time.monotonic() - started
+
+
+def test_override_chief_only_stop_uneven_files_and_fast_user_errors(tmp_path):
+    (w0, steps0, t0), (w1, steps1, t1) = run_distributed(_worker_review_cases, world_size=2,
+                                                         args=(str(tmp_path),), timeout=180)
+    for a, b in zip(w0, w1):
+        np.testing.assert_array_equal(a, b)
+    assert steps0 == steps1 == 3  # the chief's stop at batch 1 reached the other replica one step later
+    assert t0 < 4 and t1 < 4

@@ -34,6 +34,7 @@ class Dataset:
 
     _inner: Dataset | None = None
     _options: Options | None = None
+    _next_pass = 0
 
     # ---- sources -------------------------------------------------------------------------
     @staticmethod
@@ -142,7 +143,14 @@ class Dataset:
         return n
 
     def __iter__(self) -> DatasetIterator:
-        return DatasetIterator(self)
+        # Like a new tf.data iterator, each one starts the next pass (reshuffled when shuffling).
+        return DatasetIterator(self, iteration=self._start_pass())
+
+    def _start_pass(self) -> int:
+        """The pass a new iterator (or ``fit``) over this object starts at; later ones get the next."""
+        start = self._next_pass
+        self._next_pass = start + 1
+        return start
 
     def as_numpy_iterator(self) -> Iterator[Any]:
         """Iterate with numpy leaves."""

@@ -5,7 +5,7 @@ from meshfit.distribute._distributed_dataset import DistributedDataset
 from meshfit.distribute._heartbeat import PEER_FAILURE_EXIT_CODE, PeerFailureError
 from meshfit.distribute._mirrored import MirroredStrategy
 from meshfit.distribute._multi_worker import MultiWorkerMirroredStrategy
-from meshfit.distribute._strategy import OneDeviceStrategy, Strategy, get_strategy, has_strategy
+from meshfit.distribute._strategy import OneDeviceStrategy, Strategy, get_strategy
 from meshfit.distribute._values import (
     CommunicationImplementation,
     CommunicationOptions,
@@ -27,5 +27,4 @@ __all__ = [
     "ReduceOp",
     "Strategy",
     "get_strategy",
-    "has_strategy",
 ]

@@ -21,6 +21,17 @@ from meshfit.distribute._heartbeat import Heartbeat
 from meshfit.distribute._strategy import Strategy
 from meshfit.distribute._values import CommunicationImplementation, CommunicationOptions
 
+_COMMUNICATION_HINTS = ("gloo", "nccl", "connection", "closed by peer", "timed out", "timeout",
+                        "socket", "store", "broken pipe")
+
+
+def _is_communication_error(error: BaseException) -> bool:
+    """A failed collective (worth asking the heartbeat which peer died), not a user error."""
+    if isinstance(error, dist.DistBackendError):
+        return True
+    text = str(error).lower()
+    return any(hint in text for hint in _COMMUNICATION_HINTS)
+
 
 def choose_backend(options: CommunicationOptions) -> str:
     """The torch.distributed backend for ``options``; NCCL without GPUs is an error."""
@@ -160,7 +171,8 @@ class CollectiveStrategy(Strategy):
             except (RuntimeError, dist.DistBackendError) as error:
                 from meshfit.distribute._heartbeat import PeerFailureError
 
-                if isinstance(error, PeerFailureError) or self.failure_context.get("terminating"):
+                if (isinstance(error, PeerFailureError) or self.failure_context.get("terminating")
+                        or not _is_communication_error(error)):
                     raise
                 failure = self._heartbeat.wait_for_failure(self.communication_options.heartbeat_timeout_seconds + 2)
                 if failure is not None:

@@ -21,7 +21,16 @@ from meshfit.data._dataset import Dataset
 from meshfit.data._options import AutoShardPolicy, Options
 from meshfit.data._sources import Files
 from meshfit.data._structure import batch_size_of, slice_rows
-from meshfit.data._transforms import Batch, Prefetch, Skip, Take
+from meshfit.data._transforms import Batch, Prefetch, Shuffle, Skip, Take
+
+
+def _agree_on_shuffle_seeds(dataset: Dataset, strategy: Any) -> None:
+    """Every replica shuffles with rank 0's seeds (``shuffle(seed=None)`` may differ per process)."""
+    shuffles = [node for node in dataset._nodes() if isinstance(node, Shuffle)]
+    seeds = strategy.broadcast_object([node.seed for node in shuffles])
+    for node, seed in zip(shuffles, seeds):
+        if node.seed != seed:
+            node.seed, node._cache = seed, None
 
 
 def _top_batch(dataset: Dataset) -> Batch | None:
@@ -45,6 +54,7 @@ class DistributedDataset:
         self.policy = (options or dataset.options()).auto_shard_policy
         self.view = dataset
         if self.num_replicas > 1:
+            _agree_on_shuffle_seeds(dataset, strategy)
             self._build_view()
 
     @classmethod
@@ -128,14 +138,26 @@ class DistributedDataset:
                 return None
         return None
 
+    @property
+    def replicas_read_different_rows(self) -> bool:
+        """False when every replica reads the same examples (``OFF``)."""
+        return self.policy is not AutoShardPolicy.OFF or hasattr(self, "context")
+
     def prefetch_size(self) -> int:
         return self.view._prefetch_size()
 
+    _next_pass = 0
+
+    def _start_pass(self) -> int:
+        start = self._next_pass
+        self._next_pass = start + 1
+        return start
+
     def __iter__(self) -> Iterator[Any]:
-        """This replica's batches of the first pass (for custom training loops)."""
-        length, index = self.length(), 0
+        """This replica's batches of the next pass (for custom training loops)."""
+        length, index, iteration = self.length(), 0, self._start_pass()
         while length is None or index < length:
-            yield self.replica_batch(index, 0)[0]
+            yield self.replica_batch(index, iteration)[0]
             index += 1
 
     def __repr__(self) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch.distributed as dist
@@ -38,7 +39,8 @@ class MultiWorkerMirroredStrategy(CollectiveStrategy):
             cluster_resolver = resolve_cluster()
         self.cluster_resolver = cluster_resolver
         if dist.is_initialized():
-            self._join(dist.get_rank(), dist.get_world_size(), None)
+            local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+            self._join(dist.get_rank(), dist.get_world_size(), None, local_rank=local_rank)
             self._chief = self._rank == 0
             return
         if cluster_resolver is None:

@@ -151,11 +151,6 @@ def get_strategy() -> Strategy:
     return _DEFAULT[0]
 
 
-def has_strategy() -> bool:
-    """Whether code runs inside some strategy's scope."""
-    return bool(_SCOPE_STACK)
-
-
 def _parse_device(device: str | torch.device | None) -> torch.device:
     if device is None:
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")

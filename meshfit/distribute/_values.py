@@ -58,7 +58,7 @@ class CommunicationOptions:
                 f"heartbeat_timeout_seconds={self.heartbeat_timeout_seconds})")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True)
 class InputContext:
     """What an input pipeline built by ``distribute_datasets_from_function`` needs to know.
 

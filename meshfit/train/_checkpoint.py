@@ -161,7 +161,7 @@ class Checkpoint:
             _silence_single_process_warning()
         group = _storage.control_group() if distributed else None
         rank = dist.get_rank() if distributed else 0
-        tensors, document = self._collect(rank, distributed, group)
+        tensors, document = self._collect(rank, distributed, group, path)
         _rank0_step(lambda: _storage.prepare_directory(tmp), distributed, rank, group, f"prepare {tmp!r}")
         if not async_save:
             _write(tensors, tmp, group, distributed, rank)
@@ -203,8 +203,13 @@ class Checkpoint:
             _pending_save = future
         return future
 
-    def _collect(self, rank: int, distributed: bool, group: Any) -> tuple[dict[str, torch.Tensor], dict]:
-        """This rank's tensors for DCP and the JSON document rank 0 writes (per-rank trees gathered)."""
+    def _collect(self, rank: int, distributed: bool, group: Any,
+                 path: str) -> tuple[dict[str, torch.Tensor], dict]:
+        """This rank's tensors for DCP and the JSON document rank 0 writes (per-rank trees gathered).
+
+        Every rank must save to the same path: a checkpoint whose shards went to different folders
+        would look complete and fail to restore, so differing paths are an error on every rank.
+        """
         tensors: dict[str, torch.Tensor] = {}
         entries: dict[str, dict[str, Any]] = {}
         own_per_rank: dict[str, Any] = {}
@@ -219,12 +224,15 @@ class Checkpoint:
             else:
                 entries[name]["state"] = tree
         world = dist.get_world_size(group) if distributed else 1
-        if own_per_rank:
-            texts = (_storage.all_gather_text(json.dumps(own_per_rank), group) if distributed
-                     else [json.dumps(own_per_rank)])
-            trees = [json.loads(text) for text in texts]
-            for name in own_per_rank:
-                entries[name]["ranks"] = [trees_of_rank[name] for trees_of_rank in trees]
+        mine = json.dumps({"path": path, "trees": own_per_rank})
+        gathered = [json.loads(t) for t in (_storage.all_gather_text(mine, group) if distributed else [mine])]
+        paths = [g["path"] for g in gathered]
+        if len(set(paths)) > 1:
+            listing = ", ".join(f"rank {r}: {p!r}" for r, p in enumerate(paths))
+            raise ValueError(f"Every rank must save a checkpoint to the same path; received {listing}. "
+                             "Pass one path (on a file system all workers share) on every rank.")
+        for name in own_per_rank:
+            entries[name]["ranks"] = [g["trees"][name] for g in gathered]
         document = {"format": _FORMAT, "version": _VERSION, "world_size": world, "trackables": entries}
         return tensors, document
 

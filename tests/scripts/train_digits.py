@@ -50,8 +50,8 @@ class RecordingModel(mf.Model):
 
     record = None
 
-    def train_step(self, data, loss_scale=1.0):
-        super().train_step(data[:2], loss_scale)
+    def train_step(self, data):
+        super().train_step(data[:2])
         if self.record is not None:  # "iteration: ids" of the examples this step trained on
             ids = " ".join(str(int(i)) for i in data[2].tolist())
             self.record.write(f"{self.loop_state.iterations + 1}: {ids}\n")
