@@ -35,6 +35,13 @@ def _saves(directory: str) -> list[str]:
     return [path for *_, path in sorted(found)]
 
 
+def _mtime(path: str) -> float:
+    try:
+        return os.path.getmtime(path)
+    except FileNotFoundError:
+        return -1.0
+
+
 class SidecarEvaluator:
     """Evaluate every new checkpoint that training writes, as TensorFlow's sidecar evaluator does.
 
@@ -80,16 +87,19 @@ class SidecarEvaluator:
         done: set[tuple[str, float]] = set()
         last_new = time.monotonic()
         while self.max_evaluations is None or len(self.results) < self.max_evaluations:
-            fresh = [p for p in _saves(self.checkpoint_dir) if (p, os.path.getmtime(p)) not in done]
+            fresh = [p for p in _saves(self.checkpoint_dir) if (p, _mtime(p)) not in done]
             if not fresh:
                 if self.timeout is not None and time.monotonic() - last_new > self.timeout:
                     break
                 time.sleep(self.poll_interval)
                 continue
             path = fresh[-1]  # the newest; older unevaluated ones are skipped, as in TF
-            done.update((p, os.path.getmtime(p)) for p in fresh)
+            try:
+                done.update((p, _mtime(p)) for p in fresh)
+                load_weights(self.model, path)
+            except FileNotFoundError:  # replaced while we looked (a fixed-name save): look again
+                continue
             last_new = time.monotonic()
-            load_weights(self.model, path)
             x, y = self.data if isinstance(self.data, tuple) and len(self.data) == 2 else (self.data, None)
             logs = self.model.evaluate(x, y, steps=self.steps, verbose=0, return_dict=True)
             self.results.append((path, logs))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from typing import Any
 
 from meshfit._state import RandomState
@@ -88,12 +89,18 @@ class BackupAndRestore(Callback):
         self._manager: Any = None
         self._pending: Any = None
         self.restored_from: str | None = None
+        self._saved_at: int | None = None
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         from meshfit.train import Checkpoint, CheckpointManager, PerRank
 
         model = self.model
         context = model.fit_context
+        if not hasattr(context["data"].source, "view"):
+            warnings.warn("BackupAndRestore: the input is a torch DataLoader or another iterable; a resume "
+                          "replays its pass from the start and skips the batches already trained on, which "
+                          "is exact only if the iterable yields the same order again. Use a meshfit.data."
+                          "Dataset, arrays or a map-style torch Dataset for an exact resume.", stacklevel=2)
         checkpoint = Checkpoint(module=model.module, optimizer=model.optimizer, loop=context["loop"],
                                 data=context["data"], metrics=_MetricsState(model),
                                 callbacks=context["callbacks"], rng=PerRank(RandomState()))
@@ -120,7 +127,8 @@ class BackupAndRestore(Callback):
 
     def save_for_preemption(self) -> None:
         """Called by ``fit`` when a worker got SIGTERM: every replica saves at the same step."""
-        self._save()
+        if self._saved_at != self.model.loop_state.iterations:  # not already backed up at this step
+            self._save()
         self._wait()
 
     def on_train_end(self, logs: dict | None = None) -> None:
@@ -134,6 +142,7 @@ class BackupAndRestore(Callback):
 
     def _save(self) -> None:
         self._wait()
+        self._saved_at = self.model.loop_state.iterations
         if self.async_save:
             self._pending = self._manager.save(async_save=True)
         else:
