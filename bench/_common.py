@@ -14,7 +14,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -22,6 +21,8 @@ import threading
 import time
 from collections.abc import Sequence
 from typing import Any
+
+from meshfit._launch import free_ports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
@@ -189,19 +190,6 @@ def minor_faults() -> int:
 
 
 # ---- processes -------------------------------------------------------------------------------
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct ports that were free a moment ago."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
 
 def clean_env(**extra: str) -> dict[str, str]:
     """Our environment without any cluster settings, one thread per process, unbuffered output."""

@@ -119,7 +119,7 @@ class DataHandler:
             return x
         if isinstance(x, Dataset):
             self._reject_extra(x, y, sample_weight, batch_size)
-            return self._distribute(x)
+            return self.strategy.experimental_distribute_dataset(x)
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
                                        or batch_size <= 0):
             raise ValueError(f"Invalid `batch_size`: expected a positive int, received batch_size={batch_size!r}.")
@@ -132,7 +132,7 @@ class DataHandler:
             dataset = Dataset.from_tensor_slices(parts if len(parts) > 1 else parts[0])
             if shuffle:
                 dataset = dataset.shuffle(lengths.pop())
-            return self._distribute(dataset.batch(batch_size or 32))
+            return self.strategy.experimental_distribute_dataset(dataset.batch(batch_size or 32))
         if x is None:
             raise ValueError("Invalid `x`: expected input data (a meshfit Dataset, arrays or a torch "
                              "Dataset/DataLoader), received x=None.")
@@ -145,7 +145,7 @@ class DataHandler:
             dataset = TorchMapDataset(x)
             if shuffle:
                 dataset = dataset.shuffle(len(x))
-            return self._distribute(dataset.batch(batch_size or 32))
+            return self.strategy.experimental_distribute_dataset(dataset.batch(batch_size or 32))
         raise TypeError(f"Invalid `x`: expected a meshfit.data.Dataset, numpy arrays, torch tensors, a torch "
                         f"Dataset or DataLoader, received {type(x).__name__}.")
 
@@ -158,9 +158,6 @@ class DataHandler:
             raise ValueError(f"Invalid `sample_weight`: when x is a {kind}, it yields the weights itself.")
         if batch_size is not None:
             raise ValueError(f"Invalid `batch_size`: a {kind} is already batched; pass batch_size=None.")
-
-    def _distribute(self, dataset: Dataset) -> DistributedDataset:
-        return self.strategy.experimental_distribute_dataset(dataset)
 
     def _check_same_length_everywhere(self, length: int | None, steps: int | None, argument: str) -> None:
         """Replicas that read their own pipelines (FILE, OFF, per-replica functions, loaders) must

@@ -73,7 +73,7 @@ class _Task:
             pass  # the group is already gone
 
 
-def _free_ports(count: int) -> list[int]:
+def free_ports(count: int) -> list[int]:
     """Distinct ports the OS reports free right now (all held open together, then released)."""
     sockets = []
     try:
@@ -103,7 +103,7 @@ class _Group:
 
     def start(self) -> None:
         count = self.args.workers + int(self.args.evaluator)
-        ports = _free_ports(count)
+        ports = free_ports(count)
         cluster = {"worker": [f"127.0.0.1:{p}" for p in ports[: self.args.workers]]}
         if self.args.evaluator:
             cluster["evaluator"] = [f"127.0.0.1:{ports[-1]}"]

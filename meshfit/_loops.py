@@ -195,16 +195,24 @@ def _unpack_validation(validation_data: Any) -> tuple[Any, Any, Any]:
     return validation_data, None, None
 
 
+def _inference_setup(model: Any, x: Any, y: Any, sample_weight: Any, batch_size: Any, steps: Any,
+                     verbose: Any, callbacks: Any) -> tuple[DataHandler, Any]:
+    """The data and callbacks of one evaluate/predict pass (the model is built from the first batch)."""
+    data = DataHandler(x, y, sample_weight, batch_size, steps, False, model.strategy, argument="steps")
+    model.build(unpack_batch(data.peek())[0])
+    verbose = resolve_verbose(verbose, model.strategy)
+    cbs = CallbackList(callbacks, add_progbar=verbose != 0, model=model, verbose=verbose, epochs=1,
+                       steps=data.steps)
+    return data, cbs
+
+
 def run_evaluate(model: Any, *, x: Any, y: Any, batch_size: Any, verbose: Any, sample_weight: Any,
                  steps: Any, callbacks: Any) -> dict[str, float]:
     model._require_compiled("evaluate")
     strategy = model.strategy
-    verbose = resolve_verbose(verbose, strategy)
+    resolve_verbose(verbose, strategy)  # a bad value fails before any data is read
     with strategy.guard():
-        data = DataHandler(x, y, sample_weight, batch_size, steps, False, strategy, argument="steps")
-        model.build(unpack_batch(data.peek())[0])
-        cbs = CallbackList(callbacks, add_progbar=verbose != 0, model=model, verbose=verbose, epochs=1,
-                           steps=data.steps)
+        data, cbs = _inference_setup(model, x, y, sample_weight, batch_size, steps, verbose, callbacks)
         was_training = model.module.training
         model.reset_metrics()
         cbs.on_test_begin()
@@ -229,12 +237,9 @@ def run_evaluate(model: Any, *, x: Any, y: Any, batch_size: Any, verbose: Any, s
 
 def run_predict(model: Any, *, x: Any, batch_size: Any, verbose: Any, steps: Any, callbacks: Any) -> Any:
     strategy = model.strategy
-    verbose = resolve_verbose(verbose, strategy)
+    resolve_verbose(verbose, strategy)
     with strategy.guard():
-        data = DataHandler(x, None, None, batch_size, steps, False, strategy, argument="steps")
-        model.build(unpack_batch(data.peek())[0])
-        cbs = CallbackList(callbacks, add_progbar=verbose != 0, model=model, verbose=verbose, epochs=1,
-                           steps=data.steps)
+        data, cbs = _inference_setup(model, x, None, None, batch_size, steps, verbose, callbacks)
         was_training = model.module.training
         outputs: list[Any] = []
         cbs.on_predict_begin()

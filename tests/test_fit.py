@@ -102,7 +102,7 @@ def test_torch_dataset_and_dataloader_inputs(digits):
     loader = torch.utils.data.DataLoader(tensors, batch_size=32)
     h2 = model.fit(loader, epochs=1, verbose=0)
     assert len(h1.history["loss"]) == 1 and len(h2.history["loss"]) == 1
-    assert model.optimizer.iterations == 6 if hasattr(model.optimizer, "iterations") else True
+    assert model.optimizer.iterations == 6
     assert model.loop_state.iterations == 6
 
 

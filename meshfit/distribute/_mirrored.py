@@ -11,7 +11,6 @@ from __future__ import annotations
 import atexit
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from meshfit._launch import free_ports
 from meshfit.distribute._collective import CollectiveStrategy
 from meshfit.distribute._strategy import _parse_device
 from meshfit.distribute._values import CommunicationImplementation, CommunicationOptions
@@ -28,12 +28,6 @@ from meshfit.distribute._values import CommunicationImplementation, Communicatio
 _RANK_ENV = "MESHFIT_MIRRORED_RANK"
 _ADDR_ENV = "MESHFIT_MIRRORED_ADDR"
 _PARENT_ENV = "MESHFIT_MIRRORED_PARENT"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class MirroredStrategy(CollectiveStrategy):
@@ -67,7 +61,7 @@ class MirroredStrategy(CollectiveStrategy):
             return
         rank = int(os.environ.get(_RANK_ENV, "0"))
         if rank == 0:
-            address = f"127.0.0.1:{_free_port()}"
+            address = f"127.0.0.1:{free_ports(1)[0]}"
             self._spawn_replicas(world, address)
         else:
             address = os.environ[_ADDR_ENV]
