@@ -8,10 +8,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from meshfit import _losses, _metrics, _optimizers
 from meshfit._state import LoopState
 from meshfit.data._structure import batch_size_of, map_structure
 from meshfit.distribute._strategy import get_strategy
+from meshfit.losses import _losses
+from meshfit.metrics import _metrics
+from meshfit.optimizers import _optimizers
 
 
 def unpack_batch(data: Any) -> tuple[Any, Any, Any]:

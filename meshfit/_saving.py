@@ -20,7 +20,6 @@ from typing import Any
 
 from torch import nn
 
-from meshfit import _losses, _optimizers
 from meshfit._architecture import module_from_config, module_to_config
 from meshfit._io import atomic_directory, atomic_write_json
 from meshfit._weights import (
@@ -29,6 +28,8 @@ from meshfit._weights import (
     save_state_dict,
     unflatten_optimizer_state,
 )
+from meshfit.losses import _losses
+from meshfit.optimizers import _optimizers
 
 FORMAT = "meshfit.model/1"
 

@@ -1,6 +1,6 @@
 """Losses: Keras-style `Loss` classes and `get`, `serialize`, `deserialize`."""
 
-from meshfit._losses import (
+from meshfit.losses._losses import (
     BinaryCrossentropy,
     CategoricalCrossentropy,
     Huber,

@@ -1,6 +1,6 @@
 """Metrics with additive state, summed across replicas; `get` resolves Keras-style identifiers."""
 
-from meshfit._metrics import (
+from meshfit.metrics._metrics import (
     Accuracy,
     BinaryAccuracy,
     CategoricalAccuracy,
@@ -14,7 +14,7 @@ from meshfit._metrics import (
     Sum,
     get,
 )
-from meshfit._torchmetrics import TorchMetricsMetric
+from meshfit.metrics._torchmetrics import TorchMetricsMetric
 
 __all__ = [
     "Accuracy",

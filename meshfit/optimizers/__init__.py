@@ -1,6 +1,6 @@
 """Optimizers: Keras-style specs that build `torch.optim` optimizers, and `get`, `serialize`, `deserialize`."""
 
-from meshfit._optimizers import (
+from meshfit.optimizers._optimizers import (
     SGD,
     Adagrad,
     Adam,

@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from meshfit._losses import _snake_case
-from meshfit._metrics import Metric, _as_tensor
+from meshfit.losses._losses import _snake_case
+from meshfit.metrics._metrics import Metric, _as_tensor
 
 
 class TorchMetricsMetric(Metric):

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshfit import _losses
-from meshfit._losses import _snake_case, _squeeze_or_expand
+from meshfit.losses import _losses
+from meshfit.losses._losses import _snake_case, _squeeze_or_expand
 
 
 def _as_tensor(value: Any) -> torch.Tensor:
@@ -384,7 +384,7 @@ def get(identifier: Any, loss: Any = None) -> Metric:
     except ImportError:  # pragma: no cover - torchmetrics is a dependency
         TMMetric = ()  # noqa: N806
     if isinstance(identifier, TMMetric):
-        from meshfit._torchmetrics import TorchMetricsMetric
+        from meshfit.metrics._torchmetrics import TorchMetricsMetric
 
         return TorchMetricsMetric(identifier)
     if callable(identifier):
