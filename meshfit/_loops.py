@@ -16,6 +16,7 @@ from meshfit._data_handler import DataHandler
 from meshfit._model import unpack_batch
 from meshfit.callbacks import CallbackList
 from meshfit.data._structure import batch_size_of, map_structure
+from meshfit.distribute._failure import FailureState
 
 
 def resolve_verbose(verbose: Any, strategy: Any) -> int:
@@ -62,9 +63,9 @@ def sync_logs(model: Any, flags: list[float] | None = None) -> tuple[dict[str, f
 class _PreemptionWatch:
     """SIGTERM sets a flag; the loop shares it with every replica at the next step boundary."""
 
-    def __init__(self, enabled: bool, context: dict[str, Any]) -> None:
+    def __init__(self, enabled: bool, failure: FailureState) -> None:
         self.requested = False
-        self._context = context
+        self._failure = failure
         self._previous: Any = None
         if enabled:
             try:
@@ -76,7 +77,7 @@ class _PreemptionWatch:
         self.requested = True
         # If a peer died and the launcher is stopping the group, a broken collective should end
         # this worker at once rather than wait for the heartbeat to name the peer.
-        self._context["terminating"] = True
+        self._failure.terminating = True
 
     def close(self) -> None:
         if self._previous is not None:
@@ -100,8 +101,7 @@ def run_fit(model: Any, *, x: Any, y: Any, batch_size: Any, epochs: Any, verbose
         loop = model.loop_state
         loop.epoch, loop.step = initial_epoch, 0
         model.stop_training = False
-        context = getattr(strategy, "failure_context", {})
-        preemption = _PreemptionWatch(any(getattr(c, "handles_preemption", False) for c in cbs), context)
+        preemption = _PreemptionWatch(any(getattr(c, "handles_preemption", False) for c in cbs), strategy.failure)
         model.fit_context = {"data": data, "callbacks": cbs, "loop": loop}
         logs: dict[str, float] = {}
         epoch_logs: dict[str, float] = {}
@@ -123,7 +123,7 @@ def run_fit(model: Any, *, x: Any, y: Any, batch_size: Any, epochs: Any, verbose
                     returned = model.train_step(model._to_device(batch))
                     loop.step += 1
                     loop.iterations += 1
-                    context["step"] = loop.iterations
+                    strategy.failure.step = loop.iterations
                     logs, (preempt, stop) = sync_logs(model, [float(preemption.requested),
                                                               float(model.stop_training)])
                     logs.update(_as_logs(returned))

@@ -106,7 +106,7 @@ class BackupAndRestore(Callback):
                                 callbacks=context["callbacks"], rng=PerRank(RandomState()))
         self._manager = CheckpointManager(checkpoint, self.backup_dir, max_to_keep=2, checkpoint_name="ckpt")
         strategy = model.strategy
-        getattr(strategy, "failure_context", {})["backup_dir"] = self.backup_dir
+        strategy.failure.backup_dir = self.backup_dir
         latest = strategy.broadcast_object(self._manager.latest_checkpoint)
         self.restored_from = latest
         if latest is None:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshfit.distribute._failure import FailureState
 from meshfit.distribute._heartbeat import Heartbeat
 from meshfit.distribute._strategy import Strategy
 from meshfit.distribute._values import CommunicationImplementation, CommunicationOptions
@@ -59,7 +60,7 @@ class CollectiveStrategy(Strategy):
         self._rank, self._world, self._chief = 0, 1, True
         self._owns_group = False
         self._heartbeat: Heartbeat | None = None
-        self.failure_context: dict[str, Any] = {}
+        self.failure = FailureState()
         self.mesh: Any = None
         self._device = torch.device("cpu")
         self.cluster_resolver: Any = None
@@ -87,7 +88,7 @@ class CollectiveStrategy(Strategy):
             hb = self.communication_options.heartbeat_timeout_seconds
             store = dist.distributed_c10d._get_default_store()
             if hb is not None:
-                self._heartbeat = Heartbeat(store, rank, world_size, hb, self.failure_context)
+                self._heartbeat = Heartbeat(store, rank, world_size, hb, self.failure)
 
     def _shutdown(self) -> None:
         if self._heartbeat is not None:
@@ -171,7 +172,7 @@ class CollectiveStrategy(Strategy):
             except (RuntimeError, dist.DistBackendError) as error:
                 from meshfit.distribute._heartbeat import PeerFailureError
 
-                if (isinstance(error, PeerFailureError) or self.failure_context.get("terminating")
+                if (isinstance(error, PeerFailureError) or self.failure.terminating
                         or not _is_communication_error(error)):
                     raise
                 failure = self._heartbeat.wait_for_failure(self.communication_options.heartbeat_timeout_seconds + 2)

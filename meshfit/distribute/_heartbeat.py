@@ -18,6 +18,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from meshfit.distribute._failure import FailureState
+
 PEER_FAILURE_EXIT_CODE = 76
 _GRACE_SECONDS = 3.0
 
@@ -34,11 +36,11 @@ class Heartbeat:
     """Publishes this rank's heartbeat and watches the others' (see the module docstring)."""
 
     def __init__(self, store: Any, rank: int, world_size: int, timeout: float,
-                 context: dict[str, Any], interval: float | None = None) -> None:
+                 failure_state: FailureState, interval: float | None = None) -> None:
         self._store, self._rank, self._world = store, rank, world_size
         self._timeout = float(timeout)
         self._interval = interval or max(0.2, min(1.0, self._timeout / 5))
-        self._context = context
+        self._state = failure_state
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.failure: PeerFailureError | None = None
@@ -48,7 +50,7 @@ class Heartbeat:
         self._thread.start()
 
     def _beat(self, count: int) -> None:
-        step = self._context.get("step", "?")
+        step = "?" if self._state.step is None else self._state.step
         self._store.set(f"meshfit/hb/{self._rank}", f"{count}:{step}")
 
     def _run(self) -> None:
@@ -81,11 +83,10 @@ class Heartbeat:
 
     def _declare(self, peer: int, value: bytes, why: str) -> None:
         last_step = value.decode(errors="replace").partition(":")[2] or "?"
-        backup = self._context.get("backup_dir")
-        where = (f"The last backup is in {backup!r}; restart the job to resume from it."
-                 if backup else "No backup was configured (add mf.callbacks.BackupAndRestore to resume).")
+        where = self._state.where_to_resume()
+        step = "?" if self._state.step is None else self._state.step
         message = (f"Worker {peer} stopped: {why} (its last reported step: {last_step}; this worker, rank "
-                   f"{self._rank}, is at step {self._context.get('step', '?')}). {where}")
+                   f"{self._rank}, is at step {step}). {where}")
         with self._lock:
             self.failure = PeerFailureError(message, rank=peer)
         if self._stop.wait(_GRACE_SECONDS) or self.handled:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from meshfit.distribute._failure import FailureState
 from meshfit.distribute._values import ReduceOp
 
 _SCOPE_STACK: list[Strategy] = []
@@ -24,6 +25,7 @@ class Strategy:
     def __init__(self, device: str | torch.device | None = None) -> None:
         self._device = _parse_device(device)
         self.cluster_resolver: Any = None
+        self.failure = FailureState()
 
     # ---- identity ------------------------------------------------------------------------
     @property

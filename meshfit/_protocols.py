@@ -1,0 +1,150 @@
+"""The contracts between meshfit's modules, as ``typing.Protocol``s.
+
+The training loop (`meshfit._loop`), the callbacks and the checkpoint saver are written against
+these, never against `Model` or a concrete strategy: `Model` and the Estimator are two
+`Trainable`s; `OneDeviceStrategy`, the mirrored strategies and a layout mesh are
+`DistributionStrategy`s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from meshfit.distribute._failure import FailureState
+    from meshfit.distribute._values import InputContext
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything saved: ``torch.distributed.checkpoint``'s ``Stateful`` contract."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class MetricLike(Protocol):
+    """What the loop needs of a metric (see `meshfit.metrics.Metric`)."""
+
+    name: str
+
+    def update_state(self, *args: Any, **kwargs: Any) -> None: ...
+
+    def state_tensors(self) -> tuple[torch.Tensor, ...]: ...
+
+    def result_from(self, states: tuple[torch.Tensor, ...]) -> torch.Tensor: ...
+
+    def reset_state(self) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class DistributionStrategy(Protocol):
+    """How a step runs: placement of modules and batches, and reductions over the data-parallel axis.
+
+    The order of module transforms lives in ``setup_module`` (layouts, then DDP); it runs before
+    the optimizer is built, because a layout replaces parameters.
+    """
+
+    @property
+    def num_replicas_in_sync(self) -> int: ...
+
+    @property
+    def replica_id(self) -> int: ...
+
+    @property
+    def is_chief(self) -> bool: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    failure: FailureState
+
+    def scope(self) -> AbstractContextManager[Any]: ...
+
+    def setup_module(self, module: nn.Module) -> nn.Module: ...
+
+    def distribute_batch(self, batch: Any) -> Any: ...
+
+    def input_context(self) -> InputContext: ...
+
+    def batch_weight(self, local_size: int, global_size: int) -> AbstractContextManager[None]: ...
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def broadcast_object(self, obj: Any) -> Any: ...
+
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
+
+    def barrier(self) -> None: ...
+
+    def check_alive(self) -> None: ...
+
+    def guard(self) -> AbstractContextManager[None]: ...
+
+    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any: ...
+
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any: ...
+
+
+class Trainable(Protocol):
+    """What the loop drives: `Model` implements it; the Estimator implements it too.
+
+    ``build`` materialises lazy modules, places them through the strategy and builds the optimizer.
+    The steps take this replica's batch, already placed by ``strategy.distribute_batch``.
+    ``saveable_parts`` are the trainable's own pieces of a backup (module weights, optimizer...);
+    the loop adds its own (counters, data position, callbacks, metrics, RNG streams).
+    """
+
+    strategy: DistributionStrategy
+    stop_training: bool
+
+    @property
+    def module(self) -> nn.Module: ...
+
+    @property
+    def metrics(self) -> list[MetricLike]: ...
+
+    def build(self, sample: Any) -> None: ...
+
+    def train_step(self, batch: Any) -> Mapping[str, Any] | None: ...
+
+    def test_step(self, batch: Any) -> Mapping[str, Any] | None: ...
+
+    def predict_step(self, batch: Any) -> Any: ...
+
+    def reset_metrics(self) -> None: ...
+
+    def saveable_parts(self) -> dict[str, Stateful]: ...
+
+    def logged_metrics(self) -> list[MetricLike]: ...
+
+
+class CallbackListLike(Protocol):
+    """The loop's view of its callbacks (see `meshfit.callbacks.CallbackList`)."""
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+    def on_train_begin(self, logs: dict | None = None) -> None: ...
+
+    def on_train_end(self, logs: dict | None = None) -> None: ...
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None: ...
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None: ...
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None: ...
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
