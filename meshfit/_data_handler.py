@@ -18,6 +18,7 @@ from meshfit.data._prefetch import Prefetcher
 from meshfit.data._sources import TorchMapDataset
 from meshfit.data._structure import batch_size_of, to_tensor
 from meshfit.distribute._distributed_dataset import DistributedDataset
+from meshfit.distribute._values import InputContext
 
 
 def _is_array_like(x: Any) -> bool:
@@ -37,8 +38,8 @@ class _StreamSource:
     the iterable from the start of the pass and skips the batches already seen.
     """
 
-    def __init__(self, loader: Any, strategy: Any) -> None:
-        self.loader, self.num_replicas, self.replica_id = loader, strategy.num_replicas_in_sync, strategy.replica_id
+    def __init__(self, loader: Any, context: InputContext) -> None:
+        self.loader, self.num_replicas, self.replica_id = loader, context.num_input_pipelines, context.input_pipeline_id
         self._iterator: Iterator[Any] | None = None
         self._at: tuple[int, int] = (-1, -1)
         self._last: tuple[tuple[int, int], tuple[Any, int]] | None = None
@@ -138,7 +139,7 @@ class DataHandler:
                              "Dataset/DataLoader), received x=None.")
         if isinstance(x, torch.utils.data.DataLoader) or (hasattr(x, "__iter__") and not hasattr(x, "__getitem__")):
             self._reject_extra(x, y, sample_weight, batch_size)
-            return _StreamSource(x, self.strategy)
+            return _StreamSource(x, self.strategy.input_context())
         if hasattr(x, "__getitem__") and hasattr(x, "__len__"):
             if y is not None:
                 raise ValueError("Invalid `y`: a torch Dataset yields (x, y) pairs itself; pass y=None.")

@@ -119,8 +119,8 @@ def run_fit(model: Any, *, x: Any, y: Any, batch_size: Any, epochs: Any, verbose
                     cbs.on_train_batch_begin(step)
                     strategy.check_alive()
                     batch, global_size = data.next_batch()
-                    model.loss_scale = batch_size_of(batch) * strategy.num_replicas_in_sync / global_size
-                    returned = model.train_step(model._to_device(batch))
+                    with strategy.batch_weight(batch_size_of(batch), global_size):
+                        returned = model.train_step(strategy.distribute_batch(batch))
                     loop.step += 1
                     loop.iterations += 1
                     strategy.failure.step = loop.iterations
@@ -225,7 +225,7 @@ def run_evaluate(model: Any, *, x: Any, y: Any, batch_size: Any, verbose: Any, s
                     strategy.check_alive()
                     batch, _ = data.next_batch()
                     if batch_size_of(batch):
-                        model.test_step(model._to_device(batch))
+                        model.test_step(strategy.distribute_batch(batch))
                     logs, _ = sync_logs(model)
                     cbs.on_test_batch_end(step, logs)
         finally:
@@ -250,7 +250,7 @@ def run_predict(model: Any, *, x: Any, batch_size: Any, verbose: Any, steps: Any
                     cbs.on_predict_batch_begin(step)
                     strategy.check_alive()
                     batch, _ = data.next_batch()
-                    out = model.predict_step(model._to_device(batch))
+                    out = model.predict_step(strategy.distribute_batch(batch))
                     outputs.append(map_structure(lambda t: t.detach().cpu().numpy(), out))
                     cbs.on_predict_batch_end(step, {"outputs": out})
         finally:

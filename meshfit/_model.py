@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from meshfit._state import LoopState
-from meshfit.data._structure import batch_size_of, map_structure
+from meshfit.data._structure import batch_size_of
 from meshfit.distribute._strategy import get_strategy
 from meshfit.losses import _losses
 from meshfit.metrics import _metrics
@@ -63,9 +63,6 @@ class Model:
         self._compile_config: dict[str, Any] | None = None
         self.loop_state = LoopState()
         self.fit_context: dict[str, Any] = {}
-        # Set by fit for each step: makes the all-reduced gradient that of the mean over the global
-        # batch when the replicas' shares of it differ in size (a last, partial batch).
-        self.loss_scale = 1.0
 
     # ---- compile -------------------------------------------------------------------------
     def compile(self, optimizer: Any = "rmsprop", loss: Any = None, metrics: list[Any] | None = None) -> None:
@@ -84,7 +81,7 @@ class Model:
             "metrics": [m for m in self._metric_identifiers if isinstance(m, str)],
         }
         if self.optimizer.built and self._train_module is None:
-            self._train_module = self.strategy.wrap_module(self.module)
+            self._train_module = self.strategy.setup_module(self.module)
 
     @property
     def compiled(self) -> bool:
@@ -107,33 +104,22 @@ class Model:
 
     # ---- building --------------------------------------------------------------------------
     def build(self, sample_x: Any) -> None:
-        """Materialise lazy modules with one forward pass, build the optimizer, wrap for the strategy."""
-        if self._train_module is not None:
-            if self.optimizer is not None and not self.optimizer.built:  # compiled again after fit
-                self.optimizer.build(self.module.parameters())
-            return
-        self.module.to(self.strategy.device)
-        if any(isinstance(p, nn.parameter.UninitializedParameter) for p in self.module.parameters()):
-            was_training = self.module.training
-            with torch.no_grad():
-                self.module.eval()
-                self.module(self._to_device(sample_x))
-            self.module.train(was_training)
-        if self.optimizer is not None and not self.optimizer.built:
+        """Materialise lazy modules with one forward pass, place the module, then build the optimizer.
+
+        ``strategy.setup_module`` runs before the optimizer is built: a layout replaces parameters.
+        ``sample_x`` is an input batch as the data yields it (placed here by the strategy).
+        """
+        if self._train_module is None:
+            self.module.to(self.strategy.device)
+            if any(isinstance(p, nn.parameter.UninitializedParameter) for p in self.module.parameters()):
+                was_training = self.module.training
+                with torch.no_grad():
+                    self.module.eval()
+                    self.module(self.strategy.distribute_batch(sample_x))
+                self.module.train(was_training)
+            self._train_module = self.strategy.setup_module(self.module)
+        if self.optimizer is not None and not self.optimizer.built:  # also: compiled again after fit
             self.optimizer.build(self.module.parameters())
-        self._train_module = self.strategy.wrap_module(self.module)
-
-    def _to_device(self, value: Any) -> Any:
-        device = self.strategy.device
-
-        def move(leaf: Any) -> Any:
-            if not isinstance(leaf, torch.Tensor):
-                return leaf
-            if leaf.dtype == torch.float64:
-                leaf = leaf.to(torch.get_default_dtype())
-            return leaf.to(device, non_blocking=True) if leaf.device != device else leaf
-
-        return map_structure(move, value)
 
     # ---- steps (override these like Keras's train_step) ----------------------------------
     def compute_loss(self, x: Any, y: Any, y_pred: Any, sample_weight: Any = None) -> torch.Tensor:
@@ -156,7 +142,7 @@ class Model:
             self.optimizer.step()
             return
         loss = self.compute_loss(x, y, y_pred, sample_weight)
-        (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
+        loss.backward()
         self.optimizer.step()
         self._update_metrics(loss, x, y, y_pred, sample_weight)
         return None

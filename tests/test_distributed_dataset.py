@@ -1,7 +1,7 @@
 """Tests for DistributedDataset: which rows of each global batch a replica reads, per AutoShardPolicy.
 
-No processes: a stand-in strategy says how many replicas there are and which one this is, and one
-DistributedDataset per replica id is built in this process.
+No processes: an InputContext says how many input pipelines there are and which one this is, and one
+DistributedDataset per pipeline id is built in this process.
 """
 
 from __future__ import annotations
@@ -11,21 +11,17 @@ import pytest
 import torch
 
 from meshfit.data import AutoShardPolicy, Dataset, DatasetIterator, Options
+from meshfit.distribute import InputContext
 from meshfit.distribute._distributed_dataset import DistributedDataset
 
 
-class _Strategy:
-    def __init__(self, num_replicas: int, replica_id: int) -> None:
-        self.num_replicas_in_sync = num_replicas
-        self.replica_id = replica_id
-
-    @staticmethod
-    def broadcast_object(obj):  # every stand-in replica lives in this process: rank 0's value is ours
-        return obj
+def _context(num_replicas: int, replica_id: int) -> InputContext:
+    return InputContext(num_input_pipelines=num_replicas, input_pipeline_id=replica_id,
+                        num_replicas_in_sync=num_replicas)
 
 
 def _replicas(ds, n, options=None):
-    return [DistributedDataset(ds, _Strategy(n, r), options) for r in range(n)]
+    return [DistributedDataset(ds, _context(n, r), options) for r in range(n)]
 
 
 def _options(policy):
@@ -131,22 +127,22 @@ def test_data_uneven_last_batch_is_split_between_replicas(n):
 def test_global_batch_not_divisible_by_replicas_names_both_numbers():
     ds = Dataset.range(20).batch(10)
     with pytest.raises(ValueError, match=r"10.*4"):
-        DistributedDataset(ds, _Strategy(4, 0))
-    DistributedDataset(ds, _Strategy(5, 0))  # divisible: fine
+        DistributedDataset(ds, _context(4, 0))
+    DistributedDataset(ds, _context(5, 0))  # divisible: fine
 
 
 def test_unbatched_dataset_is_rejected_when_distributed():
     with pytest.raises(ValueError, match="batch"):
-        DistributedDataset(Dataset.range(20), _Strategy(2, 0))
+        DistributedDataset(Dataset.range(20), _context(2, 0))
 
 
 def test_rejects_what_is_not_a_plain_dataset():
     ds = Dataset.range(8).batch(4)
-    distributed = DistributedDataset(ds, _Strategy(2, 0))
+    distributed = DistributedDataset(ds, _context(2, 0))
     with pytest.raises(TypeError, match="already distributed"):
-        DistributedDataset(distributed, _Strategy(2, 0))
+        DistributedDataset(distributed, _context(2, 0))
     with pytest.raises(TypeError, match="list"):
-        DistributedDataset([1, 2, 3], _Strategy(2, 0))
+        DistributedDataset([1, 2, 3], _context(2, 0))
 
 
 # ---- OFF ---------------------------------------------------------------------------------------
@@ -200,14 +196,14 @@ def test_file_policy_given_to_the_constructor_and_with_a_cached_shuffled_pipelin
 def test_file_policy_needs_a_file_source():
     ds = Dataset.from_tensor_slices(_xy(8)).batch(4).with_options(_options(AutoShardPolicy.FILE))
     with pytest.raises(ValueError, match="FILE"):
-        DistributedDataset(ds, _Strategy(2, 0))
+        DistributedDataset(ds, _context(2, 0))
 
 
 def test_file_policy_needs_a_file_per_replica(tmp_path):
     paths, _ = _write_files(tmp_path)
     ds = Dataset.from_files(paths).batch(8).with_options(_options(AutoShardPolicy.FILE))
     with pytest.raises(ValueError, match=r"4 files for 8"):
-        DistributedDataset(ds, _Strategy(8, 0))
+        DistributedDataset(ds, _context(8, 0))
 
 
 def test_auto_is_data_for_in_memory_sources():

@@ -223,26 +223,37 @@ def test_launch_with_an_evaluator_task_evaluates_every_checkpoint(tmp_path):
     assert sorted(os.listdir(checkpoints)) == ["ckpt-1", "ckpt-2"]  # one copy each, from all workers
 
 
-def _train_uneven(strategy: mf.distribute.Strategy) -> list[np.ndarray]:
+class _OwnTrainStep(mf.Model):
+    """A Keras-style override that knows nothing of replicas or batch shares."""
+
+    def train_step(self, data):
+        xb, yb = data
+        self.optimizer.zero_grad()
+        nn.functional.cross_entropy(self(xb), yb).backward()
+        self.optimizer.step()
+
+
+def _train_uneven(strategy: mf.distribute.Strategy, model_class: type = mf.Model) -> list[np.ndarray]:
     (x, y), _ = mf.datasets.load_digits()
     # 101 examples in global batches of 32: the last batch has 5 rows, split 2 + 3 across 2 replicas.
     dataset = mf.data.Dataset.from_tensor_slices((x[:101], y[:101])).shuffle(101, seed=1).batch(32)
     with strategy.scope():
-        model = mf.Model(_mlp())
+        model = model_class(_mlp())
         model.compile(mf.optimizers.SGD(learning_rate=0.1),
                       mf.losses.SparseCategoricalCrossentropy(from_logits=True))
     model.fit(dataset, epochs=3, verbose=0)
     return model.get_weights()
 
 
-def _worker_uneven(rank: int, world: int):
-    return _train_uneven(mf.MultiWorkerMirroredStrategy())
+def _worker_uneven(rank: int, world: int, model_class: type = mf.Model):
+    return _train_uneven(mf.MultiWorkerMirroredStrategy(), model_class)
 
 
-def test_uneven_last_batch_still_matches_one_process():
-    single = _train_uneven(mf.OneDeviceStrategy("cpu"))
-    w0, w1 = run_distributed(_worker_uneven, world_size=2, timeout=180)
-    for a, b, c in zip(w0, w1, single):
+@pytest.mark.parametrize("model_class", [mf.Model, _OwnTrainStep], ids=["default_train_step", "user_train_step"])
+def test_uneven_last_batch_still_matches_one_process(model_class):
+    single = _train_uneven(mf.OneDeviceStrategy("cpu"), model_class)
+    w0, w1 = run_distributed(_worker_uneven, world_size=2, args=(model_class,), timeout=180)
+    for a, b, c in zip(w0, w1, single, strict=True):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6)
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from meshfit.distribute._failure import FailureState
+from meshfit.distribute._gradient_weight import GradientWeight, weighted_allreduce_hook
 from meshfit.distribute._heartbeat import Heartbeat
 from meshfit.distribute._strategy import Strategy
 from meshfit.distribute._values import CommunicationImplementation, CommunicationOptions
@@ -61,6 +62,7 @@ class CollectiveStrategy(Strategy):
         self._owns_group = False
         self._heartbeat: Heartbeat | None = None
         self.failure = FailureState()
+        self._gradient_weight = GradientWeight()
         self.mesh: Any = None
         self._device = torch.device("cpu")
         self.cluster_resolver: Any = None
@@ -146,15 +148,27 @@ class CollectiveStrategy(Strategy):
         if self._distributed:
             dist.barrier()
 
-    # ---- hooks used by Model ---------------------------------------------------------------
-    def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
+    # ---- placement ---------------------------------------------------------------------------
+    def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Move ``module`` to this replica's device and wrap it in DDP with a batch-weighting hook."""
         module = module.to(self._device)
         if not self._distributed or not any(p.requires_grad for p in module.parameters()):
             return module
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [self._device.index] if self._device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True)
+        wrapped = DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True)
+        wrapped.register_comm_hook(self._gradient_weight, weighted_allreduce_hook)
+        return wrapped
+
+    @contextlib.contextmanager
+    def batch_weight(self, local_size: int, global_size: int) -> Iterator[None]:
+        factor = local_size * self._world / global_size if global_size else 1.0
+        self._gradient_weight.factor = factor
+        try:
+            yield
+        finally:
+            self._gradient_weight.factor = 1.0
 
     def check_alive(self) -> None:
         if self._heartbeat is not None:

@@ -14,7 +14,7 @@ OFF       batch ``i`` of the whole dataset batched per replica: every replica se
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from meshfit.data._dataset import Dataset
@@ -22,12 +22,15 @@ from meshfit.data._options import AutoShardPolicy, Options
 from meshfit.data._sources import Files
 from meshfit.data._structure import batch_size_of, slice_rows
 from meshfit.data._transforms import Batch, Prefetch, Shuffle, Skip, Take
+from meshfit.distribute._values import InputContext
 
 
-def _agree_on_shuffle_seeds(dataset: Dataset, strategy: Any) -> None:
+def agree_on_shuffle_seeds(dataset: Dataset, broadcast: Callable[[Any], Any]) -> None:
     """Every replica shuffles with rank 0's seeds (``shuffle(seed=None)`` may differ per process)."""
+    if not isinstance(dataset, Dataset):
+        return  # DistributedDataset's own check names the type
     shuffles = [node for node in dataset._nodes() if isinstance(node, Shuffle)]
-    seeds = strategy.broadcast_object([node.seed for node in shuffles])
+    seeds = broadcast([node.seed for node in shuffles])
     for node, seed in zip(shuffles, seeds):
         if node.seed != seed:
             node.seed, node._cache = seed, None
@@ -43,28 +46,27 @@ def _top_batch(dataset: Dataset) -> Batch | None:
 class DistributedDataset:
     """This replica's view of a dataset batched with the global batch size."""
 
-    def __init__(self, dataset: Dataset, strategy: Any, options: Options | None = None) -> None:
+    def __init__(self, dataset: Dataset, context: InputContext, options: Options | None = None) -> None:
         if isinstance(dataset, DistributedDataset):
             raise TypeError("The dataset is already distributed; pass the plain meshfit.data.Dataset.")
         if not isinstance(dataset, Dataset):
             raise TypeError(f"Invalid `dataset`: expected a meshfit.data.Dataset, received {type(dataset).__name__}.")
         self.dataset = dataset
-        self.num_replicas = strategy.num_replicas_in_sync
-        self.replica_id = strategy.replica_id
+        self.num_replicas = context.num_input_pipelines
+        self.replica_id = context.input_pipeline_id
         self.policy = (options or dataset.options()).auto_shard_policy
         self.view = dataset
         if self.num_replicas > 1:
-            _agree_on_shuffle_seeds(dataset, strategy)
             self._build_view()
 
     @classmethod
-    def from_per_replica(cls, dataset: Dataset, strategy: Any, context: Any) -> DistributedDataset:
+    def from_per_replica(cls, dataset: Dataset, context: InputContext) -> DistributedDataset:
         """A dataset that ``dataset_fn(InputContext)`` built for this replica alone."""
         if not isinstance(dataset, Dataset):
             raise TypeError(f"`dataset_fn` must return a meshfit.data.Dataset, received {type(dataset).__name__}.")
         self = cls.__new__(cls)
         self.dataset = self.view = dataset
-        self.num_replicas, self.replica_id = strategy.num_replicas_in_sync, strategy.replica_id
+        self.num_replicas, self.replica_id = context.num_input_pipelines, context.input_pipeline_id
         self.policy, self.context = AutoShardPolicy.OFF, context
         return self
 

@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
+from meshfit.data._structure import map_structure
 from meshfit.distribute._failure import FailureState
-from meshfit.distribute._values import ReduceOp
+from meshfit.distribute._values import InputContext, ReduceOp
 
 _SCOPE_STACK: list[Strategy] = []
 _DEFAULT: list[Strategy] = []
@@ -99,26 +100,64 @@ class Strategy:
     def barrier(self) -> None:
         """Wait until every replica reaches this point."""
 
-    # ---- hooks used by Model ---------------------------------------------------------------
-    def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Place ``module`` for training (move it; distributed strategies add DDP)."""
+    # ---- placement: the one place that decides where modules and batches live ------------
+    def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Place ``module`` for training; returns the module to run the training forward through.
+
+        The order of module transforms lives here, once: layouts (a mesh strategy replaces
+        parameters), then DDP (distributed strategies). Call it before building the optimizer: a
+        layout replaces parameters, and an optimizer built earlier would hold stale ones.
+        """
         return module.to(self.device)
+
+    def distribute_batch(self, batch: Any) -> Any:
+        """This replica's batch placed for its module: tensors on the device, float64 as the default dtype."""
+        device = self.device
+
+        def place(leaf: Any) -> Any:
+            if not isinstance(leaf, torch.Tensor):
+                return leaf
+            if leaf.dtype == torch.float64:
+                leaf = leaf.to(torch.get_default_dtype())
+            return leaf.to(device, non_blocking=True) if leaf.device != device else leaf
+
+        return map_structure(place, batch)
+
+    def input_context(self) -> InputContext:
+        """This process's data-shard identity along the data-parallel axis.
+
+        On a 1-D ``batch`` mesh it is the replica; on a ``batch`` × ``model`` mesh, peers along
+        ``model`` read the same rows, so it comes from the ``batch`` coordinate, not the rank.
+        """
+        return InputContext(num_input_pipelines=self.num_replicas_in_sync, input_pipeline_id=self.replica_id,
+                            num_replicas_in_sync=self.num_replicas_in_sync)
+
+    @contextlib.contextmanager
+    def batch_weight(self, local_size: int, global_size: int) -> Iterator[None]:
+        """Within this context, backward weights this replica's gradient by its share of the batch.
+
+        Replicas average their gradients, which is the gradient of the global batch's mean loss
+        only when their shares are equal. For a last, uneven global batch, each replica's
+        contribution is scaled by ``local_size * replicas / global_size`` — in the gradient
+        all-reduce itself, so it holds for a user's own ``train_step`` too. One replica: nothing to do.
+        """
+        yield
 
     def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
         """Split a dataset batched with the global batch size into this replica's batches."""
-        from meshfit.distribute._distributed_dataset import DistributedDataset
+        from meshfit.distribute._distributed_dataset import DistributedDataset, agree_on_shuffle_seeds
 
-        return DistributedDataset(dataset, self, options)
+        context = self.input_context()
+        if context.num_input_pipelines > 1:
+            agree_on_shuffle_seeds(dataset, self.broadcast_object)
+        return DistributedDataset(dataset, context, options)
 
     def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Any], options: Any = None) -> Any:
         """Build this replica's pipeline with ``dataset_fn(InputContext)``; it batches per replica."""
         from meshfit.distribute._distributed_dataset import DistributedDataset
-        from meshfit.distribute._values import InputContext
 
-        context = InputContext(num_input_pipelines=self.num_replicas_in_sync,
-                               input_pipeline_id=self.replica_id,
-                               num_replicas_in_sync=self.num_replicas_in_sync)
-        return DistributedDataset.from_per_replica(dataset_fn(context), self, context)
+        context = self.input_context()
+        return DistributedDataset.from_per_replica(dataset_fn(context), context)
 
     def check_alive(self) -> None:
         """Raise if a peer is known to have stopped (distributed strategies watch heartbeats)."""

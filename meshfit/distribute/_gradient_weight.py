@@ -1,0 +1,30 @@
+"""A DDP communication hook that weights each replica's gradient by its share of the global batch.
+
+DDP averages the replicas' gradients. That is the gradient of the global batch's mean loss only when
+every replica holds the same number of examples; for a last, uneven global batch, replica ``r``
+with ``n_r`` of ``B`` examples must contribute ``n_r / B`` of its mean-loss gradient, i.e. its
+gradient times ``n_r * N / B`` before the average. Doing it in the all-reduce (not by scaling the
+loss in ``Model.train_step``) makes it hold for any ``train_step`` a user writes.
+"""
+
+# No ``from __future__ import annotations``: DDP checks the hook's annotations as real types.
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+
+@dataclasses.dataclass
+class GradientWeight:
+    """The factor the next backward's gradients are multiplied by (1.0: untouched, bitwise)."""
+
+    factor: float = 1.0
+    process_group: "dist.ProcessGroup | None" = None
+
+
+def weighted_allreduce_hook(state: GradientWeight, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Scale the bucket by ``state.factor`` (when not 1), then DDP's own averaging all-reduce."""
+    if state.factor != 1.0:
+        bucket.buffer().mul_(state.factor)
+    return allreduce_hook(state.process_group, bucket)
