@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from meshfit import _summary
 from meshfit._state import LoopState
 from meshfit.data._structure import batch_size_of
 from meshfit.distribute._strategy import get_strategy
@@ -62,6 +63,7 @@ class Model:
         self._train_module: nn.Module | None = None
         self._compile_config: dict[str, Any] | None = None
         self.loop_state = LoopState()
+        self._input_example: Any = None  # one example of the batch built on, for summary()'s shapes
         self.fit_context: dict[str, Any] = {}
 
     # ---- compile -------------------------------------------------------------------------
@@ -109,6 +111,8 @@ class Model:
         ``strategy.setup_module`` runs before the optimizer is built: a layout replaces parameters.
         ``sample_x`` is an input batch as the data yields it (placed here by the strategy).
         """
+        if self._input_example is None:
+            self._input_example = _summary.example_of(sample_x)
         if self._train_module is None:
             self.module.to(self.strategy.device)
             if any(isinstance(p, nn.parameter.UninitializedParameter) for p in self.module.parameters()):
@@ -206,7 +210,19 @@ class Model:
 
         return run_predict(self, x=x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, training: bool | None = None, **kwargs: Any) -> Any:
+        """Run the module; ``training=True``/``False`` runs it in train/eval mode for this call (Keras's flag)."""
+        if training is None:
+            return self._forward(*args, **kwargs)
+        modes = {module: module.training for module in self.module.modules()}
+        self.module.train(bool(training))
+        try:
+            return self._forward(*args, **kwargs)
+        finally:
+            for module, mode in modes.items():
+                module.training = mode
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
         # While training (grad on, train mode) go through the strategy's wrapper (DDP), so that a
         # Keras-style ``train_step`` override calling ``self(x)`` all-reduces its gradients.
         if self._train_module is not None and self.module.training and torch.is_grad_enabled():
@@ -261,13 +277,45 @@ class Model:
 
         load_weights(self, filepath)
 
-    def summary(self) -> str:
-        """A short description: the module and its parameter count."""
-        count = sum(p.numel() for p in self.module.parameters()
-                    if not isinstance(p, nn.parameter.UninitializedParameter))
-        text = f'Model: "{self.name}"\n{self.module}\nTotal params: {count:,}'
-        print(text)
-        return text
+    def summary(self, line_length: int | None = None, print_fn: Any = None, expand_nested: bool = False,
+                show_trainable: bool = False) -> None:
+        """Print Keras's table: each layer, its output shape and parameter count, then the totals.
+
+        Output shapes appear once the model was built on data (fit, evaluate, predict or
+        ``build(sample_x)``). Arguments as in Keras; ``print_fn`` receives the table line by line.
+
+        Raises:
+            ValueError: If lazy layers have not been materialised yet.
+        """
+        text = _summary.summary_text(self.module, self.name, self._input_example, line_length=line_length,
+                                     expand_nested=expand_nested, show_trainable=show_trainable)
+        _summary.print_summary(text, print_fn)
+
+    def count_params(self) -> int:
+        """The number of weights, trainable and not (Keras's ``count_params``)."""
+        return _summary.count_params(self.module)
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        """The module's direct children (the module itself when it has none)."""
+        return _summary.layers(self.module)
+
+    @property
+    def trainable_weights(self) -> list[nn.Parameter]:
+        """Parameters the optimizer updates (``requires_grad``)."""
+        return _summary.trainable_weights(self.module)
+
+    trainable_variables = trainable_weights
+
+    @property
+    def non_trainable_weights(self) -> list[torch.Tensor]:
+        """Frozen parameters, then saved floating-point buffers (e.g. batch-norm running statistics)."""
+        return _summary.non_trainable_weights(self.module)
+
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        """``trainable_weights + non_trainable_weights``, as in Keras."""
+        return [*self.trainable_weights, *self.non_trainable_weights]
 
     def __repr__(self) -> str:
         return f"<meshfit.Model {self.name!r} on {self.strategy!r}>"

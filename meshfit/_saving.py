@@ -50,6 +50,10 @@ def _chief_writes(model: Any, write: Any) -> None:
 
 def save_model(model: Any, filepath: str | os.PathLike) -> None:
     path = os.fspath(filepath)
+    if path.endswith(".keras"):  # one zip file holding this directory's files (meshfit._keras_archive)
+        from meshfit._keras_archive import save_archive
+
+        return save_archive(model, path)
     module = model.module
     if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters()):
         raise ValueError(f"Cannot save {path!r}: the module still has lazy, uninitialised parameters. "
@@ -89,6 +93,10 @@ def save_weights(model: Any, filepath: str | os.PathLike) -> None:
 
 def load_weights(model: Any, filepath: str | os.PathLike) -> None:
     path = os.fspath(filepath)
+    if path.endswith(".keras") and not os.path.isdir(path):  # a directory saved before .keras meant a zip
+        from meshfit._keras_archive import load_archive_weights
+
+        return load_archive_weights(model, path)
     if os.path.isdir(path):
         path = os.path.join(path, "model.safetensors")
     model.module.load_state_dict(load_state_dict_file(path))
@@ -116,7 +124,7 @@ def load_model(filepath: str | os.PathLike, module: nn.Module | None = None, com
     """Load a model saved with ``Model.save``, in the current strategy's scope.
 
     Args:
-        filepath: the directory ``Model.save`` wrote.
+        filepath: the directory ``Model.save`` wrote, or its ``.keras`` file.
         module: the module to load the weights into. Needed when the module is not made of
             standard ``torch.nn`` layers (its architecture cannot be rebuilt without running code).
         compile: restore the compile config and the optimizer state, when they were saved.
@@ -131,6 +139,10 @@ def load_model(filepath: str | os.PathLike, module: nn.Module | None = None, com
     from meshfit._model import Model
 
     path = os.fspath(filepath)
+    if path.endswith(".keras") and not os.path.isdir(path):  # a directory saved before .keras meant a zip
+        from meshfit._keras_archive import load_archive
+
+        return load_archive(path, module=module, compile=compile)
     config = _read_config(path)
     if module is None:
         if config.get("architecture") is None:

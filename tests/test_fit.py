@@ -152,7 +152,7 @@ def test_save_and_load_model_resumes(digits, tmp_path):
     model.compile(mf.optimizers.Adam(learning_rate=0.01), mf.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     model.fit(x[:256], y[:256], batch_size=64, epochs=1, verbose=0, shuffle=False)
-    path = os.path.join(tmp_path, "model.keras")
+    path = os.path.join(tmp_path, "saved_model")  # the directory format (".keras" makes one zip file)
     model.save(path)
     restored = mf.load_model(path)
     np.testing.assert_array_equal(restored.predict(xt, verbose=0), model.predict(xt, verbose=0))
