@@ -1,8 +1,8 @@
 """``meshfit launch``: start local worker processes with ``TF_CONFIG`` and restart the group on failure.
 
-Plain processes, no protocol of our own: every round picks free ports, starts ``--workers`` copies of
-``python script.py args`` (plus one evaluator with ``--evaluator``), each in its own session so that
-its whole process group can be signalled, and prefixes each output line with ``[worker i] ``. When a
+Built on the process supervisor (`meshfit._supervisor`): every round picks free ports, starts
+``--workers`` copies of ``python script.py args`` (plus one evaluator with ``--evaluator``), each in its
+own session, with output lines prefixed ``[worker i] ``. When a
 training worker exits non-zero the rest of the group is stopped and, if restarts remain, a new group
 starts with fresh ports and ``MESHFIT_RESTART_COUNT`` incremented. Exit code
 `~meshfit._exit_codes.PREEMPTED_EXIT_CODE` (75) restarts without spending a restart.
@@ -12,164 +12,49 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import IO
 
 from meshfit._exit_codes import PREEMPTED_EXIT_CODE
+from meshfit._supervisor import TERMINATE_TIMEOUT_S, Child, ChildGroup, Output, free_ports
+
+__all__ = ["build_parser", "free_ports", "main"]
 
 MAX_PREEMPTION_RESTARTS = 100
-TERMINATE_TIMEOUT_S = 10.0
 _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-class _Output:
-    """Serialises lines from reader threads and launcher messages onto our stdout/stderr."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-
-    def write(self, to_stderr: bool, data: bytes) -> None:
-        stream = sys.stderr if to_stderr else sys.stdout
-        with self._lock:
-            buffer = getattr(stream, "buffer", None)
-            if buffer is not None:
-                stream.flush()
-                buffer.write(data)
-                buffer.flush()
-            else:
-                stream.write(data.decode(errors="replace"))
-                stream.flush()
-
-    def message(self, text: str) -> None:
-        self.write(True, f"meshfit launch: {text}\n".encode())
-
-
-@dataclass
-class _Task:
-    """One child process of a round."""
-
-    task_type: str
-    index: int
-    proc: subprocess.Popen
-    readers: list[threading.Thread] = field(default_factory=list)
-    signalled: bool = False
-
-    @property
-    def name(self) -> str:
-        return f"{self.task_type} {self.index}"
-
-    def send(self, sig: int) -> None:
-        """Signal the child's whole process group (it leads its own session)."""
-        try:
-            os.killpg(self.proc.pid, sig)
-        except OSError:
-            pass  # the group is already gone
+def _start_round(group: ChildGroup, command: list[str], args: argparse.Namespace, round_: int) -> None:
+    """Start one round's workers (and evaluator), each with its own ``TF_CONFIG``, on fresh ports."""
+    count = args.workers + int(args.evaluator)
+    ports = free_ports(count)
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports[: args.workers]]}
+    if args.evaluator:
+        cluster["evaluator"] = [f"127.0.0.1:{ports[-1]}"]
+    roles = [("worker", i) for i in range(args.workers)] + [("evaluator", 0)] * args.evaluator
+    group.output.message(f"round {round_}: starting {args.workers} worker(s)"
+                         f"{' and 1 evaluator' if args.evaluator else ''}: "
+                         f"{' '.join(command[1:])} (cluster {json.dumps(cluster)})")
+    for task_type, index in roles:
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", str(args.threads))
+        env.setdefault("MKL_NUM_THREADS", str(args.threads))
+        env["PYTHONUNBUFFERED"] = "1"
+        env["MESHFIT_RESTART_COUNT"] = str(round_)
+        env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})
+        group.start(task_type, index, command, env)
 
 
-def free_ports(count: int) -> list[int]:
-    """Distinct ports the OS reports free right now (all held open together, then released)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+def _training(group: ChildGroup) -> list[Child]:
+    return [c for c in group.children if c.task_type != "evaluator"]
 
 
-def _pump(pipe: IO[bytes], prefix: bytes, to_stderr: bool, output: _Output) -> None:
-    """Copy ``pipe`` line by line to our output with ``prefix``."""
-    with pipe:
-        for line in iter(pipe.readline, b""):
-            output.write(to_stderr, prefix + (line if line.endswith(b"\n") else line + b"\n"))
-
-
-class _Group:
-    """The processes of one round: start, watch, signal and stop them."""
-
-    def __init__(self, command: list[str], args: argparse.Namespace, round_: int, output: _Output) -> None:
-        self.command, self.args, self.round, self.output = command, args, round_, output
-        self.tasks: list[_Task] = []
-
-    def start(self) -> None:
-        count = self.args.workers + int(self.args.evaluator)
-        ports = free_ports(count)
-        cluster = {"worker": [f"127.0.0.1:{p}" for p in ports[: self.args.workers]]}
-        if self.args.evaluator:
-            cluster["evaluator"] = [f"127.0.0.1:{ports[-1]}"]
-        roles = [("worker", i) for i in range(self.args.workers)] + [("evaluator", 0)] * self.args.evaluator
-        self.output.message(f"round {self.round}: starting {self.args.workers} worker(s)"
-                            f"{' and 1 evaluator' if self.args.evaluator else ''}: "
-                            f"{' '.join(self.command[1:])} (cluster {json.dumps(cluster)})")
-        for task_type, index in roles:
-            env = dict(os.environ)
-            env.setdefault("OMP_NUM_THREADS", str(self.args.threads))
-            env.setdefault("MKL_NUM_THREADS", str(self.args.threads))
-            env["PYTHONUNBUFFERED"] = "1"
-            env["MESHFIT_RESTART_COUNT"] = str(self.round)
-            env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})
-            proc = subprocess.Popen(self.command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, start_new_session=True)
-            task = _Task(task_type, index, proc)
-            prefix = f"[{task.name}] ".encode()
-            for pipe, to_stderr in ((proc.stdout, False), (proc.stderr, True)):
-                reader = threading.Thread(target=_pump, args=(pipe, prefix, to_stderr, self.output),
-                                          name=f"meshfit-launch-{task.name}", daemon=True)
-                reader.start()
-                task.readers.append(reader)
-            self.tasks.append(task)
-
-    @property
-    def training(self) -> list[_Task]:
-        return [t for t in self.tasks if t.task_type != "evaluator"]
-
-    @property
-    def evaluator(self) -> _Task | None:
-        return next((t for t in self.tasks if t.task_type == "evaluator"), None)
-
-    def signal(self, sig: int, force: bool = False) -> None:
-        """Send ``sig`` to every live child not signalled yet (every live child with ``force``)."""
-        for task in self.tasks:
-            if task.proc.poll() is None and (force or not task.signalled):
-                task.signalled = True
-                task.send(sig)
-
-    def wait(self, tasks: list[_Task], timeout: float) -> bool:
-        """Wait up to ``timeout`` s for ``tasks`` to exit; return whether they all did."""
-        deadline = time.monotonic() + timeout
-        while any(t.proc.poll() is None for t in tasks):
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.05)
-        return True
-
-    def stop(self, grace: float = 0.0) -> None:
-        """Let children exit by themselves for ``grace`` s, then SIGTERM, then SIGKILL; reap everything."""
-        self.wait(self.tasks, grace)
-        for task in self.tasks:
-            if task.proc.poll() is None and not task.signalled:
-                task.signalled = True
-                task.send(signal.SIGTERM)
-        if not self.wait(self.tasks, TERMINATE_TIMEOUT_S):
-            stuck = [t.name for t in self.tasks if t.proc.poll() is None]
-            self.output.message(f"{', '.join(stuck)} still running {TERMINATE_TIMEOUT_S:.0f} s after SIGTERM; "
-                                "sending SIGKILL")
-        for task in self.tasks:
-            task.send(signal.SIGKILL)  # also reaps leftovers of groups whose leader already exited
-            task.proc.wait()
-        for task in self.tasks:
-            for reader in task.readers:
-                reader.join(timeout=2.0)
+def _evaluator(group: ChildGroup) -> Child | None:
+    return next((c for c in group.children if c.task_type == "evaluator"), None)
 
 
 class _Signals:
@@ -177,7 +62,7 @@ class _Signals:
 
     def __init__(self) -> None:
         self.received: int | None = None
-        self.group: _Group | None = None
+        self.group: ChildGroup | None = None
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum: int, frame: object) -> None:
@@ -206,34 +91,34 @@ def _exit_status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def _supervise(group: _Group, signals: _Signals) -> _Task | None:
+def _supervise(group: ChildGroup, args: argparse.Namespace, signals: _Signals) -> Child | None:
     """Watch a round until a training worker fails (returned), all succeed, or a signal arrives."""
     reported: set[int] = set()
     while signals.received is None:
-        for task in group.tasks:
+        for task in group.children:
             code = task.proc.poll()
             if code is None or id(task) in reported:
                 continue
             reported.add(id(task))
             if task.task_type == "evaluator":
-                running = any(t.proc.poll() is None for t in group.training)
+                running = any(t.proc.poll() is None for t in _training(group))
                 group.output.message(f"{task.name} exited with code {code}"
                                      + ("; training continues" if running else ""))
             elif code != 0:
                 return task
-        if all(t.proc.poll() == 0 for t in group.training):
-            evaluator = group.evaluator
+        if all(t.proc.poll() == 0 for t in _training(group)):
+            evaluator = _evaluator(group)
             if evaluator is not None and evaluator.proc.poll() is None:
-                timeout = group.args.evaluator_timeout
+                timeout = args.evaluator_timeout
                 if not group.wait([evaluator], timeout) and signals.received is None:
                     group.output.message(f"training finished; {evaluator.name} still running after "
                                          f"{timeout:g} s (--evaluator-timeout); stopping it")
             return None
-        time.sleep(group.args.monitor_interval)
+        time.sleep(args.monitor_interval)
     return None
 
 
-def _restart_message(failed: _Task, counts: dict[str, int], max_restarts: int) -> str | None:
+def _restart_message(failed: Child, counts: dict[str, int], max_restarts: int) -> str | None:
     """Decide whether to restart after ``failed``; update ``counts``; return the message or ``None``."""
     code = failed.proc.returncode
     if code == PREEMPTED_EXIT_CODE and counts["preemptions"] < MAX_PREEMPTION_RESTARTS:
@@ -246,17 +131,17 @@ def _restart_message(failed: _Task, counts: dict[str, int], max_restarts: int) -
     return None
 
 
-def _run(command: list[str], args: argparse.Namespace, output: _Output) -> int:
+def _run(command: list[str], args: argparse.Namespace, output: Output) -> int:
     counts = {"restarts": 0, "preemptions": 0}
     round_ = 0
     with _Signals() as signals:
         while signals.received is None:
-            group = _Group(command, args, round_, output)
+            group = ChildGroup(output)
             signals.group = group
             grace = 0.0
             try:
-                group.start()
-                failed = _supervise(group, signals)
+                _start_round(group, command, args, round_)
+                failed = _supervise(group, args, signals)
                 if signals.received is not None:
                     group.signal(signals.received)  # children started before the handler saw them
                     output.message(f"received {signal.Signals(signals.received).name}; forwarded it to all "
@@ -287,10 +172,28 @@ def _positive(kind: type, minimum: float):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number >= {minimum}, received {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected a number >= {minimum}, received {text!r}")
+        if not math.isfinite(value) or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a finite number >= {minimum}, received {text!r}")
         return value
     return parse
+
+
+def _unknown_option(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """The first option before the script that ``meshfit launch`` does not know, if any."""
+    known = {s for action in parser._actions for s in action.option_strings}
+    takes_value = {s for action in parser._actions if action.nargs != 0 for s in action.option_strings}
+    tokens = iter(argv)
+    for token in tokens:
+        if token == "--" or not token.startswith("-") or token == "-":
+            return None
+        name = token.split("=", 1)[0]
+        if name not in known:
+            return token
+        if name in ("-m", "--module"):
+            continue
+        if name in takes_value and "=" not in token:
+            next(tokens, None)
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -330,6 +233,10 @@ def main(argv: list[str]) -> int:
     """
     parser = build_parser()
     try:
+        unknown = _unknown_option(parser, argv)
+        if unknown is not None:
+            parser.error(f"unknown option {unknown!r} for meshfit launch (see --help). To pass it to the "
+                         "training script, put it after the script's path.")
         args = parser.parse_args(argv)
         if not args.module and not os.path.isfile(args.script):
             parser.error(f"script {args.script!r} not found. Pass the path of a Python file, "
@@ -337,7 +244,7 @@ def main(argv: list[str]) -> int:
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
     command = [sys.executable] + (["-m"] if args.module else []) + [args.script, *args.script_args]
-    return _run(command, args, _Output())
+    return _run(command, args, Output())
 
 
 if __name__ == "__main__":

@@ -86,6 +86,7 @@ MALFORMED = [
     (_tf({"worker": ["hostonly"]}), r"cluster\.worker\[0\]='hostonly' has no port.*host:port"),
     (_tf({"worker": ["a:1", "b:http"]}), r"cluster\.worker\[1\]='b:http' has port 'http'.*1\.\.65535"),
     (_tf({"worker": ["a:70000"]}), r"port '70000'.*1\.\.65535"),
+    (_tf({"worker": ["h:5\u00b2"]}), r"cluster\.worker\[0\]='h:5\u00b2' has port '5\u00b2'.*1\.\.65535"),
     (_tf({"worker": [":1"]}), r"empty host"),
     (_tf({"worker": ["::1:5"]}), r"IPv6 address without brackets"),
     (_tf({"worker": ["[::1]"]}), r"no port after the bracketed"),

@@ -194,6 +194,12 @@ def test_evaluator_exit_does_not_fail_and_is_stopped_after_training(tmp_path, ca
     (["--max-restarts", "-1", "x.py"], "--max-restarts"),
     (["does_not_exist.py"], "not found"),
     ([], "script"),
+    (["--monitor-interval", "nan", "x.py"], "--monitor-interval: expected a finite number"),
+    (["--monitor-interval", "inf", "x.py"], "--monitor-interval: expected a finite number"),
+    (["--evaluator-timeout", "nan", "x.py"], "--evaluator-timeout: expected a finite number"),
+    (["--foo"], "unknown option '--foo'"),
+    (["--workers", "2", "--foo"], "unknown option '--foo'"),
+    (["--foo=1", "x.py"], "unknown option '--foo=1'"),
 ])
 def test_bad_arguments_exit_2(argv, match, capfd):
     assert main(argv) == 2

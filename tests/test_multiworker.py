@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import numpy as np
@@ -188,6 +189,18 @@ def test_nccl_without_gpus_is_a_clear_error():
     assert choose_backend(mf.CommunicationOptions()) == "gloo"
     with pytest.raises(ValueError, match="timeout_seconds=-1"):
         mf.CommunicationOptions(timeout_seconds=-1)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"timeout_seconds": float("nan")}, "Invalid `timeout_seconds`: expected a finite number, received timeout_seconds=nan"),
+    ({"timeout_seconds": float("inf")}, "Invalid `timeout_seconds`: expected a finite number, received timeout_seconds=inf"),
+    ({"heartbeat_timeout_seconds": float("nan")}, "Invalid `heartbeat_timeout_seconds`: expected a finite number"),
+    ({"heartbeat_timeout_seconds": float("inf")}, "Invalid `heartbeat_timeout_seconds`: expected a finite number"),
+    ({"heartbeat_timeout_seconds": 1}, "Invalid `heartbeat_timeout_seconds`: expected a number >= 2"),
+])
+def test_communication_options_refuse_non_finite_timeouts(kwargs, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        mf.CommunicationOptions(**kwargs)
 
 
 def test_malformed_tf_config_fails_before_any_socket(monkeypatch):

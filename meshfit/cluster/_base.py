@@ -30,7 +30,7 @@ def parse_address(address: object, field: str, source: str) -> tuple[str, int]:
                              f"brackets. {fix}")
     if not host:
         raise ValueError(f"Invalid {source}: {field}={address!r} has an empty host. {fix}")
-    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+    if not (port_text.isascii() and port_text.isdigit()) or not 1 <= int(port_text) <= 65535:
         raise ValueError(f"Invalid {source}: {field}={address!r} has port {port_text!r}, which is not a "
                          f"number in 1..65535. {fix}")
     return host, int(port_text)

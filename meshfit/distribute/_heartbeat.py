@@ -18,9 +18,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from meshfit._exit_codes import PEER_FAILURE_EXIT_CODE
 from meshfit.distribute._failure import FailureState
 
-PEER_FAILURE_EXIT_CODE = 76
+__all__ = ["PEER_FAILURE_EXIT_CODE", "Heartbeat", "PeerFailureError"]
+
 _GRACE_SECONDS = 3.0
 
 

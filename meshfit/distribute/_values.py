@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from meshfit._validation import finite_float
+
 
 class ReduceOp(enum.Enum):
     """How `Strategy.reduce` combines the replicas' values."""
@@ -44,13 +46,9 @@ class CommunicationOptions:
         if not isinstance(self.implementation, CommunicationImplementation):
             raise TypeError("Invalid `implementation`: expected a meshfit.CommunicationImplementation "
                             f"(AUTO, RING, NCCL), received implementation={self.implementation!r}.")
-        if not isinstance(self.timeout_seconds, (int, float)) or self.timeout_seconds <= 0:
-            raise ValueError("Invalid `timeout_seconds`: expected a positive number, received "
-                             f"timeout_seconds={self.timeout_seconds!r}.")
-        hb = self.heartbeat_timeout_seconds
-        if hb is not None and (not isinstance(hb, (int, float)) or hb < 2):
-            raise ValueError("Invalid `heartbeat_timeout_seconds`: expected None or a number >= 2, "
-                             f"received heartbeat_timeout_seconds={hb!r}.")
+        finite_float("timeout_seconds", self.timeout_seconds, positive=True)
+        if self.heartbeat_timeout_seconds is not None:
+            finite_float("heartbeat_timeout_seconds", self.heartbeat_timeout_seconds, minimum=2)
 
     def __repr__(self) -> str:
         return (f"CommunicationOptions(implementation={self.implementation.name}, "

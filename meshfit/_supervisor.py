@@ -1,0 +1,249 @@
+"""The local process supervisor shared by ``meshfit launch`` and the self-spawning strategies.
+
+Plain processes, no protocol of our own. A `ChildGroup` starts commands, each in its own session (so
+its whole process group can be signalled), copies their output line by line with a ``[name] `` prefix,
+and stops them: a grace period, then SIGTERM, then SIGKILL, reaping everything. ``meshfit launch``
+(`meshfit._launch`) adds argument parsing, ``TF_CONFIG`` and the restart policy on top.
+
+`spawn_local_replicas` is the function API for strategies that start their own replicas from a plain
+``python train.py`` (`MirroredStrategy`, and a device mesh over local processes): replica 0 calls it
+and runs the same command line again for replicas ``1 .. world-1`` with `REPLICA_RANK_ENV`,
+`REPLICA_ADDR_ENV` and `REPLICA_PARENT_ENV` set; in a replica, `replica_identity` returns its rank and
+the rendezvous address, and `watch_parent` ends the replica if replica 0 goes away.
+
+Example:
+    >>> identity = replica_identity()   # None in a process that was not spawned as a replica
+    >>> if identity is None:            # replica 0: start the others, then join at `address`
+    ...     address = f"127.0.0.1:{free_ports(1)[0]}"
+    ...     # replicas = spawn_local_replicas(world, address)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import IO
+
+TERMINATE_TIMEOUT_S = 10.0
+REPLICA_RANK_ENV = "MESHFIT_MIRRORED_RANK"
+REPLICA_ADDR_ENV = "MESHFIT_MIRRORED_ADDR"
+REPLICA_PARENT_ENV = "MESHFIT_MIRRORED_PARENT"
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Distinct ports the OS reports free on ``host`` right now (all held open together, then released)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+class Output:
+    """Serialises lines from reader threads and supervisor messages onto our stdout/stderr."""
+
+    def __init__(self, who: str = "meshfit launch") -> None:
+        self._lock = threading.Lock()
+        self._who = who
+
+    def write(self, to_stderr: bool, data: bytes) -> None:
+        stream = sys.stderr if to_stderr else sys.stdout
+        with self._lock:
+            buffer = getattr(stream, "buffer", None)
+            if buffer is not None:
+                stream.flush()
+                buffer.write(data)
+                buffer.flush()
+            else:
+                stream.write(data.decode(errors="replace"))
+                stream.flush()
+
+    def message(self, text: str) -> None:
+        self.write(True, f"{self._who}: {text}\n".encode())
+
+
+@dataclass
+class Child:
+    """One supervised child process."""
+
+    task_type: str
+    index: int
+    proc: subprocess.Popen
+    readers: list[threading.Thread] = field(default_factory=list)
+    signalled: bool = False
+    own_session: bool = True
+
+    @property
+    def name(self) -> str:
+        return f"{self.task_type} {self.index}"
+
+    def send(self, sig: int) -> None:
+        """Signal the child's whole process group when it leads its own session, else the child."""
+        try:
+            if self.own_session:
+                os.killpg(self.proc.pid, sig)
+            elif self.proc.poll() is None:
+                self.proc.send_signal(sig)
+        except OSError:
+            pass  # already gone
+
+
+def _pump(pipe: IO[bytes], prefix: bytes, to_stderr: bool, output: Output) -> None:
+    """Copy ``pipe`` line by line to our output with ``prefix``."""
+    with pipe:
+        for line in iter(pipe.readline, b""):
+            output.write(to_stderr, prefix + (line if line.endswith(b"\n") else line + b"\n"))
+
+
+class ChildGroup:
+    """Processes started together: start, watch, signal and stop them."""
+
+    def __init__(self, output: Output) -> None:
+        self.output = output
+        self.children: list[Child] = []
+
+    def start(self, task_type: str, index: int, command: Sequence[str], env: Mapping[str, str],
+              capture: bool = True) -> Child:
+        """Start ``command``.
+
+        With ``capture`` (the launcher), the child leads its own session, reads no stdin, and its
+        output lines are prefixed with its name; without (self-spawned replicas), it shares our
+        terminal, session and signals, as the script it is a copy of.
+        """
+        pipe = subprocess.PIPE if capture else None
+        proc = subprocess.Popen(list(command), env=dict(env), stdin=subprocess.DEVNULL if capture else None,
+                                stdout=pipe, stderr=pipe, start_new_session=capture)
+        child = Child(task_type, index, proc, own_session=capture)
+        if capture:
+            prefix = f"[{child.name}] ".encode()
+            for stream, to_stderr in ((proc.stdout, False), (proc.stderr, True)):
+                reader = threading.Thread(target=_pump, args=(stream, prefix, to_stderr, self.output),
+                                          name=f"meshfit-supervisor-{child.name}", daemon=True)
+                reader.start()
+                child.readers.append(reader)
+        self.children.append(child)
+        return child
+
+    def signal(self, sig: int, force: bool = False) -> None:
+        """Send ``sig`` to every live child not signalled yet (every live child with ``force``)."""
+        for child in self.children:
+            if child.proc.poll() is None and (force or not child.signalled):
+                child.signalled = True
+                child.send(sig)
+
+    def wait(self, children: Sequence[Child], timeout: float) -> bool:
+        """Wait up to ``timeout`` s for ``children`` to exit; return whether they all did."""
+        deadline = time.monotonic() + timeout
+        while any(c.proc.poll() is None for c in children):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def stop(self, grace: float = 0.0) -> None:
+        """Let children exit by themselves for ``grace`` s, then SIGTERM, then SIGKILL; reap everything."""
+        self.wait(self.children, grace)
+        for child in self.children:
+            if child.proc.poll() is None and not child.signalled:
+                child.signalled = True
+                child.send(signal.SIGTERM)
+        if not self.wait(self.children, TERMINATE_TIMEOUT_S):
+            stuck = [c.name for c in self.children if c.proc.poll() is None]
+            self.output.message(f"{', '.join(stuck)} still running {TERMINATE_TIMEOUT_S:.0f} s after SIGTERM; "
+                                "sending SIGKILL")
+        for child in self.children:
+            child.send(signal.SIGKILL)  # also reaps leftovers of groups whose leader already exited
+            child.proc.wait()
+        for child in self.children:
+            for reader in child.readers:
+                reader.join(timeout=2.0)
+
+
+class LocalReplicas:
+    """Replicas ``1 .. world-1`` started by `spawn_local_replicas`; replica 0 is this process."""
+
+    def __init__(self, group: ChildGroup) -> None:
+        self._group = group
+
+    @property
+    def pids(self) -> list[int]:
+        """The replicas' process ids, by rank (replica 1 first)."""
+        return [c.proc.pid for c in self._group.children]
+
+    def wait(self, timeout: float) -> list[str]:
+        """Wait up to ``timeout`` s for every replica to exit (then kill the rest); describe each failure."""
+        self._group.wait(self._group.children, timeout)
+        failed = []
+        for rank, child in enumerate(self._group.children, start=1):
+            if child.proc.poll() is None:
+                failed.append(f"replica {rank} (pid {child.proc.pid}) still running after {timeout:g} s; killed")
+            elif child.proc.returncode != 0:
+                failed.append(f"replica {rank} (pid {child.proc.pid}) exited with code {child.proc.returncode}")
+        self._group.stop()
+        return failed
+
+
+def spawn_local_replicas(world: int, address: str, env: Mapping[str, str] | None = None) -> LocalReplicas:
+    """Run this process's command line again as replicas ``1 .. world-1`` of a local group.
+
+    Each replica gets `REPLICA_RANK_ENV` (its rank), `REPLICA_ADDR_ENV` (``address``, where replica 0
+    hosts the rendezvous) and `REPLICA_PARENT_ENV` (this process's pid), and inherits stdout/stderr.
+
+    Args:
+        world: the number of replicas including this one (replica 0).
+        address: ``"host:port"`` of the rendezvous that replica 0 will host.
+        env: extra environment variables for the replicas.
+
+    Returns:
+        The started replicas; call `LocalReplicas.wait` at exit.
+
+    Raises:
+        RuntimeError: this process has no script to run again (``python -c``, an interactive shell).
+    """
+    script = sys.argv[0] if sys.argv else ""
+    if not script or script == "-c" or not os.path.exists(script):
+        raise RuntimeError(
+            "Starting one process per device runs your script again, but this process has no script to "
+            f"run (sys.argv[0]={script!r}). Run it as `python train.py`, or start the replicas with "
+            "`meshfit launch` / torchrun and use MultiWorkerMirroredStrategy.")
+    group = ChildGroup(Output("meshfit"))
+    for rank in range(1, world):
+        child_env = dict(os.environ, **(env or {}), **{REPLICA_RANK_ENV: str(rank), REPLICA_ADDR_ENV: address,
+                                                       REPLICA_PARENT_ENV: str(os.getpid())})
+        child_env.setdefault("OMP_NUM_THREADS", "1")
+        group.start("replica", rank, [sys.executable, *sys.argv], child_env, capture=False)
+    return LocalReplicas(group)
+
+
+def replica_identity() -> tuple[int, str] | None:
+    """``(rank, address)`` in a replica started by `spawn_local_replicas`; ``None`` elsewhere."""
+    if REPLICA_RANK_ENV not in os.environ:
+        return None
+    return int(os.environ[REPLICA_RANK_ENV]), os.environ[REPLICA_ADDR_ENV]
+
+
+def watch_parent() -> None:
+    """In a spawned replica: end this process (SIGTERM, then exit) if replica 0 goes away."""
+    parent = int(os.environ[REPLICA_PARENT_ENV])
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="meshfit-parent-watch").start()
