@@ -15,7 +15,6 @@ to train on MNIST (Keras's file layout); without it, scikit-learn's bundled digi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 from torch import nn
@@ -48,8 +47,6 @@ def main() -> None:
     parser.add_argument("--checkpoint-dir", default="/tmp/meshfit-example-checkpoints")
     args = parser.parse_args()
     per_worker_batch_size = 64
-    tf_config = json.loads(os.environ.get("TF_CONFIG", '{"cluster": {"worker": ["localhost:0"]}}'))
-    num_workers = len(tf_config["cluster"]["worker"])
     strategy = mf.MultiWorkerMirroredStrategy()
     resolver = strategy.cluster_resolver
     if resolver is not None and resolver.task_type == "evaluator":
@@ -58,6 +55,9 @@ def main() -> None:
         evaluation_data = mnist_dataset(256, args.mnist)
         mf.SidecarEvaluator(model, evaluation_data, args.checkpoint_dir, steps=4, max_evaluations=3).start()
         return
+    # The tutorial counts TF_CONFIG's workers; the strategy's count is the same there and also right
+    # under torchrun, PyTorchJob and SLURM (no TF_CONFIG) and with a chief (deploy/).
+    num_workers = strategy.num_replicas_in_sync
     multi_worker_dataset = mnist_dataset(per_worker_batch_size * num_workers, args.mnist)
     with strategy.scope():
         multi_worker_model = build_and_compile_cnn_model()
