@@ -5,7 +5,17 @@ many devices and machines, survives killed workers and preemption, and resumes e
 Importing meshfit has no side effects: no environment changes, log handlers or process groups.
 """
 
-from meshfit import callbacks, cluster, data, datasets, distribute, losses, metrics, optimizers
+from meshfit import (
+    callbacks,
+    cluster,
+    data,
+    datasets,
+    distribute,
+    losses,
+    metrics,
+    mixed_precision,
+    optimizers,
+)
 from meshfit._model import Model
 from meshfit._saving import load_model
 from meshfit._sidecar import SidecarEvaluator
@@ -43,6 +53,7 @@ __all__ = [
     "load_model",
     "losses",
     "metrics",
+    "mixed_precision",
     "optimizers",
     "train",
 ]

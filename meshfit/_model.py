@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from meshfit import _summary
+from meshfit import _summary, mixed_precision
 from meshfit._state import LoopState
 from meshfit.data._structure import batch_size_of
 from meshfit.distribute._strategy import get_strategy
@@ -138,14 +138,15 @@ class Model:
         """
         x, y, sample_weight = unpack_batch(data)
         self.optimizer.zero_grad(set_to_none=True)
-        y_pred = self(x)
-        if batch_size_of(y_pred) == 0:
-            # This replica's share of a last, small global batch is empty: it still joins the
-            # gradient all-reduce (with zeros), so that every replica takes the same step.
-            (y_pred.sum() * 0.0).backward()
-            self.optimizer.step()
-            return
-        loss = self.compute_loss(x, y, y_pred, sample_weight)
+        with mixed_precision.autocast(self.strategy.device):  # forward + loss in the policy's dtype
+            y_pred = self(x)
+            if batch_size_of(y_pred) == 0:
+                # This replica's share of a last, small global batch is empty: it still joins the
+                # gradient all-reduce (with zeros), so that every replica takes the same step.
+                (y_pred.sum() * 0.0).backward()
+                self.optimizer.step()
+                return
+            loss = self.compute_loss(x, y, y_pred, sample_weight)
         loss.backward()
         self.optimizer.step()
         self._update_metrics(loss, x, y, y_pred, sample_weight)
@@ -154,14 +155,16 @@ class Model:
     def test_step(self, data: Any) -> None:
         """One evaluation step on this replica's batch; updates the metrics."""
         x, y, sample_weight = unpack_batch(data)
-        y_pred = self.module(x)
-        loss = self.compute_loss(x, y, y_pred, sample_weight) if self.loss is not None else None
+        with mixed_precision.autocast(self.strategy.device):
+            y_pred = self.module(x)
+            loss = self.compute_loss(x, y, y_pred, sample_weight) if self.loss is not None else None
         self._update_metrics(loss, x, y, y_pred, sample_weight)
 
     def predict_step(self, data: Any) -> Any:
         """The module's output for one batch."""
         x, _, _ = unpack_batch(data)
-        return self.module(x)
+        with mixed_precision.autocast(self.strategy.device):
+            return mixed_precision.to_variable_dtype(self.module(x))
 
     def _update_metrics(self, loss: Any, x: Any, y: Any, y_pred: Any, sample_weight: Any) -> None:
         if loss is not None:

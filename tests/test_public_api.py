@@ -13,7 +13,8 @@ import pytest
 import meshfit
 
 PACKAGES = ["meshfit", "meshfit.callbacks", "meshfit.cluster", "meshfit.data", "meshfit.datasets",
-            "meshfit.distribute", "meshfit.losses", "meshfit.metrics", "meshfit.optimizers", "meshfit.train"]
+            "meshfit.distribute", "meshfit.losses", "meshfit.metrics", "meshfit.mixed_precision", "meshfit.optimizers",
+            "meshfit.train"]
 
 
 @pytest.mark.parametrize("package", PACKAGES)

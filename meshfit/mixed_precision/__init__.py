@@ -1,0 +1,11 @@
+"""Mixed precision, with Keras's names: ``mf.mixed_precision.set_global_policy("mixed_bfloat16")``."""
+
+from meshfit.mixed_precision._policy import (
+    Policy,
+    autocast,
+    global_policy,
+    set_global_policy,
+    to_variable_dtype,
+)
+
+__all__ = ["Policy", "autocast", "global_policy", "set_global_policy", "to_variable_dtype"]
