@@ -9,26 +9,31 @@ import torch
 from torch import nn
 
 from meshfit import _summary, mixed_precision
+from meshfit._data_handler import DataHandler
+from meshfit._evaluation import evaluate as run_evaluation
+from meshfit._evaluation import predict as run_prediction
+from meshfit._loop import TrainingLoop, resolve_verbose
 from meshfit._state import LoopState
-from meshfit.data._structure import batch_size_of
+from meshfit._validation import non_negative_int
+from meshfit.callbacks._callback_list import CallbackList
+from meshfit.data._structure import batch_size_of, unpack_batch
 from meshfit.distribute._strategy import get_strategy
 from meshfit.losses import _losses
 from meshfit.metrics import _metrics
 from meshfit.optimizers import _optimizers
 
 
-def unpack_batch(data: Any) -> tuple[Any, Any, Any]:
-    """Keras's rule: a tuple batch is ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)``."""
-    if isinstance(data, (tuple, list)) and not isinstance(data, torch.Tensor):
-        if len(data) == 1:
-            return data[0], None, None
-        if len(data) == 2:
-            return data[0], data[1], None
-        if len(data) == 3:
-            return data[0], data[1], data[2]
-        raise ValueError(f"A batch must be x, (x,), (x, y) or (x, y, sample_weight); received a tuple of "
-                         f"{len(data)} elements.")
-    return data, None, None
+def _validation_parts(validation_data: Any) -> tuple[Any, Any, Any] | None:
+    if validation_data is None:
+        return None
+    if isinstance(validation_data, tuple):
+        if len(validation_data) == 2:
+            return validation_data[0], validation_data[1], None
+        if len(validation_data) == 3:
+            return validation_data
+        raise ValueError("Invalid `validation_data`: expected a dataset, (x, y) or (x, y, sample_weight); "
+                         f"received a tuple of {len(validation_data)} elements.")
+    return validation_data, None, None
 
 
 class Model:
@@ -64,7 +69,6 @@ class Model:
         self._compile_config: dict[str, Any] | None = None
         self.loop_state = LoopState()
         self._input_example: Any = None  # one example of the batch built on, for summary()'s shapes
-        self.fit_context: dict[str, Any] = {}
 
     # ---- compile -------------------------------------------------------------------------
     def compile(self, optimizer: Any = "rmsprop", loss: Any = None, metrics: list[Any] | None = None) -> None:
@@ -93,6 +97,14 @@ class Model:
     def metrics(self) -> list[_metrics.Metric]:
         """The loss tracker first, then the compiled metrics."""
         return [self._loss_tracker, *self._compiled_metrics]
+
+    def logged_metrics(self) -> list[_metrics.Metric]:
+        """The metrics that appear in logs (the loss tracker only when there is a loss)."""
+        return self.metrics if self.loss is not None else list(self._compiled_metrics)
+
+    def saveable_parts(self) -> dict[str, Any]:
+        """The model's own parts of a backup: the module's weights and the optimizer's state."""
+        return {"module": self.module, "optimizer": self.optimizer}
 
     @property
     def metrics_names(self) -> list[str]:
@@ -185,22 +197,46 @@ class Model:
             steps_per_epoch: int | None = None, validation_steps: int | None = None,
             validation_batch_size: int | None = None, validation_freq: int = 1) -> Any:
         """Train for ``epochs`` epochs; returns a `History`. Arguments as in Keras's ``Model.fit``."""
-        from meshfit._loops import run_fit
+        self._require_compiled("fit")
+        non_negative_int("epochs", epochs)
+        non_negative_int("initial_epoch", initial_epoch)
+        verbose = resolve_verbose(verbose, self.strategy.is_chief)
+        validation = _validation_parts(validation_data)
 
-        return run_fit(self, x=x, y=y, batch_size=batch_size, epochs=epochs, verbose=verbose,
-                       callbacks=callbacks, validation_data=validation_data, shuffle=shuffle,
-                       sample_weight=sample_weight, initial_epoch=initial_epoch,
-                       steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
-                       validation_batch_size=validation_batch_size, validation_freq=validation_freq)
+        def validate(epoch: int) -> dict[str, float]:
+            if validation is None or (epoch + 1) % validation_freq:
+                return {}
+            val_x, val_y, val_w = validation
+            logs = self.evaluate(val_x, val_y, sample_weight=val_w, batch_size=validation_batch_size or batch_size,
+                                 verbose=0, steps=validation_steps, return_dict=True)
+            return {f"val_{k}": v for k, v in logs.items()}
+
+        with self.strategy.guard():
+            data = DataHandler(x, y, sample_weight, batch_size, steps_per_epoch, shuffle, self.strategy)
+            try:
+                self.build(unpack_batch(data.peek())[0])
+                cbs = CallbackList(callbacks, add_history=True, add_progbar=verbose != 0, model=self,
+                                   verbose=verbose, epochs=epochs, steps=data.steps)
+                loop = TrainingLoop(self, data, cbs, counters=self.loop_state)
+                loop.run(epochs=epochs, initial_epoch=initial_epoch, validate=validate)
+            finally:
+                data.close()
+        self.history = cbs.history
+        return cbs.history
 
     def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None, verbose: str | int = "auto",
                  sample_weight: Any = None, steps: int | None = None, callbacks: list[Any] | None = None,
                  return_dict: bool = False) -> Any:
         """Loss and metrics over the data, aggregated across replicas (a list, or a dict)."""
-        from meshfit._loops import run_evaluate
-
-        logs = run_evaluate(self, x=x, y=y, batch_size=batch_size, verbose=verbose,
-                            sample_weight=sample_weight, steps=steps, callbacks=callbacks)
+        self._require_compiled("evaluate")
+        verbose = resolve_verbose(verbose, self.strategy.is_chief)  # a bad value fails before any data is read
+        with self.strategy.guard():
+            data = DataHandler(x, y, sample_weight, batch_size, steps, False, self.strategy, argument="steps")
+            try:
+                cbs = self._inference_callbacks(data, verbose, callbacks)
+                logs = run_evaluation(self, data, cbs)
+            finally:
+                data.close()
         if return_dict:
             return logs
         values = [logs[name] for name in self.metrics_names if name in logs]
@@ -209,9 +245,19 @@ class Model:
     def predict(self, x: Any, batch_size: int | None = None, verbose: str | int = "auto",
                 steps: int | None = None, callbacks: list[Any] | None = None) -> Any:
         """The module's outputs for all of ``x``, in input order, on every worker (numpy)."""
-        from meshfit._loops import run_predict
+        verbose = resolve_verbose(verbose, self.strategy.is_chief)
+        with self.strategy.guard():
+            data = DataHandler(x, None, None, batch_size, steps, False, self.strategy, argument="steps")
+            try:
+                return run_prediction(self, data, self._inference_callbacks(data, verbose, callbacks))
+            finally:
+                data.close()
 
-        return run_predict(self, x=x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks)
+    def _inference_callbacks(self, data: DataHandler, verbose: int, callbacks: Any) -> CallbackList:
+        """Build the model from the first batch; the callbacks of one evaluate/predict pass."""
+        self.build(unpack_batch(data.peek())[0])
+        return CallbackList(callbacks, add_progbar=verbose != 0, model=self, verbose=verbose, epochs=1,
+                            steps=data.steps)
 
     def __call__(self, *args: Any, training: bool | None = None, **kwargs: Any) -> Any:
         """Run the module; ``training=True``/``False`` runs it in train/eval mode for this call (Keras's flag)."""

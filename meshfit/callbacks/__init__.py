@@ -1,7 +1,9 @@
 """Callbacks: hooks into `Model.fit`, `evaluate` and `predict`, with Keras's names."""
 
 from meshfit.callbacks._backup_and_restore import BackupAndRestore
-from meshfit.callbacks._callback import Callback, CallbackList
+from meshfit.callbacks._callback import Callback
+from meshfit.callbacks._callback_list import CallbackList
+from meshfit.callbacks._checkpoint_saver import CheckpointSaver, SavePolicy
 from meshfit.callbacks._csv_logger import CSVLogger
 from meshfit.callbacks._early_stopping import EarlyStopping
 from meshfit.callbacks._history import History
@@ -14,10 +16,12 @@ __all__ = [
     "CSVLogger",
     "Callback",
     "CallbackList",
+    "CheckpointSaver",
     "EarlyStopping",
     "History",
     "ModelCheckpoint",
     "Progbar",
     "ProgbarLogger",
+    "SavePolicy",
     "TensorBoard",
 ]

@@ -242,6 +242,11 @@ class ProgbarLogger(Callback):
         ValueError: If ``count_mode`` is not ``"steps"`` or ``"samples"``.
     """
 
+    @property
+    def reads_batch_logs(self) -> bool:
+        """Only the live bar (``verbose=1``) shows per-batch values; ``verbose=2`` prints epochs."""
+        return self.verbose == 1
+
     def __init__(self, count_mode: str = "steps", stream: TextIO | None = None) -> None:
         super().__init__()
         if count_mode not in ("steps", "samples"):

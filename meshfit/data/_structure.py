@@ -90,3 +90,17 @@ def gather_rows(value: Any, indices: np.ndarray) -> Any:
     """Rows ``indices`` of every leaf (fancy indexing)."""
     index = torch.from_numpy(indices)
     return map_structure(lambda leaf: leaf[index] if isinstance(leaf, torch.Tensor) else leaf[indices], value)
+
+
+def unpack_batch(data: Any) -> tuple[Any, Any, Any]:
+    """Keras's rule: a tuple batch is ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)``."""
+    if isinstance(data, (tuple, list)) and not isinstance(data, torch.Tensor):
+        if len(data) == 1:
+            return data[0], None, None
+        if len(data) == 2:
+            return data[0], data[1], None
+        if len(data) == 3:
+            return data[0], data[1], data[2]
+        raise ValueError(f"A batch must be x, (x,), (x, y) or (x, y, sample_weight); received a tuple of "
+                         f"{len(data)} elements.")
+    return data, None, None

@@ -1,0 +1,196 @@
+"""`TrainingLoop`: the one training loop, behind `Model.fit` and the Estimator's ``train``.
+
+A strategy changes how a step runs (module placement, data split, reductions); nothing here
+branches on which strategy it is, and nothing here knows `Model`: the loop drives a `Trainable`.
+The loop is `Stateful`: a backup is its state plus its trainable's parts (see `checkpoint_items`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from meshfit._exit_codes import PREEMPTED_EXIT_CODE
+from meshfit._preemption import PreemptionWatch
+from meshfit._protocols import CallbackListLike, Stateful, Trainable
+from meshfit._state import LoopState, RandomState
+from meshfit._step_logs import agree, as_logs, reduce_logs
+from meshfit.data._structure import batch_size_of
+
+
+class ReplicaState:
+    """The state that differs between replicas: RNG streams and the metrics' running accumulators.
+
+    Saved once per rank (``meshfit.train.PerRank``): each replica's metric sums cover its own
+    share of the batches, and its random streams are its own.
+    """
+
+    def __init__(self, trainable: Trainable) -> None:
+        self._trainable = trainable
+        self._random = RandomState()
+
+    def state_dict(self) -> dict[str, Any]:
+        metrics = {f"{i}:{m.name}": m.state_dict() for i, m in enumerate(self._trainable.metrics)}
+        return {"rng": self._random.state_dict(), "metrics": metrics}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state["metrics"]
+        for i, metric in enumerate(self._trainable.metrics):
+            key = f"{i}:{metric.name}"
+            if key not in saved:
+                raise ValueError(f"The backup has no state for metric {key!r} (it has {sorted(saved)}): "
+                                 "compile the model with the same metrics as the run that made it.")
+            metric.load_state_dict(saved[key])
+        self._random.load_state_dict(state["rng"])
+
+
+class TrainingLoop:
+    """Runs training steps over a trainable's data, with callbacks; its position is saveable.
+
+    Args:
+        trainable: what is trained (`meshfit.Model`, or the Estimator's model).
+        data: this replica's batches with a saveable position (`meshfit._data_handler.DataHandler`).
+        callbacks: the `CallbackList` to call; each callback gets this loop through ``set_loop``.
+        counters: the epoch / step / iterations counters to continue (default: fresh ones).
+
+    Attributes:
+        counters: where training is: ``epoch`` (0-based), ``step`` within it, ``iterations`` done.
+    """
+
+    def __init__(self, trainable: Trainable, data: Any, callbacks: CallbackListLike,
+                 counters: LoopState | None = None) -> None:
+        self.trainable = trainable
+        self.strategy = trainable.strategy
+        self.data = data
+        self.callbacks = callbacks
+        self.counters = counters if counters is not None else LoopState()
+        self.replica_state = ReplicaState(trainable)
+        self._preemption: PreemptionWatch | None = None
+        callbacks.set_loop(self)
+
+    # ---- Stateful: the state every replica shares ------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, data position and callback state (identical on every replica)."""
+        return {"counters": self.counters.state_dict(), "data": self.data.state_dict(),
+                "callbacks": self.callbacks.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.counters.load_state_dict(state["counters"])
+        self.data.load_state_dict(state["data"])
+        self.callbacks.load_state_dict(state["callbacks"])
+
+    def checkpoint_items(self) -> dict[str, Stateful]:
+        """Everything a backup holds: the trainable's parts, this loop, and each replica's own state."""
+        from meshfit.train import PerRank  # a lazily loaded public subpackage (torch.distributed.checkpoint)
+
+        items: dict[str, Any] = dict(self.trainable.saveable_parts())
+        items.update(loop=self, replica=PerRank(self.replica_state))
+        return items
+
+    # ---- running ---------------------------------------------------------------------------
+    def run(self, *, epochs: int | None = None, initial_epoch: int = 0, until_step: int | None = None,
+            validate: Callable[[int], dict[str, float]] | None = None) -> dict[str, float]:
+        """Train until ``epochs`` epochs are done or ``until_step`` optimizer steps, whichever first.
+
+        Args:
+            epochs: the epoch index to stop at (Keras's ``epochs``); None: no epoch limit.
+            initial_epoch: the epoch to start at (a restored backup may move it on).
+            until_step: stop once ``counters.iterations`` reaches it (the Estimator's ``max_steps``);
+                it may end mid-epoch, and a resume continues inside that epoch.
+            validate: called after each completed epoch with its index; returns ``val_`` logs.
+
+        Returns:
+            The last epoch's logs (or the last step's when training stopped inside an epoch).
+        """
+        if epochs is None and until_step is None:
+            raise ValueError("TrainingLoop.run needs `epochs` or `until_step`; received neither.")
+        trainable, cbs, counters = self.trainable, self.callbacks, self.counters
+        counters.epoch, counters.step = initial_epoch, 0
+        trainable.stop_training = False
+        batch_logs = agree(trainable, cbs.batch_logs_needed())
+        self._preemption = PreemptionWatch(any(getattr(c, "handles_preemption", False) for c in cbs),
+                                           self.strategy.failure)
+        logs: dict[str, float] = {}
+        epoch_logs: dict[str, float] = {}
+        try:
+            trainable.reset_metrics()
+            cbs.on_train_begin()
+            while not self._done(epochs, until_step) and not trainable.stop_training:
+                epoch = counters.epoch
+                if counters.step == 0:
+                    trainable.reset_metrics()
+                cbs.on_epoch_begin(epoch)
+                trainable.module.train()
+                stopped = False
+                while counters.step < self.data.steps and not self._reached(until_step):
+                    logs, stopped = self._train_step(batch_logs)
+                    if stopped:
+                        break
+                if counters.step < self.data.steps and not stopped:
+                    break  # until_step reached inside the epoch: no epoch end
+                epoch_logs = self._end_epoch(epoch, logs, validate)
+            cbs.on_train_end(epoch_logs or logs)
+            self.strategy.barrier()
+        finally:
+            self._preemption.close()
+            self._preemption = None
+        return epoch_logs or logs
+
+    def _done(self, epochs: int | None, until_step: int | None) -> bool:
+        return (epochs is not None and self.counters.epoch >= epochs) or self._reached(until_step)
+
+    def _reached(self, until_step: int | None) -> bool:
+        return until_step is not None and self.counters.iterations >= until_step
+
+    def _train_step(self, batch_logs: bool) -> tuple[dict[str, float], bool]:
+        """One step; returns its logs and whether every replica agreed to stop the epoch."""
+        trainable, strategy, counters, cbs = self.trainable, self.strategy, self.counters, self.callbacks
+        step = counters.step
+        cbs.on_train_batch_begin(step)
+        strategy.check_alive()
+        batch, global_size = self.data.next_batch()
+        with strategy.batch_weight(batch_size_of(batch), global_size):
+            returned = trainable.train_step(strategy.distribute_batch(batch))
+        counters.step += 1
+        counters.iterations += 1
+        strategy.failure.step = counters.iterations
+        logs, (preempt, stop) = reduce_logs(trainable, [float(self._preemption.requested),
+                                                        float(trainable.stop_training)], with_metrics=batch_logs)
+        logs.update(as_logs(returned))
+        trainable.stop_training = stop > 0
+        cbs.on_train_batch_end(step, logs)
+        if preempt > 0:
+            self._stop_for_preemption()
+        # A stop asked for in on_train_batch_end reaches the other replicas with the next step's
+        # reduction; stopping on it alone here would leave them waiting.
+        return logs, stop > 0 or (trainable.stop_training and strategy.num_replicas_in_sync == 1)
+
+    def _end_epoch(self, epoch: int, logs: dict[str, float],
+                   validate: Callable[[int], dict[str, float]] | None) -> dict[str, float]:
+        # The epoch's metrics from their (possibly restored) accumulators, on every replica.
+        epoch_logs, _ = reduce_logs(self.trainable)
+        epoch_logs.update({k: v for k, v in logs.items() if k not in epoch_logs})
+        if validate is not None:
+            epoch_logs.update(validate(epoch))
+        self.data.end_epoch()
+        self.counters.epoch, self.counters.step = epoch + 1, 0
+        self.callbacks.on_epoch_end(epoch, epoch_logs)
+        self.trainable.stop_training = agree(self.trainable, self.trainable.stop_training)
+        return epoch_logs
+
+    def _stop_for_preemption(self) -> None:
+        """Every replica reached the same step: save a backup there and exit with the restart code."""
+        for callback in self.callbacks:
+            if getattr(callback, "handles_preemption", False):
+                callback.save_for_preemption()
+        self.strategy.barrier()
+        raise SystemExit(PREEMPTED_EXIT_CODE)
+
+
+def resolve_verbose(verbose: Any, is_chief: bool) -> int:
+    """Keras's ``verbose``: ``"auto"`` is 1; workers other than the chief stay quiet."""
+    if verbose == "auto":
+        verbose = 1
+    if verbose not in (0, 1, 2) or isinstance(verbose, bool):
+        raise ValueError(f"Invalid `verbose`: expected 'auto', 0, 1 or 2, received verbose={verbose!r}.")
+    return verbose if is_chief else 0

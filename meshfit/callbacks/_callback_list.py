@@ -1,0 +1,203 @@
+"""`CallbackList`: fans each Keras hook out to many callbacks, in order, and collects their state."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+from meshfit.callbacks._callback import Callback
+from meshfit.callbacks._history import History
+from meshfit.callbacks._progbar import ProgbarLogger
+
+
+def _overrides(callback: Callback, hook: str) -> bool:
+    method = getattr(type(callback), hook, None)
+    return method is not None and method is not getattr(Callback, hook, None)
+
+
+_HOOKS_WITHOUT_INDEX = (
+    "on_train_begin",
+    "on_train_end",
+    "on_test_begin",
+    "on_test_end",
+    "on_predict_begin",
+    "on_predict_end",
+)
+_HOOKS_WITH_INDEX = (
+    "on_epoch_begin",
+    "on_epoch_end",
+    "on_train_batch_begin",
+    "on_train_batch_end",
+    "on_test_batch_begin",
+    "on_test_batch_end",
+    "on_predict_batch_begin",
+    "on_predict_batch_end",
+)
+
+
+class CallbackList:
+    """Calls each hook on every callback, in list order.
+
+    Like Keras, a `History` is appended and a `ProgbarLogger` inserted first when asked for,
+    unless the user already passed one.
+
+    Args:
+        callbacks: `Callback` instances (or one), or None.
+        add_history: Append a `History` if none was passed.
+        add_progbar: Insert a `ProgbarLogger` first if none was passed.
+        model: Model given to every callback's `set_model`.
+        **params: Given to every callback's `set_params` (``epochs``, ``steps``, ``verbose``).
+
+    Raises:
+        TypeError: If an entry of ``callbacks`` is not a `Callback`.
+
+    Example:
+        >>> callbacks = CallbackList(add_history=True, epochs=1, steps=2, verbose=0)
+        >>> callbacks.on_train_begin()
+        >>> callbacks.on_epoch_end(0, {"loss": 0.5})
+        >>> callbacks.history.history
+        {'loss': [0.5]}
+    """
+
+    def __init__(
+        self,
+        callbacks: Callback | Iterable[Callback] | None = None,
+        add_history: bool = False,
+        add_progbar: bool = False,
+        model: Any = None,
+        **params: Any,
+    ) -> None:
+        if callbacks is None:
+            callbacks = []
+        elif isinstance(callbacks, Callback):
+            callbacks = [callbacks]
+        self.callbacks: list[Callback] = []
+        for callback in callbacks:
+            self.append(callback)
+        self._add_default_callbacks(add_history, add_progbar)
+        self.model = None
+        self.params: dict[str, Any] = {}
+        if model is not None:
+            self.set_model(model)
+        if params:
+            self.set_params(params)
+
+    def _add_default_callbacks(self, add_history: bool, add_progbar: bool) -> None:
+        self.history = next((c for c in self.callbacks if isinstance(c, History)), None)
+        self.progbar = next((c for c in self.callbacks if isinstance(c, ProgbarLogger)), None)
+        if self.progbar is None and add_progbar:
+            self.progbar = ProgbarLogger(count_mode="steps")
+            self.callbacks.insert(0, self.progbar)
+        if self.history is None and add_history:
+            self.history = History()
+            self.callbacks.append(self.history)
+        self._order()
+
+    def append(self, callback: Callback) -> None:
+        """Adds a callback at the end of the list.
+
+        Raises:
+            TypeError: If ``callback`` is not a `Callback`.
+        """
+        if not isinstance(callback, Callback):
+            raise TypeError(
+                "Invalid `callbacks`: expected meshfit.callbacks.Callback instances, "
+                f"received {callback!r} of type {type(callback).__name__}."
+            )
+        self.callbacks.append(callback)
+        self._order()
+        if getattr(self, "model", None) is not None:
+            callback.set_model(self.model)
+        if getattr(self, "params", None):
+            callback.set_params(self.params)
+
+    def _order(self) -> None:
+        # Callbacks that save training state (BackupAndRestore) run after all others in every hook,
+        # so that what they save includes the others' updates for that step or epoch.
+        self.callbacks.sort(key=lambda c: bool(getattr(c, "run_last", False)))
+
+    def set_model(self, model: Any) -> None:
+        """Calls `set_model` on every callback."""
+        self.model = model
+        for callback in self.callbacks:
+            callback.set_model(model)
+
+    def set_params(self, params: Mapping[str, Any]) -> None:
+        """Calls `set_params` on every callback."""
+        self.params = dict(params)
+        for callback in self.callbacks:
+            callback.set_params(self.params)
+
+    def set_loop(self, loop: Any) -> None:
+        """Calls `set_loop` on every callback."""
+        for callback in self.callbacks:
+            callback.set_loop(loop)
+
+    def batch_logs_needed(self) -> bool:
+        """Whether a callback reads per-batch training logs (Keras checks for the override too)."""
+        return any(_overrides(c, "on_train_batch_end") or _overrides(c, "on_batch_end")
+                   for c in self.callbacks if getattr(c, "reads_batch_logs", True))
+
+    def __iter__(self) -> Iterator[Callback]:
+        return iter(self.callbacks)
+
+    def __len__(self) -> int:
+        return len(self.callbacks)
+
+    def _stateful(self) -> dict[str, Callback]:
+        # Indexed among stateful callbacks only, so adding a stateless one (a ProgbarLogger
+        # when verbose changes between runs) does not break a restore.
+        stateful = [c for c in self.callbacks if callable(getattr(c, "state_dict", None))]
+        return {f"{index}:{type(c).__name__}": c for index, c in enumerate(stateful)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state of every callback that has ``state_dict()``.
+
+        Returns:
+            ``{"<index>:<ClassName>": callback.state_dict()}``, where index counts only the
+            callbacks that have state.
+        """
+        return {key: callback.state_dict() for key, callback in self._stateful().items()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores what `state_dict` returned into the same list of callbacks.
+
+        Raises:
+            ValueError: If the stateful callbacks differ from the ones that were saved.
+        """
+        stateful = self._stateful()
+        if set(stateful) != set(state):
+            raise ValueError(
+                "Invalid callback state: the saved callbacks do not match this fit's callbacks "
+                f"(expected stateful callbacks {sorted(stateful)}, received {sorted(state)}). "
+                "Pass the same callbacks, in the same order, as the run that was saved."
+            )
+        for key, callback in stateful.items():
+            callback.load_state_dict(state[key])
+
+
+def _make_hook(name: str, with_index: bool):
+    if with_index:
+
+        def hook(self: CallbackList, index: int, logs: dict | None = None) -> None:
+            logs = {} if logs is None else logs
+            for callback in self.callbacks:
+                getattr(callback, name)(index, logs)
+
+    else:
+
+        def hook(self: CallbackList, logs: dict | None = None) -> None:
+            logs = {} if logs is None else logs
+            for callback in self.callbacks:
+                getattr(callback, name)(logs)
+
+    hook.__name__ = name
+    hook.__doc__ = f"Calls `{name}` on every callback."
+    return hook
+
+
+for _name in _HOOKS_WITHOUT_INDEX:
+    setattr(CallbackList, _name, _make_hook(_name, with_index=False))
+for _name in _HOOKS_WITH_INDEX:
+    setattr(CallbackList, _name, _make_hook(_name, with_index=True))
+del _name

@@ -1,0 +1,172 @@
+"""`CheckpointSaver`: saves *all* training state by a `SavePolicy`; a new run continues where it stopped.
+
+The general saver behind `BackupAndRestore` and the Estimator's ``model_dir`` checkpoints. What it
+saves is the training loop's ``checkpoint_items()``: the trainable's parts (module weights,
+optimizer), the loop's counters, data position and callback state, and each replica's own RNG
+streams and metric accumulators. A backup is taken after every other callback has run for that
+step or epoch (this callback always runs last).
+
+Checkpoints are `meshfit.train.CheckpointManager` checkpoints (atomic; the newest ``max_to_keep``
+kept, so a crash during a save leaves the previous one usable)::
+
+    directory/
+      checkpoint        {"latest_checkpoint": "ckpt-12", ...}
+      ckpt-11/          the previous complete checkpoint
+      ckpt-12/          the newest complete checkpoint
+      ckpt-13.tmp/      a save in progress (ignored until renamed)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import time
+from typing import Any
+
+from meshfit._step_logs import agree
+from meshfit._validation import check_bool, finite_float, optional_positive_int, path_like, positive_int
+from meshfit.callbacks._callback import Callback
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SavePolicy:
+    """When a `CheckpointSaver` saves.
+
+    Args:
+        every_steps: save when the optimizer step count is a multiple of this.
+        every_seconds: save at the first step at least this long after the previous save (the
+            replicas agree on the step, so a collective save never splits).
+        every_epoch: save at each epoch's end.
+        on_preemption: on SIGTERM, every replica saves at the same step and exits with code 75.
+
+    Example:
+        >>> SavePolicy(every_steps=30)
+        SavePolicy(every_steps=30, every_seconds=None, every_epoch=False, on_preemption=True)
+    """
+
+    every_steps: int | None = None
+    every_seconds: float | None = None
+    every_epoch: bool = False
+    on_preemption: bool = True
+
+    def __post_init__(self) -> None:
+        optional_positive_int("every_steps", self.every_steps)
+        if self.every_seconds is not None:
+            finite_float("every_seconds", self.every_seconds, positive=True)
+        check_bool("every_epoch", self.every_epoch)
+        check_bool("on_preemption", self.on_preemption)
+
+
+class CheckpointSaver(Callback):
+    """Saves training state to ``directory`` by ``policy`` and restores the newest at ``fit`` start.
+
+    Args:
+        directory: where checkpoints go; all workers must see it (one folder per job).
+        policy: when to save (default: at each epoch's end, and on preemption).
+        max_to_keep: how many complete checkpoints to keep.
+        checkpoint_name: the checkpoint directories' name prefix (``<name>-N``).
+        async_save: write in the background (DCP async save) so training does not wait.
+        delete_on_end: delete the checkpoints when training completes.
+
+    Example:
+        >>> saver = CheckpointSaver("/tmp/run", policy=SavePolicy(every_steps=100), max_to_keep=3)
+        >>> saver.policy.every_steps
+        100
+    """
+
+    run_last = True  # save only once every other callback has finished the step or epoch
+    reads_batch_logs = False
+
+    def __init__(self, directory: str | os.PathLike, policy: SavePolicy | None = None, max_to_keep: int = 2,
+                 checkpoint_name: str = "ckpt", async_save: bool = False, delete_on_end: bool = False) -> None:
+        super().__init__()
+        self.directory = os.path.abspath(path_like("directory", directory))
+        if policy is None:
+            policy = SavePolicy(every_epoch=True)
+        if not isinstance(policy, SavePolicy):
+            raise TypeError(f"Invalid `policy`: expected a meshfit.callbacks.SavePolicy, received policy={policy!r}.")
+        self.policy = policy
+        self.max_to_keep = positive_int("max_to_keep", max_to_keep)
+        self.checkpoint_name = checkpoint_name
+        self.async_save = check_bool("async_save", async_save)
+        self.delete_on_end = check_bool("delete_on_end", delete_on_end)
+        self.restored_from: str | None = None
+        self._manager: Any = None
+        self._pending: Any = None
+        self._saved_at: int | None = None
+        self._last_save_time = time.monotonic()
+
+    @property
+    def handles_preemption(self) -> bool:
+        return self.policy.on_preemption
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        from meshfit.train import Checkpoint, CheckpointManager  # lazily loaded public subpackage
+
+        loop = self.loop
+        if loop is None:
+            raise RuntimeError(f"{type(self).__name__} saves training state: use it in fit's callbacks.")
+        checkpoint = Checkpoint(**loop.checkpoint_items())
+        self._manager = CheckpointManager(checkpoint, self.directory, max_to_keep=self.max_to_keep,
+                                          checkpoint_name=self.checkpoint_name)
+        strategy = loop.strategy
+        strategy.failure.backup_dir = self.directory
+        latest = strategy.broadcast_object(self._manager.latest_checkpoint)
+        self.restored_from = latest
+        self._last_save_time = time.monotonic()
+        if latest is None:
+            return
+        checkpoint.restore(latest)
+        self._saved_at = loop.counters.iterations
+        if strategy.is_chief:
+            counters = loop.counters
+            print(f"{type(self).__name__}: resuming from {latest} at epoch {counters.epoch + 1}, "
+                  f"batch {counters.step + 1} (iteration {counters.iterations})", flush=True)
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        policy, iterations = self.policy, self.loop.counters.iterations
+        due = policy.every_steps is not None and iterations % policy.every_steps == 0
+        if policy.every_seconds is not None:
+            late = time.monotonic() - self._last_save_time >= policy.every_seconds
+            due = agree(self.loop.trainable, late) or due
+        if due:
+            self._save()
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if self.policy.every_epoch:
+            self._save()
+
+    def save_for_preemption(self) -> None:
+        """Called by the loop when a worker got SIGTERM: every replica saves at the same step."""
+        if self._saved_at != self.loop.counters.iterations:  # not already saved at this step
+            self._save()
+        self._wait()
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self._wait()
+        if self.delete_on_end:
+            strategy = self.loop.strategy
+            strategy.barrier()
+            if strategy.is_chief:
+                delete_checkpoints(self.directory)
+            strategy.barrier()
+
+    def _save(self) -> None:
+        self._wait()
+        self._saved_at = self.loop.counters.iterations
+        self._last_save_time = time.monotonic()
+        if self.async_save:
+            self._pending = self._manager.save(async_save=True)
+        else:
+            self._manager.save()
+
+    def _wait(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+
+def delete_checkpoints(directory: str) -> None:
+    """Remove a finished job's checkpoint folder."""
+    shutil.rmtree(directory, ignore_errors=True)
