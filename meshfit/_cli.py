@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from meshfit._launch import main as launch
+
 
 def _demo(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
@@ -16,8 +18,6 @@ def _demo(argv: list[str]) -> int:
     parser.add_argument("--epochs", type=int, default=3, help="epochs (default 3)")
     parser.add_argument("--backup-dir", default=None, help="BackupAndRestore directory (default: a temp dir)")
     args = parser.parse_args(argv)
-    from meshfit._launch import main as launch
-
     script_args = ["--epochs", str(args.epochs)]
     if args.backup_dir:
         script_args += ["--backup-dir", args.backup_dir]
@@ -38,9 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         print(usage)
         return 0 if argv else 2
     if argv[0] == "launch":
-        from meshfit._launch import main as launch
-
-        return launch(argv[1:])
+            return launch(argv[1:])
     return _demo(argv[1:])
 
 

@@ -16,7 +16,7 @@ from meshfit.data._dataset import Dataset
 from meshfit.data._options import AutoShardPolicy
 from meshfit.data._prefetch import Prefetcher
 from meshfit.data._sources import TorchMapDataset
-from meshfit.data._structure import batch_size_of, to_tensor
+from meshfit.data._structure import batch_size_of, leaves, slice_rows, to_tensor
 from meshfit.distribute._distributed_dataset import DistributedDataset
 from meshfit.distribute._values import InputContext
 
@@ -70,8 +70,6 @@ class _StreamSource:
         n, r = self.num_replicas, self.replica_id
         if n == 1:
             return element, size
-        from meshfit.data._structure import slice_rows
-
         return slice_rows(element, r * size // n, (r + 1) * size // n), size
 
     def prefetch_size(self) -> int:
@@ -230,6 +228,4 @@ class DataHandler:
 
 
 def _leaves(value: Any) -> list[Any]:
-    from meshfit.data._structure import leaves
-
     return leaves(to_tensor(value))

@@ -18,7 +18,7 @@ from meshfit._validation import non_negative_int
 from meshfit.callbacks._callback_list import CallbackList
 from meshfit.data._structure import batch_size_of, unpack_batch
 from meshfit.distribute._strategy import get_strategy
-from meshfit.losses import _losses
+from meshfit.losses import _resolve as _resolve_loss
 from meshfit.metrics import _metrics
 from meshfit.optimizers import _optimizers
 
@@ -75,7 +75,7 @@ class Model:
         """Configure training: optimizer, loss and metrics (strings, meshfit or torch objects)."""
         # Resolve everything first: a failed compile leaves the model as it was.
         resolved_optimizer = _optimizers.get(optimizer)
-        resolved_loss = _losses.get(loss) if loss is not None else None
+        resolved_loss = _resolve_loss.get(loss) if loss is not None else None
         if metrics is not None and not isinstance(metrics, (list, tuple)):
             raise TypeError(f"Invalid `metrics`: expected a list such as ['accuracy'], received metrics={metrics!r}.")
         compiled_metrics = [_metrics.get(m, loss=resolved_loss) for m in metrics or []]
@@ -83,7 +83,7 @@ class Model:
         self._metric_identifiers, self._compiled_metrics = list(metrics or []), compiled_metrics
         self._compile_config = {
             "optimizer": _optimizers.serialize(self.optimizer),
-            "loss": _losses.serialize(self.loss) if self.loss is not None else None,
+            "loss": _resolve_loss.serialize(self.loss) if self.loss is not None else None,
             "metrics": [m for m in self._metric_identifiers if isinstance(m, str)],
         }
         if self.optimizer.built and self._train_module is None:

@@ -28,7 +28,7 @@ from meshfit._weights import (
     save_state_dict,
     unflatten_optimizer_state,
 )
-from meshfit.losses import _losses
+from meshfit.losses import _resolve as _resolve_loss
 from meshfit.optimizers import _optimizers
 
 FORMAT = "meshfit.model/1"
@@ -155,7 +155,7 @@ def load_model(filepath: str | os.PathLike, module: nn.Module | None = None, com
     compile_config = config.get("compile")
     if compile and compile_config and compile_config.get("optimizer") and compile_config.get("loss"):
         model.compile(optimizer=_optimizers.deserialize(compile_config["optimizer"]),
-                      loss=_losses.deserialize(compile_config["loss"]),
+                      loss=_resolve_loss.deserialize(compile_config["loss"]),
                       metrics=compile_config.get("metrics") or None)
         if config.get("optimizer_state") is not None:
             model.optimizer.build(model.module.parameters())

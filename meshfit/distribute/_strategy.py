@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from meshfit.data._structure import map_structure
+from meshfit.distribute._distributed_dataset import DistributedDataset, agree_on_shuffle_seeds
 from meshfit.distribute._failure import FailureState
 from meshfit.distribute._values import InputContext, ReduceOp
 
@@ -145,8 +146,6 @@ class Strategy:
 
     def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
         """Split a dataset batched with the global batch size into this replica's batches."""
-        from meshfit.distribute._distributed_dataset import DistributedDataset, agree_on_shuffle_seeds
-
         context = self.input_context()
         if context.num_input_pipelines > 1:
             agree_on_shuffle_seeds(dataset, self.broadcast_object)
@@ -154,8 +153,6 @@ class Strategy:
 
     def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Any], options: Any = None) -> Any:
         """Build this replica's pipeline with ``dataset_fn(InputContext)``; it batches per replica."""
-        from meshfit.distribute._distributed_dataset import DistributedDataset
-
         context = self.input_context()
         return DistributedDataset.from_per_replica(dataset_fn(context), context)
 

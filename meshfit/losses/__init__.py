@@ -8,10 +8,8 @@ from meshfit.losses._losses import (
     MeanAbsoluteError,
     MeanSquaredError,
     SparseCategoricalCrossentropy,
-    deserialize,
-    get,
-    serialize,
 )
+from meshfit.losses._resolve import deserialize, get, serialize
 
 __all__ = [
     "BinaryCrossentropy",

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from meshfit.losses import _losses
+from meshfit.losses import _resolve as _resolve_loss
 from meshfit.losses._losses import _snake_case, _squeeze_or_expand
 
 
@@ -325,10 +326,10 @@ def _accuracy_for(name: str, loss: Any) -> Metric:
     """Keras's `"accuracy"`: the accuracy that matches the loss, else chosen from shapes."""
     if isinstance(loss, str | dict):
         try:
-            loss = _losses.get(loss)
+            loss = _resolve_loss.get(loss)
         except (ValueError, TypeError):
             loss = None
-    if isinstance(loss, _losses._TorchModuleLoss):
+    if isinstance(loss, _resolve_loss._TorchModuleLoss):
         loss = loss.module
     if isinstance(loss, _losses.SparseCategoricalCrossentropy | nn.CrossEntropyLoss | nn.NLLLoss):
         return SparseCategoricalAccuracy(name)

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from meshfit.data._structure import map_structure
+
 _POLICIES = {
     "float32": ("float32", "float32"),
     "mixed_bfloat16": ("bfloat16", "float32"),
@@ -143,8 +145,6 @@ def to_variable_dtype(outputs: Any) -> Any:
     ``predict`` returns numpy arrays, and numpy has no bfloat16: its outputs come back in the
     policy's variable dtype, as the last layer of a Keras mixed-precision model is advised to be.
     """
-    from meshfit.data._structure import map_structure
-
     def cast(value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.dtype in (torch.bfloat16, torch.float16):
             return value.float()

@@ -1,0 +1,168 @@
+"""Resolving user loss identifiers: strings, `Loss` instances, torch loss modules and callables."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshfit._serialization import describe, rebuild
+from meshfit.losses._losses import (
+    BinaryCrossentropy,
+    CategoricalCrossentropy,
+    Huber,
+    Loss,
+    MeanAbsoluteError,
+    MeanSquaredError,
+    SparseCategoricalCrossentropy,
+    _snake_case,
+    reduce_weighted,
+)
+
+
+class _TorchModuleLoss(Loss):
+    """A torch loss module, called as `module(y_pred, y_true)`."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__(_snake_case(type(module).__name__))
+        self.module = module
+
+    def __call__(
+        self, y_true: torch.Tensor, y_pred: torch.Tensor, sample_weight: torch.Tensor | float | None = None
+    ) -> torch.Tensor:
+        y_true = torch.as_tensor(y_true, device=y_pred.device)
+        if sample_weight is None:
+            value = self.module(y_pred, y_true)
+            return value if value.ndim == 0 else value.mean()
+        if not hasattr(self.module, "reduction"):
+            raise TypeError(
+                f"Invalid `sample_weight`: {type(self.module).__name__} has no `reduction` to turn off, "
+                f"so it cannot weight samples; received sample_weight of type {type(sample_weight).__name__}."
+            )
+        saved, self.module.reduction = self.module.reduction, "none"
+        try:
+            values = self.module(y_pred, y_true)
+        finally:
+            self.module.reduction = saved
+        values = values.flatten(1).mean(dim=1) if values.ndim > 1 else values
+        return reduce_weighted(values, sample_weight, "sum_over_batch_size")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.module!r})"
+
+
+class _FunctionLoss(Loss):
+    """A plain callable `fn(y_true, y_pred)`: its per-sample values are reduced like any Loss."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor]) -> None:
+        name = getattr(fn, "__name__", "")
+        super().__init__(name if name.isidentifier() else "loss")
+        self.fn = fn
+
+    def call(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        return torch.as_tensor(self.fn(y_true, y_pred))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.fn!r})"
+
+
+_CLASSES: dict[str, type[Loss]] = {
+    cls.__name__: cls
+    for cls in (
+        SparseCategoricalCrossentropy,
+        CategoricalCrossentropy,
+        BinaryCrossentropy,
+        MeanSquaredError,
+        MeanAbsoluteError,
+        Huber,
+    )
+}
+_ALIASES: dict[str, type[Loss]] = {
+    "mse": MeanSquaredError,
+    "mae": MeanAbsoluteError,
+    "huber": Huber,
+    "huber_loss": Huber,
+    **{_snake_case(name): cls for name, cls in _CLASSES.items()},
+    **_CLASSES,
+}
+
+
+def _key(name: str) -> str:
+    return name.replace("_", "").lower()
+
+
+_LOOKUP: dict[str, type[Loss]] = {_key(name): cls for name, cls in _ALIASES.items()}
+
+
+def get(identifier: str | Loss | nn.Module | Callable[..., Any] | dict[str, Any]) -> Loss:
+    """Resolve a loss identifier to a `Loss`.
+
+    Args:
+        identifier: A name (`"sparse_categorical_crossentropy"`, `"mse"`, `"mae"`, `"huber"`,
+            `"binary_crossentropy"`, `"categorical_crossentropy"`, or a class name; case and
+            underscores are ignored), a `Loss` (returned as is), a torch loss module (called as
+            `module(y_pred, y_true)`), a callable `fn(y_true, y_pred)` (its values averaged), or a
+            dict from `serialize`.
+
+    Returns:
+        The `Loss`.
+
+    Raises:
+        ValueError: If a name is unknown.
+        TypeError: If the identifier has an unsupported type.
+
+    Example:
+        >>> import meshfit.losses as losses
+        >>> losses.get("mse").name
+        'mean_squared_error'
+    """
+    if isinstance(identifier, Loss):
+        return identifier
+    if isinstance(identifier, str):
+        cls = _LOOKUP.get(_key(identifier))
+        if cls is None:
+            raise ValueError(
+                f"Invalid `loss`: expected one of {sorted(_ALIASES)}, received loss={identifier!r}."
+            )
+        return cls()
+    if isinstance(identifier, dict):
+        return deserialize(identifier)
+    if isinstance(identifier, nn.Module):
+        return _TorchModuleLoss(identifier)
+    if callable(identifier):
+        return _FunctionLoss(identifier)
+    raise TypeError(
+        "Invalid `loss`: expected a name, a meshfit Loss, a torch loss module or a callable, "
+        f"received loss={identifier!r} of type {type(identifier).__name__}."
+    )
+
+
+def serialize(loss: str | Loss | nn.Module | Callable[..., Any]) -> dict[str, Any] | None:
+    """Describe a built-in loss as `{"class_name": ..., "config": ...}`, JSON-serialisable.
+
+    Args:
+        loss: Anything `get` accepts.
+
+    Returns:
+        The dict, or `None` when the loss cannot be rebuilt from a description (torch loss modules,
+        callables, user-defined `Loss` subclasses).
+    """
+    return describe(get(loss), _CLASSES)
+
+
+def deserialize(config: dict[str, Any], custom_objects: dict[str, type[Loss]] | None = None) -> Loss:
+    """Rebuild a loss from `serialize`'s output.
+
+    Args:
+        config: `{"class_name": name, "config": dict}`.
+        custom_objects: Extra `Loss` classes by class name.
+
+    Returns:
+        The loss.
+
+    Raises:
+        ValueError: If the class name is unknown or the dict is malformed.
+    """
+    return rebuild(config, _CLASSES, custom_objects)
