@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -35,6 +36,9 @@ TERMINATE_TIMEOUT_S = 10.0
 REPLICA_RANK_ENV = "MESHFIT_MIRRORED_RANK"
 REPLICA_ADDR_ENV = "MESHFIT_MIRRORED_ADDR"
 REPLICA_PARENT_ENV = "MESHFIT_MIRRORED_PARENT"
+# Set for captured children when our stdout is a terminal: their output is forwarded as it comes,
+# carriage returns included, so a live progress bar (`meshfit.callbacks.Progbar`) redraws in place.
+FORWARDED_TERMINAL_ENV = "MESHFIT_FORWARDED_TERMINAL"
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -57,18 +61,25 @@ class Output:
     def __init__(self, who: str = "meshfit launch") -> None:
         self._lock = threading.Lock()
         self._who = who
+        self._open_line: tuple[object, bool] | None = None  # (writer, to_stderr) of an unfinished line
 
-    def write(self, to_stderr: bool, data: bytes) -> None:
-        stream = sys.stderr if to_stderr else sys.stdout
+    def write(self, to_stderr: bool, data: bytes, writer: object = None) -> None:
         with self._lock:
-            buffer = getattr(stream, "buffer", None)
-            if buffer is not None:
-                stream.flush()
-                buffer.write(data)
-                buffer.flush()
-            else:
-                stream.write(data.decode(errors="replace"))
-                stream.flush()
+            if self._open_line is not None and self._open_line[0] is not writer:
+                self._write(self._open_line[1], b"\n")  # end another child's live bar before our line
+            self._write(to_stderr, data)
+            self._open_line = None if data.endswith(b"\n") else (writer, to_stderr)
+
+    def _write(self, to_stderr: bool, data: bytes) -> None:
+        stream = sys.stderr if to_stderr else sys.stdout
+        buffer = getattr(stream, "buffer", None)
+        if buffer is not None:
+            stream.flush()
+            buffer.write(data)
+            buffer.flush()
+        else:
+            stream.write(data.decode(errors="replace"))
+            stream.flush()
 
     def message(self, text: str) -> None:
         self.write(True, f"{self._who}: {text}\n".encode())
@@ -107,6 +118,27 @@ def _pump(pipe: IO[bytes], prefix: bytes, to_stderr: bool, output: Output) -> No
             output.write(to_stderr, prefix + (line if line.endswith(b"\n") else line + b"\n"))
 
 
+def _pump_live(pipe: IO[bytes], prefix: bytes, to_stderr: bool, output: Output) -> None:
+    """Copy ``pipe`` as it arrives, with ``prefix`` after each newline or carriage return."""
+    at_line_start = True
+    with pipe:
+        while chunk := os.read(pipe.fileno(), 65536):
+            out = bytearray()
+            for piece in re.split(rb"(?<=[\r\n])", chunk):
+                if piece and not (at_line_start and piece == b"\r"):  # a redraw: prefix its text, not the \r
+                    out += prefix if at_line_start else b""
+                out += piece
+                at_line_start = piece.endswith((b"\r", b"\n")) or (at_line_start and not piece)
+            output.write(to_stderr, bytes(out), writer=pipe)
+
+
+def _stdout_is_terminal() -> bool:
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
 class ChildGroup:
     """Processes started together: start, watch, signal and stop them."""
 
@@ -123,13 +155,17 @@ class ChildGroup:
         terminal, session and signals, as the script it is a copy of.
         """
         pipe = subprocess.PIPE if capture else None
+        live = capture and _stdout_is_terminal()
+        if live:
+            env = {**env, FORWARDED_TERMINAL_ENV: "1"}
         proc = subprocess.Popen(list(command), env=dict(env), stdin=subprocess.DEVNULL if capture else None,
                                 stdout=pipe, stderr=pipe, start_new_session=capture)
         child = Child(task_type, index, proc, own_session=capture)
         if capture:
             prefix = f"[{child.name}] ".encode()
             for stream, to_stderr in ((proc.stdout, False), (proc.stderr, True)):
-                reader = threading.Thread(target=_pump, args=(stream, prefix, to_stderr, self.output),
+                reader = threading.Thread(target=_pump_live if live else _pump,
+                                          args=(stream, prefix, to_stderr, self.output),
                                           name=f"meshfit-supervisor-{child.name}", daemon=True)
                 reader.start()
                 child.readers.append(reader)

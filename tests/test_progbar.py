@@ -51,7 +51,8 @@ def test_file_stream_long_epoch_prints_a_line_every_30_seconds(clock):
     lines = out.getvalue().splitlines()
     assert "\r" not in out.getvalue()
     assert len(lines) == 4  # at 30 s, 60 s, 90 s, then the final line
-    assert lines[0] == " 30/100 [========>.....................] - ETA: 1:10 - loss: 1.0000"
+    # Step, time per step (the rate) and ETA on each progress line.
+    assert lines[0] == " 30/100 [========>.....................] - ETA: 1:10 - 1s/step - loss: 1.0000"
     assert lines[-1] == "100/100 [==============================] - 100s 1s/step - loss: 1.0000"
 
 
@@ -224,3 +225,45 @@ def test_logger_for_evaluate_and_predict(clock):
     assert len(lines) == 2
     assert re.fullmatch(r"2/2 \[=+\] - 0s 0s/step - loss: 0\.5000 - accuracy: 0\.8000", lines[0])
     assert re.fullmatch(r"2/2 \[=+\] - 0s 0s/step", lines[1])
+
+
+def test_logger_file_interval_gives_step_rate_and_eta_lines_in_a_log(clock):
+    out = io.StringIO()
+    logger = ProgbarLogger(stream=out, file_interval=10)
+    callbacks = CallbackList([logger], epochs=2, steps=40, verbose=1)
+    callbacks.on_train_begin()
+    for epoch in range(2):
+        callbacks.on_epoch_begin(epoch)
+        for batch in range(40):
+            clock.now += 0.5
+            callbacks.on_train_batch_end(batch, {"loss": 0.5})
+        callbacks.on_epoch_end(epoch, {"loss": 0.5})
+    callbacks.on_train_end()
+    lines = out.getvalue().splitlines()
+    assert "\r" not in out.getvalue()
+    # Per epoch: the header, a line at 10 s and 20 s (steps 20 and 40 would be the end), the final line.
+    assert lines[:4] == ["Epoch 1/2",
+                         "20/40 [" + "=" * 14 + ">" + "." * 15 + "] - ETA: 10s - 500ms/step - loss: 0.5000",
+                         "40/40 [==============================] - 20s 500ms/step - loss: 0.5000",
+                         "Epoch 2/2"]
+    assert len(lines) == 6
+    with pytest.raises(ValueError, match="Invalid `file_interval`"):
+        ProgbarLogger(file_interval=0)
+
+
+def test_a_terminal_forwarded_by_meshfit_launch_gets_the_live_bar(clock, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setenv(_progbar.FORWARDED_TERMINAL_ENV, "1")
+    bar = Progbar(target=3, stream=sys.stdout)  # a pipe to the launcher, which forwards \r
+    for step in range(1, 4):
+        clock.now += 1.0
+        bar.update(step, {"loss": 0.5})
+    text = capsys.readouterr().out
+    assert text.count("\r") == 3 and text.endswith("\n")
+    monkeypatch.delenv(_progbar.FORWARDED_TERMINAL_ENV)
+    bar = Progbar(target=3, stream=sys.stdout)
+    for step in range(1, 4):
+        clock.now += 1.0
+        bar.update(step, {"loss": 0.5})
+    assert "\r" not in capsys.readouterr().out

@@ -14,7 +14,7 @@ import meshfit
 
 PACKAGES = ["meshfit", "meshfit.callbacks", "meshfit.cluster", "meshfit.data", "meshfit.datasets",
             "meshfit.distribute", "meshfit.losses", "meshfit.metrics", "meshfit.mixed_precision", "meshfit.optimizers",
-            "meshfit.train"]
+            "meshfit.optimizers.schedules", "meshfit.train"]
 
 
 @pytest.mark.parametrize("package", PACKAGES)

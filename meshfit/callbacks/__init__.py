@@ -7,9 +7,13 @@ from meshfit.callbacks._checkpoint_saver import CheckpointSaver, SavePolicy
 from meshfit.callbacks._csv_logger import CSVLogger
 from meshfit.callbacks._early_stopping import EarlyStopping
 from meshfit.callbacks._history import History
+from meshfit.callbacks._lambda_callback import LambdaCallback
+from meshfit.callbacks._learning_rate_scheduler import LearningRateScheduler
 from meshfit.callbacks._model_checkpoint import ModelCheckpoint
 from meshfit.callbacks._progbar import Progbar, ProgbarLogger
+from meshfit.callbacks._reduce_lr_on_plateau import ReduceLROnPlateau
 from meshfit.callbacks._tensorboard import TensorBoard
+from meshfit.callbacks._terminate_on_nan import TerminateOnNaN
 
 __all__ = [
     "BackupAndRestore",
@@ -19,9 +23,13 @@ __all__ = [
     "CheckpointSaver",
     "EarlyStopping",
     "History",
+    "LambdaCallback",
+    "LearningRateScheduler",
     "ModelCheckpoint",
     "Progbar",
     "ProgbarLogger",
+    "ReduceLROnPlateau",
     "SavePolicy",
     "TensorBoard",
+    "TerminateOnNaN",
 ]

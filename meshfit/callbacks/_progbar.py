@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any, TextIO
 
+# Set by `meshfit launch` for its workers when its own stdout is a terminal: the launcher passes
+# carriage returns through, so a worker's bar may redraw in place although its stdout is a pipe.
+from meshfit._supervisor import FORWARDED_TERMINAL_ENV
+from meshfit._validation import finite_float
 from meshfit.callbacks._callback import Callback, _to_float
 
 # Off a terminal (log files, pipes), a long epoch prints a progress line at most this often.
@@ -18,13 +23,16 @@ def _now() -> float:
 
 
 def _supports_redraw(stream: TextIO) -> bool:
-    """Whether ``\\r`` redraws a line: a terminal, or a Jupyter kernel's own stdout/stderr."""
+    """Whether ``\\r`` redraws a line: a terminal (also one `meshfit launch` forwards to), or Jupyter."""
     try:
         if stream.isatty():
             return True
     except (AttributeError, ValueError):
         return False
-    return "ipykernel" in sys.modules and stream in (sys.stdout, sys.stderr)
+    standard = stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+    if standard and os.environ.get(FORWARDED_TERMINAL_ENV) == "1":
+        return True
+    return "ipykernel" in sys.modules and standard
 
 
 def _format_value(value: Any) -> str:
@@ -56,7 +64,8 @@ class Progbar:
     With ``verbose=1`` on a terminal the line redraws in place (``\\r``, at most every
     ``interval`` seconds): ``70/70 [==============================] - 1s 7ms/step - loss: 2.2700``.
     On a stream that is not a terminal (a log file, a pipe) it writes no carriage returns: only
-    the final line, plus a progress line at most every 30 seconds during long runs.
+    the final line, plus a progress line every ``file_interval`` seconds (30 by default) with the
+    step, the time per step and the ETA: ``30/100 [=====>....] - ETA: 1:10 - 1s/step - loss: 1.0000``.
     ``verbose=2`` writes one line when done: ``70/70 - 1s - loss: 2.2700 - 1s/epoch - 7ms/step``.
 
     Args:
@@ -68,9 +77,11 @@ class Progbar:
             over the steps seen, as Keras does.
         unit_name: The unit in the per-step time, e.g. ``7ms/step``.
         stream: Where to write; None means the current ``sys.stdout``.
+        file_interval: Seconds between progress lines off a terminal.
 
     Raises:
-        ValueError: If ``verbose`` is not 0, 1 or 2, or ``target`` or ``width`` is negative.
+        ValueError: If ``verbose`` is not 0, 1 or 2, ``target`` or ``width`` is negative, or
+            ``file_interval`` is not positive.
 
     Example:
         >>> import io
@@ -90,6 +101,7 @@ class Progbar:
         stateful_metrics: Iterable[str] | None = None,
         unit_name: str = "step",
         stream: TextIO | None = None,
+        file_interval: float = _FILE_INTERVAL_SECONDS,
     ) -> None:
         if verbose not in (0, 1, 2):
             raise ValueError(f"Invalid `verbose`: expected 0, 1 or 2, received verbose={verbose!r}.")
@@ -103,6 +115,7 @@ class Progbar:
         self.interval = interval
         self.stateful_metrics = set(stateful_metrics or ())
         self.unit_name = unit_name
+        self.file_interval = finite_float("file_interval", file_interval, positive=True)
         self.stream = sys.stdout if stream is None else stream
         self._dynamic_display = _supports_redraw(self.stream)
         self._values: dict[str, Any] = {}
@@ -192,14 +205,17 @@ class Progbar:
         if not finalize:
             if self._dynamic_display and now - self._last_update < self.interval:
                 return
-            if not self._dynamic_display and now - self._last_file_line < _FILE_INTERVAL_SECONDS:
-                return
+            if not self._dynamic_display and (now - self._last_file_line < self.file_interval
+                                              or self.target is not None and current >= self.target):
+                return  # in a log, the last step's line is the final one, written at the epoch's end
         duration = self._step_duration(current, now)
         bar = self._bar(current)
         if self.target is None or finalize:
             info = f" - {now - self._start:.0f}s" + _format_time(duration, self.unit_name)
         else:
             info = f" - ETA: {_format_eta(duration * (self.target - current))}"
+            if not self._dynamic_display:  # a log line stands alone: say how fast it goes
+                info += " -" + _format_time(duration, self.unit_name)
         line = bar + info + self._metrics_text()
         if self._dynamic_display:
             # Pad with spaces so a shorter line fully covers the previous one.
@@ -237,9 +253,19 @@ class ProgbarLogger(Callback):
         count_mode: ``"steps"`` counts batches; ``"samples"`` counts the ``size`` in each step's
             logs against ``params["samples"]``.
         stream: Where to write; None means the current ``sys.stdout``.
+        stateful_metrics: Log names always shown as given (the logs of `fit` already are).
+        interval: Minimum seconds between redraws on a terminal.
+        file_interval: Seconds between progress lines (step, time per step, ETA) off a terminal;
+            each epoch's final line is always written.
 
     Raises:
-        ValueError: If ``count_mode`` is not ``"steps"`` or ``"samples"``.
+        ValueError: If ``count_mode`` is not ``"steps"`` or ``"samples"``, or an interval is not
+            a positive number.
+
+    Example:
+        >>> logger = ProgbarLogger(file_interval=10)  # in a log file: a progress line every 10 s
+        >>> logger.file_interval
+        10.0
     """
 
     @property
@@ -247,8 +273,13 @@ class ProgbarLogger(Callback):
         """Only the live bar (``verbose=1``) shows per-batch values; ``verbose=2`` prints epochs."""
         return self.verbose == 1
 
-    def __init__(self, count_mode: str = "steps", stream: TextIO | None = None) -> None:
+    def __init__(self, count_mode: str = "steps", stream: TextIO | None = None,
+                 stateful_metrics: Iterable[str] | None = None, interval: float = 0.05,
+                 file_interval: float = _FILE_INTERVAL_SECONDS) -> None:
         super().__init__()
+        self.stateful_metrics = set(stateful_metrics or ())
+        self.interval = finite_float("interval", interval, positive=True)
+        self.file_interval = finite_float("file_interval", file_interval, positive=True)
         if count_mode not in ("steps", "samples"):
             raise ValueError(
                 f"Invalid `count_mode`: expected 'steps' or 'samples', received count_mode={count_mode!r}."
@@ -332,6 +363,9 @@ class ProgbarLogger(Callback):
                 verbose=self.verbose,
                 unit_name="step" if self.use_steps else "sample",
                 stream=self.stream,
+                interval=self.interval,
+                stateful_metrics=set(self.stateful_metrics),
+                file_interval=self.file_interval,
             )
         return self.progbar
 

@@ -75,6 +75,11 @@ class TensorBoard(Callback):
         self._writers: dict[str, Any] = {}
         self._writing = False
 
+    @property
+    def reads_batch_logs(self) -> bool:
+        """Batch logs are written only with an int ``update_freq`` (otherwise it only counts batches)."""
+        return self.update_freq != "epoch"
+
     def _writer(self, name: str) -> Any:
         if name not in self._writers:
             from torch.utils.tensorboard import SummaryWriter

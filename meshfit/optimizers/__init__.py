@@ -1,5 +1,6 @@
 """Optimizers: Keras-style specs that build `torch.optim` optimizers, and `get`, `serialize`, `deserialize`."""
 
+from meshfit.optimizers import schedules
 from meshfit.optimizers._optimizers import (
     SGD,
     Adagrad,
@@ -23,5 +24,6 @@ __all__ = [
     "TorchOptimizer",
     "deserialize",
     "get",
+    "schedules",
     "serialize",
 ]

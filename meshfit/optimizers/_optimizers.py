@@ -9,6 +9,7 @@ import torch
 from torch.nn.parameter import is_lazy
 
 from meshfit._serialization import describe, rebuild
+from meshfit.optimizers.schedules import _schedules
 
 
 def _check_number(name: str, value: Any, rule: tuple[str, Callable[[float], bool]]) -> float:
@@ -45,10 +46,12 @@ class Optimizer:
     RMSprop and Adagrad; decoupled for AdamW).
 
     Args:
-        learning_rate: Positive step size.
+        learning_rate: Positive step size, or a `meshfit.optimizers.schedules.LearningRateSchedule`:
+            then each update uses ``schedule(iterations)``, and the schedule's position is
+            `iterations`, part of `state_dict()`.
 
     Raises:
-        ValueError: If `learning_rate` is not a positive number.
+        ValueError: If `learning_rate` is not a positive number or a schedule.
 
     Example:
         >>> import torch, meshfit.optimizers as optimizers
@@ -61,8 +64,12 @@ class Optimizer:
     torch_class: type[torch.optim.Optimizer]
     config_keys: tuple[str, ...] = ()
 
-    def __init__(self, learning_rate: float) -> None:
-        self._learning_rate = _check_number("learning_rate", learning_rate, _POSITIVE)
+    def __init__(self, learning_rate: float | _schedules.LearningRateSchedule) -> None:
+        self._schedule = learning_rate if isinstance(learning_rate, _schedules.LearningRateSchedule) else None
+        if self._schedule is not None:  # a warm-up may start at 0
+            self._learning_rate = float(self._schedule(0))
+        else:
+            self._learning_rate = _check_number("learning_rate", learning_rate, _POSITIVE)
         self._torch_optimizer: torch.optim.Optimizer | None = None
         self._param_ids: list[int] = []
         self.iterations = 0
@@ -121,7 +128,12 @@ class Optimizer:
 
     def step(self, closure: Any = None) -> Any:
         """Apply one update to the parameters and count it in `iterations`."""
-        result = self._require_built("step()").step(closure)
+        optimizer = self._require_built("step()")
+        if self._schedule is not None:
+            rate = float(self._schedule(self.iterations))
+            for group in optimizer.param_groups:
+                group["lr"] = rate
+        result = optimizer.step(closure)
         self.iterations += 1
         return result
 
@@ -131,13 +143,19 @@ class Optimizer:
 
     @property
     def learning_rate(self) -> float:
-        """The current learning rate (read from the torch optimizer once built)."""
+        """The current learning rate (read from the torch optimizer once built; a schedule's next value)."""
+        if self._schedule is not None:
+            return float(self._schedule(self.iterations))
         if self._torch_optimizer is not None:
             return float(self._torch_optimizer.param_groups[0]["lr"])
         return self._learning_rate
 
     @learning_rate.setter
     def learning_rate(self, value: float) -> None:
+        if self._schedule is not None:
+            raise TypeError(f"This optimizer's learning rate follows {self._schedule!r}, so it cannot be set. "
+                            "Create the optimizer with a number as learning_rate to set it by hand or from a "
+                            "callback.")
         self._learning_rate = _check_number("learning_rate", value, _POSITIVE)
         if self._torch_optimizer is not None:
             for group in self._torch_optimizer.param_groups:
@@ -168,11 +186,17 @@ class Optimizer:
 
     def get_config(self) -> dict[str, Any]:
         """The constructor arguments, JSON-serialisable."""
-        return {"learning_rate": self.learning_rate, **{key: getattr(self, key) for key in self.config_keys}}
+        learning_rate: Any = self.learning_rate
+        if self._schedule is not None:
+            # A user's own schedule class is named too; loading it back needs that class.
+            learning_rate = {"class_name": type(self._schedule).__name__, "config": self._schedule.get_config()}
+        return {"learning_rate": learning_rate, **{key: getattr(self, key) for key in self.config_keys}}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Optimizer:
         """Build an optimizer from `get_config()`'s output."""
+        if isinstance(config.get("learning_rate"), dict):
+            config = {**config, "learning_rate": _schedules.deserialize(config["learning_rate"])}
         return cls(**config)
 
     def __repr__(self) -> str:

@@ -1,0 +1,74 @@
+"""`LambdaCallback`: a callback made of plain functions, one per hook."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from meshfit.callbacks._callback import Callback
+from meshfit.callbacks._callback_list import _HOOKS_WITH_INDEX, _HOOKS_WITHOUT_INDEX
+
+# Keras's older names for the training batch hooks.
+_ALIASES = {"on_batch_begin": "on_train_batch_begin", "on_batch_end": "on_train_batch_end"}
+
+
+class LambdaCallback(Callback):
+    """Builds a callback from functions, as Keras's ``LambdaCallback`` does.
+
+    Each keyword names a hook and gives the function to call: ``on_epoch_begin(epoch, logs)``,
+    ``on_epoch_end(epoch, logs)``, ``on_train_batch_begin(batch, logs)`` (or ``on_batch_begin``),
+    ``on_train_batch_end(batch, logs)`` (or ``on_batch_end``), ``on_train_begin(logs)``,
+    ``on_train_end(logs)``, and the test and predict hooks likewise.
+
+    Raises:
+        ValueError: If a keyword is not a hook name.
+        TypeError: If a value is not callable.
+
+    Example:
+        >>> seen = []
+        >>> callback = LambdaCallback(on_epoch_end=lambda epoch, logs: seen.append((epoch, logs["loss"])))
+        >>> callback.on_epoch_end(0, {"loss": 0.5})
+        >>> seen
+        [(0, 0.5)]
+    """
+
+    def __init__(self, **hooks: Callable[..., Any] | None) -> None:
+        super().__init__()
+        known = set(_HOOKS_WITH_INDEX) | set(_HOOKS_WITHOUT_INDEX)
+        self._functions: dict[str, Callable[..., Any]] = {}
+        for name, function in hooks.items():
+            if function is None:
+                continue
+            hook = _ALIASES.get(name, name)
+            if hook not in known:
+                raise ValueError(f"Invalid `{name}`: expected a hook name, one of "
+                                 f"{sorted(known | set(_ALIASES))}, received {name}=...")
+            if not callable(function):
+                raise TypeError(f"Invalid `{name}`: expected a function, received {name}={function!r}.")
+            self._functions[hook] = function
+
+    @property
+    def reads_batch_logs(self) -> bool:
+        """Whether a function was given for the end of training batches (the loop then reduces their logs)."""
+        return "on_train_batch_end" in self._functions
+
+
+def _make_hook(name: str, with_index: bool) -> Callable[..., None]:
+    if with_index:
+        def hook(self: LambdaCallback, index: int, logs: dict | None = None) -> None:
+            function = self._functions.get(name)
+            if function is not None:
+                function(index, logs)
+    else:
+        def hook(self: LambdaCallback, logs: dict | None = None) -> None:
+            function = self._functions.get(name)
+            if function is not None:
+                function(logs)
+    hook.__name__ = name
+    hook.__doc__ = f"Calls the function given as ``{name}``, if any."
+    return hook
+
+
+for _name in (*_HOOKS_WITH_INDEX, *_HOOKS_WITHOUT_INDEX):
+    setattr(LambdaCallback, _name, _make_hook(_name, _name in _HOOKS_WITH_INDEX))
+del _name

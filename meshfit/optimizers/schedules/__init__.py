@@ -1,0 +1,19 @@
+"""Learning-rate schedules (Keras's ``keras.optimizers.schedules``): pass one as ``learning_rate=``."""
+
+from meshfit.optimizers.schedules._schedules import (
+    CosineDecay,
+    ExponentialDecay,
+    LearningRateSchedule,
+    PiecewiseConstantDecay,
+    deserialize,
+    serialize,
+)
+
+__all__ = [
+    "CosineDecay",
+    "ExponentialDecay",
+    "LearningRateSchedule",
+    "PiecewiseConstantDecay",
+    "deserialize",
+    "serialize",
+]

@@ -1,0 +1,96 @@
+"""Progress on every launch path: a live bar through `meshfit launch` on a terminal, step/rate/ETA lines
+in a log file, and a one-line note from workers that are not the chief."""
+
+from __future__ import annotations
+
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+import time
+
+from _procs import child_env, kill_group
+
+TRAIN = """\
+import sys, time
+import numpy as np, torch
+import meshfit as mf
+
+strategy = mf.MultiWorkerMirroredStrategy()
+with strategy.scope():
+    torch.manual_seed(0)
+    model = mf.Model(torch.nn.Linear(4, 2))
+    model.compile("sgd", "mse")
+slow = mf.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: time.sleep(0.3))
+callbacks = [slow] + ([mf.callbacks.ProgbarLogger(file_interval=float(sys.argv[1]))] if len(sys.argv) > 1 else [])
+model.fit(np.zeros((64, 4), "float32"), np.zeros((64, 2), "float32"), batch_size=8, epochs=2,
+          callbacks=callbacks)
+"""
+
+LAUNCH = [sys.executable, "-c", "import sys; from meshfit._cli import main; sys.exit(main())", "launch",
+          "--workers", "2"]
+
+
+def _script(tmp_path) -> str:
+    path = tmp_path / "train.py"
+    path.write_text(TRAIN)
+    return str(path)
+
+
+def test_launch_on_a_terminal_passes_the_chiefs_live_bar_through(tmp_path):
+    primary, secondary = pty.openpty()
+    proc = subprocess.Popen([*LAUNCH, _script(tmp_path)], env=child_env(), stdin=subprocess.DEVNULL,
+                            stdout=secondary, stderr=subprocess.STDOUT, start_new_session=True)
+    os.close(secondary)
+    chunks: list[tuple[float, bytes]] = []
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([primary], [], [], 1.0)
+            if not ready:
+                if proc.poll() is not None:
+                    break
+                continue
+            try:
+                data = os.read(primary, 65536)
+            except OSError:  # EIO: the terminal's other end closed
+                break
+            if not data:
+                break
+            chunks.append((time.monotonic(), data))
+        assert proc.wait(timeout=30) == 0, b"".join(c for _, c in chunks).decode(errors="replace")
+    finally:
+        kill_group(proc)
+        os.close(primary)
+    text = b"".join(c for _, c in chunks).decode(errors="replace")
+    # Redraws of the chief's bar in place: a carriage return, the prefix, a partial bar with an ETA.
+    redraws = re.findall(r"\r\[worker 0\] (\d)/8 \[[=>.]+\] - ETA: ", text)
+    assert len(redraws) >= 3, text
+    assert "[worker 0] 8/8 [==============================]" in text
+    # Live: the first partial bar reached the terminal well before its epoch's final line.
+    first_partial = next(t for t, c in chunks if re.search(rb"\r\[worker 0\] [1-6]/8 \[", c))
+    first_final = next(t for t, c in chunks if b"8/8 [====" in c)
+    assert first_final - first_partial > 0.6, text
+    assert not re.search(r"\[worker 1\] \d/8", text)  # only the chief shows a bar
+
+
+def test_launch_into_a_log_file_writes_lines_with_step_rate_and_eta(tmp_path):
+    log = tmp_path / "train.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([*LAUNCH, _script(tmp_path), "0.5"], env=child_env(), stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            assert proc.wait(timeout=240) == 0, log.read_text()
+        finally:
+            kill_group(proc)
+    text = log.read_text()
+    assert "\r" not in text
+    lines = [line for line in text.splitlines() if line.startswith("[worker 0] ")]
+    assert lines[0] == "[worker 0] Epoch 1/2"
+    progress = [line for line in lines if re.fullmatch(
+        r"\[worker 0\] [1-7]/8 \[[=>.]+\] - ETA: \d+s - \d+ms/step - loss: \S+", line)]
+    assert len(progress) >= 2, text  # every 0.5 s of a 2.4 s epoch
+    finals = [line for line in lines if line.startswith("[worker 0] 8/8 [==============================] - ")]
+    assert len(finals) == 2, text  # one line per epoch
