@@ -141,7 +141,7 @@ class DataHandler:
         if hasattr(x, "__getitem__") and hasattr(x, "__len__"):
             if y is not None:
                 raise ValueError("Invalid `y`: a torch Dataset yields (x, y) pairs itself; pass y=None.")
-            dataset = TorchMapDataset(x)
+            dataset = Dataset(TorchMapDataset(x))
             if shuffle:
                 dataset = dataset.shuffle(len(x))
             return self.strategy.experimental_distribute_dataset(dataset.batch(batch_size or 32))

@@ -9,18 +9,19 @@ the global order: a distributed dataset only decides which rows of each global b
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
+from meshfit.data._node import AUTOTUNE, Node
 from meshfit.data._options import Options
 from meshfit.data._prefetch import Prefetcher
-from meshfit.data._structure import stack
+from meshfit.data._sources import Files, Range, TensorSlices
+from meshfit.data._structure import map_structure
+from meshfit.data._transforms import Batch, Cache, Map, Prefetch, Repeat, Shard, Shuffle, Skip, Take
 
 INFINITE = -1
-AUTOTUNE = -1
 
 
 class Dataset:
@@ -32,38 +33,33 @@ class Dataset:
         [[3, 2, 5], [4, 0, 1]]
     """
 
-    _inner: Dataset | None = None
-    _options: Options | None = None
-    _next_pass = 0
+    def __init__(self, node: Node) -> None:
+        if not isinstance(node, Node):
+            raise TypeError("Build datasets with Dataset.from_tensor_slices, range, from_files or list_files, "
+                            f"not Dataset(...); received {type(node).__name__}.")
+        self._node = node
+        self._next_pass = 0
 
     # ---- sources -------------------------------------------------------------------------
     @staticmethod
     def from_tensor_slices(tensors: Any) -> Dataset:
         """Examples are the slices of ``tensors`` (arrays, tensors, tuples or dicts of them) along dim 0."""
-        from meshfit.data._sources import TensorSlices
-
-        return TensorSlices(tensors)
+        return Dataset(TensorSlices(tensors))
 
     @staticmethod
     def range(*args: int) -> Dataset:
         """Integers as in Python's ``range``."""
-        from meshfit.data._sources import Range
-
-        return Range(*args)
+        return Dataset(Range(*args))
 
     @staticmethod
     def from_files(paths: Any, reader: Callable[[str], Any] | None = None) -> Dataset:
         """Examples read from files (``.npy``/``.npz`` by default); sharded by file under ``FILE``."""
-        from meshfit.data._sources import Files
-
-        return Files(paths, reader)
+        return Dataset(Files(paths, reader))
 
     @staticmethod
     def list_files(pattern: str, reader: Callable[[str], Any] | None = None) -> Dataset:
         """``from_files`` over the sorted files matching a glob ``pattern``."""
-        from meshfit.data._sources import Files
-
-        return Files.from_pattern(pattern, reader)
+        return Dataset(Files.from_pattern(pattern, reader))
 
     # ---- transformations -----------------------------------------------------------------
     def shuffle(self, buffer_size: int, seed: int | None = None,
@@ -74,61 +70,54 @@ class Dataset:
         from ``torch.initial_seed()`` (so ``torch.manual_seed`` makes it reproducible) without
         drawing from torch's generator; distributed datasets make every replica use rank 0's seed.
         """
-        return Shuffle(self, buffer_size, seed, reshuffle_each_iteration)
+        return Dataset(Shuffle(self._node, buffer_size, seed, reshuffle_each_iteration))
 
     def repeat(self, count: int | None = None) -> Dataset:
         """Repeat ``count`` times, forever when ``None`` or -1. Each pass reshuffles."""
-        return Repeat(self, count)
+        return Dataset(Repeat(self._node, count))
 
     def batch(self, batch_size: int, drop_remainder: bool = False) -> Dataset:
         """Stack consecutive examples into batches of ``batch_size``."""
-        return Batch(self, batch_size, drop_remainder)
+        return Dataset(Batch(self._node, batch_size, drop_remainder))
 
     def map(self, map_func: Callable[..., Any], num_parallel_calls: int | None = None,
             deterministic: bool | None = None) -> Dataset:
         """Apply ``map_func`` to each element (a tuple element is unpacked into arguments)."""
         del num_parallel_calls, deterministic  # elements are computed on demand, in order
-        return Map(self, map_func)
+        return Dataset(Map(self._node, map_func))
 
     def cache(self, filename: str = "") -> Dataset:
         """Keep elements in memory after they are first computed (the first pass is replayed)."""
         if filename:
             raise ValueError(f"Invalid `filename`: only the in-memory cache is supported, received "
                              f"filename={filename!r}. Call cache() without a filename.")
-        return Cache(self)
+        return Dataset(Cache(self._node))
 
     def prefetch(self, buffer_size: int = AUTOTUNE) -> Dataset:
         """Compute up to ``buffer_size`` elements ahead on a background thread (AUTOTUNE: 2)."""
-        return Prefetch(self, buffer_size)
+        return Dataset(Prefetch(self._node, buffer_size))
 
     def shard(self, num_shards: int, index: int) -> Dataset:
         """Keep every ``num_shards``-th element, starting at ``index``."""
-        return Shard(self, num_shards, index)
+        return Dataset(Shard(self._node, num_shards, index))
 
     def take(self, count: int) -> Dataset:
         """The first ``count`` elements (all when -1)."""
-        return Take(self, count)
+        return Dataset(Take(self._node, count))
 
     def skip(self, count: int) -> Dataset:
         """All but the first ``count`` elements."""
-        return Skip(self, count)
+        return Dataset(Skip(self._node, count))
 
     def with_options(self, options: Options) -> Dataset:
         """The same dataset carrying ``options`` (see `Options`)."""
         if not isinstance(options, Options):
             raise TypeError(f"Invalid `options`: expected meshfit.data.Options, received {options!r}.")
-        clone = copy.copy(self)
-        clone._options = options
-        return clone
+        return Dataset(self._node.with_options(options))
 
     def options(self) -> Options:
         """The options set on this dataset or the nearest one it was built from."""
-        node: Dataset | None = self
-        while node is not None:
-            if node._options is not None:
-                return node._options
-            node = node._inner
-        return Options()
+        return self._node.options()
 
     # ---- iteration -----------------------------------------------------------------------
     def cardinality(self) -> int:
@@ -154,50 +143,31 @@ class Dataset:
 
     def as_numpy_iterator(self) -> Iterator[Any]:
         """Iterate with numpy leaves."""
-        from meshfit.data._structure import map_structure
-
         for element in self:
             yield map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, element)
 
-    # ---- the random-access protocol every node implements -----------------------------------
+    # ---- the random-access protocol, answered by the top node --------------------------------
     def _length(self) -> int | None:
-        """Number of elements per iteration; ``None`` when infinite."""
-        raise NotImplementedError
+        return self._node._length()
 
     def _get(self, index: int, iteration: int) -> Any:
-        """Element ``index`` of pass ``iteration``."""
-        raise NotImplementedError
+        return self._node._get(index, iteration)
 
     def _gather(self, indices: np.ndarray, iteration: int) -> Any:
-        """Elements ``indices`` of pass ``iteration``, stacked."""
-        return stack([self._get(int(i), iteration) for i in indices])
+        return self._node._gather(indices, iteration)
 
     def _prefetch_size(self) -> int:
-        return 0 if self._inner is None else self._inner._prefetch_size()
+        return self._node._prefetch_size()
 
-    def _replace_inner(self, inner: Dataset) -> Dataset:
-        clone = copy.copy(self)
-        clone._inner = inner
-        return clone
+    def _nodes(self) -> list[Node]:
+        return self._node._nodes()
 
-    def _transform_chain(self, fn: Callable[[Dataset], Dataset | None]) -> Dataset:
-        """Rebuild the chain, replacing the first node (from the top) for which ``fn`` returns one."""
-        replaced = fn(self)
-        if replaced is not None:
-            return replaced
-        if self._inner is None:
-            raise LookupError("no node matched")
-        return self._replace_inner(self._inner._transform_chain(fn))
-
-    def _nodes(self) -> list[Dataset]:
-        nodes, node = [], self
-        while node is not None:
-            nodes.append(node)
-            node = node._inner
-        return nodes
+    def _transform_chain(self, fn: Callable[[Node], Node | None]) -> Dataset:
+        """The same pipeline with the first node (from the top) for which ``fn`` returns one replaced."""
+        return Dataset(self._node._transform_chain(fn))
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} cardinality={self.cardinality()}>"
+        return f"<Dataset {type(self._node).__name__} cardinality={self.cardinality()}>"
 
 
 class DatasetIterator:
@@ -256,17 +226,3 @@ class DatasetIterator:
 
     def __del__(self) -> None:
         self.close()
-
-
-# The transformation classes subclass Dataset, so they are defined after it, in their own module.
-from meshfit.data._transforms import (  # noqa: E402
-    Batch,
-    Cache,
-    Map,
-    Prefetch,
-    Repeat,
-    Shard,
-    Shuffle,
-    Skip,
-    Take,
-)

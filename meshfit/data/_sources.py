@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshfit.data._dataset import Dataset
+from meshfit.data._node import Node
 from meshfit.data._structure import concat, gather_rows, leaves, map_structure, stack, to_tensor
 
 
-class TensorSlices(Dataset):
+class TensorSlices(Node):
     def __init__(self, tensors: Any) -> None:
         self.tensors = to_tensor(tensors)
         lengths = {len(leaf) for leaf in leaves(self.tensors)}
@@ -36,7 +36,7 @@ class TensorSlices(Dataset):
         return gather_rows(self.tensors, indices)
 
 
-class Range(Dataset):
+class Range(Node):
     def __init__(self, *args: int) -> None:
         self._range = range(*args)
 
@@ -61,7 +61,7 @@ def _read_numpy(path: str) -> Any:
     return arrays[0] if len(arrays) == 1 else arrays
 
 
-class Files(Dataset):
+class Files(Node):
     """Examples from a list of files, in file order; `AutoShardPolicy.FILE` shards the file list."""
 
     def __init__(self, paths: Any, reader: Callable[[str], Any] | None = None) -> None:
@@ -104,7 +104,7 @@ class Files(Dataset):
         return self._table()._gather(indices, iteration)
 
 
-class TorchMapDataset(Dataset):
+class TorchMapDataset(Node):
     """A map-style ``torch.utils.data.Dataset`` (``__len__`` + ``__getitem__``) as a source."""
 
     def __init__(self, dataset: Any) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from meshfit.data._dataset import AUTOTUNE, Dataset
+from meshfit.data._node import AUTOTUNE, Node
 from meshfit.data._structure import stack
 
 
@@ -18,10 +18,10 @@ def _check_positive_int(name: str, value: Any, allow: tuple = ()) -> None:
         raise ValueError(f"Invalid `{name}`: expected a positive int, received {name}={value!r}.")
 
 
-class Shuffle(Dataset):
+class Shuffle(Node):
     """Emulates ``tf.data``'s buffer shuffle with a generator seeded by (seed, iteration)."""
 
-    def __init__(self, inner: Dataset, buffer_size: int, seed: int | None, reshuffle: bool) -> None:
+    def __init__(self, inner: Node, buffer_size: int, seed: int | None, reshuffle: bool) -> None:
         _check_positive_int("buffer_size", buffer_size)
         if seed is None:
             seed = _unseeded_shuffle_seed()
@@ -31,7 +31,7 @@ class Shuffle(Dataset):
     def _length(self) -> int | None:
         return self._inner._length()
 
-    def _replace_inner(self, inner: Dataset) -> Dataset:
+    def _replace_inner(self, inner: Node) -> Node:
         clone = super()._replace_inner(inner)
         clone._cache = None  # the permutation was drawn for the old input's length
         return clone
@@ -96,8 +96,8 @@ def _buffer_permutation(n: int, buffer_size: int, rng: np.random.Generator) -> n
     return out
 
 
-class Repeat(Dataset):
-    def __init__(self, inner: Dataset, count: int | None) -> None:
+class Repeat(Node):
+    def __init__(self, inner: Node, count: int | None) -> None:
         if count is not None and count != -1:
             _check_positive_int("count", count)
         self._inner, self.count = inner, None if count in (None, -1) else int(count)
@@ -129,8 +129,8 @@ class Repeat(Dataset):
         return stack([self._inner._get(i, t) for i, t in located])
 
 
-class Batch(Dataset):
-    def __init__(self, inner: Dataset, batch_size: int, drop_remainder: bool) -> None:
+class Batch(Node):
+    def __init__(self, inner: Node, batch_size: int, drop_remainder: bool) -> None:
         _check_positive_int("batch_size", batch_size)
         self._inner, self.batch_size, self.drop_remainder = inner, int(batch_size), bool(drop_remainder)
 
@@ -161,8 +161,8 @@ class Batch(Dataset):
         return self._inner._gather(np.arange(lo, hi, dtype=np.int64), iteration)
 
 
-class Map(Dataset):
-    def __init__(self, inner: Dataset, fn: Callable[..., Any]) -> None:
+class Map(Node):
+    def __init__(self, inner: Node, fn: Callable[..., Any]) -> None:
         if not callable(fn):
             raise TypeError(f"Invalid `map_func`: expected a callable, received {fn!r}.")
         self._inner, self.fn = inner, fn
@@ -175,11 +175,11 @@ class Map(Dataset):
         return self.fn(*element) if isinstance(element, tuple) else self.fn(element)
 
 
-class Cache(Dataset):
-    def __init__(self, inner: Dataset) -> None:
+class Cache(Node):
+    def __init__(self, inner: Node) -> None:
         self._inner, self._store = inner, {}
 
-    def _replace_inner(self, inner: Dataset) -> Dataset:
+    def _replace_inner(self, inner: Node) -> Node:
         clone = super()._replace_inner(inner)
         clone._store = {}  # the cached elements are the old input's, not the new one's
         return clone
@@ -193,8 +193,8 @@ class Cache(Dataset):
         return self._store[index]
 
 
-class Prefetch(Dataset):
-    def __init__(self, inner: Dataset, buffer_size: int) -> None:
+class Prefetch(Node):
+    def __init__(self, inner: Node, buffer_size: int) -> None:
         _check_positive_int("buffer_size", buffer_size, allow=(AUTOTUNE,))
         self._inner, self.buffer_size = inner, 2 if buffer_size == AUTOTUNE else int(buffer_size)
 
@@ -211,8 +211,8 @@ class Prefetch(Dataset):
         return max(self.buffer_size, self._inner._prefetch_size())
 
 
-class Shard(Dataset):
-    def __init__(self, inner: Dataset, num_shards: int, index: int) -> None:
+class Shard(Node):
+    def __init__(self, inner: Node, num_shards: int, index: int) -> None:
         _check_positive_int("num_shards", num_shards)
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < num_shards:
             raise ValueError(f"Invalid `index`: expected 0 <= index < num_shards={num_shards}, "
@@ -230,8 +230,8 @@ class Shard(Dataset):
         return self._inner._gather(self.index + indices * self.num_shards, iteration)
 
 
-class Take(Dataset):
-    def __init__(self, inner: Dataset, count: int) -> None:
+class Take(Node):
+    def __init__(self, inner: Node, count: int) -> None:
         if isinstance(count, bool) or not isinstance(count, int) or count < -1:
             raise ValueError(f"Invalid `count`: expected an int >= -1, received count={count!r}.")
         self._inner, self.count = inner, count
@@ -249,8 +249,8 @@ class Take(Dataset):
         return self._inner._gather(indices, iteration)
 
 
-class Skip(Dataset):
-    def __init__(self, inner: Dataset, count: int) -> None:
+class Skip(Node):
+    def __init__(self, inner: Node, count: int) -> None:
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"Invalid `count`: expected an int >= 0, received count={count!r}.")
         self._inner, self.count = inner, count

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from meshfit.data._dataset import Dataset
+from meshfit.data._node import Node
 from meshfit.data._options import AutoShardPolicy, Options
 from meshfit.data._sources import Files
 from meshfit.data._structure import batch_size_of, slice_rows
@@ -91,7 +92,7 @@ class DistributedDataset:
         if policy is AutoShardPolicy.DATA:
             return
 
-        def rebatch(node: Dataset) -> Dataset | None:
+        def rebatch(node: Node) -> Node | None:
             if node is batch:
                 inner = node._inner
                 if policy is AutoShardPolicy.FILE:

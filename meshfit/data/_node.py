@@ -1,0 +1,75 @@
+"""`Node`: one step of a `Dataset` pipeline, computing its element ``i`` of pass ``t`` directly.
+
+Sources (``_sources.py``) and transformations (``_transforms.py``) are nodes; each holds the node
+it reads from in ``_inner``. The public `Dataset` wraps the top node of such a chain.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from meshfit.data._options import Options
+from meshfit.data._structure import stack
+
+AUTOTUNE = -1
+
+
+class Node:
+    """The random-access protocol every pipeline step implements."""
+
+    _inner: Node | None = None
+    _options: Options | None = None
+
+    def _length(self) -> int | None:
+        """Number of elements per pass; ``None`` when infinite."""
+        raise NotImplementedError
+
+    def _get(self, index: int, iteration: int) -> Any:
+        """Element ``index`` of pass ``iteration``."""
+        raise NotImplementedError
+
+    def _gather(self, indices: np.ndarray, iteration: int) -> Any:
+        """Elements ``indices`` of pass ``iteration``, stacked."""
+        return stack([self._get(int(i), iteration) for i in indices])
+
+    def _prefetch_size(self) -> int:
+        return 0 if self._inner is None else self._inner._prefetch_size()
+
+    def _replace_inner(self, inner: Node) -> Node:
+        clone = copy.copy(self)
+        clone._inner = inner
+        return clone
+
+    def _transform_chain(self, fn: Callable[[Node], Node | None]) -> Node:
+        """Rebuild the chain, replacing the first node (from the top) for which ``fn`` returns one."""
+        replaced = fn(self)
+        if replaced is not None:
+            return replaced
+        if self._inner is None:
+            raise LookupError("no node matched")
+        return self._replace_inner(self._inner._transform_chain(fn))
+
+    def _nodes(self) -> list[Node]:
+        """This node and every node below it, top first."""
+        nodes: list[Node] = []
+        node: Node | None = self
+        while node is not None:
+            nodes.append(node)
+            node = node._inner
+        return nodes
+
+    def options(self) -> Options:
+        """The options set on this node or the nearest one below it."""
+        for node in self._nodes():
+            if node._options is not None:
+                return node._options
+        return Options()
+
+    def with_options(self, options: Options) -> Node:
+        clone = copy.copy(self)
+        clone._options = options
+        return clone
