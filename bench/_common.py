@@ -97,7 +97,7 @@ def interleave(blocks: dict[str, Any], rounds: int, warmup: int = 1,
         for name in order:
             values = blocks[name]()
             if r >= warmup:
-                for kind, value in zip(kinds, values):
+                for kind, value in zip(kinds, values, strict=True):
                     out[kind][name].append(value)
         if on_round is not None:
             on_round(r, r < warmup)
@@ -109,7 +109,7 @@ def median(values: Sequence[float]) -> float:
 
 
 def ratios(numerator: Sequence[float], denominator: Sequence[float]) -> list[float]:
-    return [a / b for a, b in zip(numerator, denominator)]
+    return [a / b for a, b in zip(numerator, denominator, strict=True)]
 
 
 def verdict(ratio: float, target: float) -> str:

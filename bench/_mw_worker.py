@@ -189,7 +189,7 @@ def main() -> None:
         extra = {"allreduce_ms": C.median(samples[1:]), "gradient_floats": grad.numel()}
     # Same-work check: every variant trained on the same global batches from the same weights.
     reference = next(iter(models.values()))
-    diffs = {name: max((a - b).abs().max().item() for a, b in zip(reference.parameters(), m.parameters()))
+    diffs = {name: max((a - b).abs().max().item() for a, b in zip(reference.parameters(), m.parameters(), strict=True))
              for name, m in models.items()}
     mine = {"rank": rank, "times": times, "weight_diff_vs_" + next(iter(models)): diffs, "malloc_tuned": tuned,
             "script_start": T_SCRIPT, "ready": ready, "pid": os.getpid(), **extra}

@@ -50,13 +50,13 @@ def part_a(rounds: int, steps: int, extra: list[str], timeout: float) -> None:
     result = C.run_mw_workers("backup", rounds, steps, ["--save-freq", str(SAVE_FREQ), *extra], timeout)
     r0, r1 = result["ranks"][0], result["ranks"][1]
     wall = r0["times"]["wall"]
-    cpu_sum = {name: [a + b for a, b in zip(r0["times"]["cpu"][name], r1["times"]["cpu"][name])]
+    cpu_sum = {name: [a + b for a, b in zip(r0["times"]["cpu"][name], r1["times"]["cpu"][name], strict=True)]
                for name in wall}
     C.print_rounds("wall time, rank 0", wall, ratio_of=("sync", "plain", "async", "plain"))
     C.print_rounds("CPU time, rank 0 + rank 1", cpu_sum, ratio_of=("sync", "plain", "async", "plain"))
     saves = steps // SAVE_FREQ
     print(f"{saves} save(s) per block; extra wall time per save (median over rounds): "
-          + ", ".join(f"{v} {C.median([(a - b) * steps / max(saves, 1) for a, b in zip(wall[v], wall['plain'])]):.0f} ms"
+          + ", ".join(f"{v} {C.median([(a - b) * steps / max(saves, 1) for a, b in zip(wall[v], wall['plain'], strict=True)]):.0f} ms"
                       for v in ("sync", "async")))
     print(f"same work check (max weight difference vs plain): rank 0 {r0['weight_diff_vs_plain']}, "
           f"rank 1 {r1['weight_diff_vs_plain']}")

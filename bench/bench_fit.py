@@ -113,7 +113,7 @@ def main() -> None:
                                                         flush=True))
     C.print_rounds("wall time", times["wall"], ratio_of=("fit", "hand"))
     C.print_rounds("CPU time of the process", times["cpu"], ratio_of=("fit", "hand"))
-    diff = max((a - b).abs().max().item() for a, b in zip(hand.parameters(), model.module.parameters()))
+    diff = max((a - b).abs().max().item() for a, b in zip(hand.parameters(), model.module.parameters(), strict=True))
     print(f"same work check: max |hand - fit| weight difference after {blocks * steps} steps each = {diff:.2e}")
     print(f"minor page faults per step (median): hand {C.median(times['faults']['hand']):.0f}, "
           f"fit {C.median(times['faults']['fit']):.0f}")

@@ -55,7 +55,7 @@ def main() -> None:
     result = C.run_mw_workers("ddp", rounds, steps, extra, timeout)
     r0, r1 = result["ranks"][0], result["ranks"][1]
     wall = r0["times"]["wall"]
-    cpu_sum = {name: [a + b for a, b in zip(r0["times"]["cpu"][name], r1["times"]["cpu"][name])]
+    cpu_sum = {name: [a + b for a, b in zip(r0["times"]["cpu"][name], r1["times"]["cpu"][name], strict=True)]
                for name in wall}
     C.print_rounds("wall time, rank 0", wall, ratio_of=("fit2w", "ddp2w", "fit1w", "fit2w"))
     C.print_rounds("CPU time, rank 0 + rank 1", cpu_sum, ratio_of=("fit2w", "ddp2w"))
@@ -67,7 +67,7 @@ def main() -> None:
           f"{r0['weight_diff_vs_fit2w']}, rank 1 {r1['weight_diff_vs_fit2w']}")
     C.summarize({"wall": wall, "cpu": cpu_sum}, "fit2w", "ddp2w", C.TARGET_MULTIWORKER, "2-worker fit/DDP")
 
-    speedups = [one / two for one, two in zip(wall["fit1w"], wall["fit2w"])]
+    speedups = [one / two for one, two in zip(wall["fit1w"], wall["fit2w"], strict=True)]
     speedup = C.median(speedups)
     print(f"RESULT throughput: 1 worker {GLOBAL_BATCH / C.median(wall['fit1w']) * 1e3:.0f} examples/s, "
           f"2 workers {GLOBAL_BATCH / C.median(wall['fit2w']) * 1e3:.0f} examples/s (medians); "
@@ -75,7 +75,7 @@ def main() -> None:
           f"i.e. 1-worker/2-worker = {C.median([1 / s for s in speedups]):.3f} (ideal 0.5)")
     print(f"       context: one gloo all_reduce of the {r0['gradient_floats']:,} gradient floats takes "
           f"{r0['allreduce_ms']:.1f} ms here (rank 0, median), on top of the halved compute")
-    ddp_speedups = [one / two for one, two in zip(wall["fit1w"], wall["ddp2w"])]
+    ddp_speedups = [one / two for one, two in zip(wall["fit1w"], wall["ddp2w"], strict=True)]
     print(f"       for reference, hand DDP 2-worker/1-worker fit = {C.median(ddp_speedups):.3f}")
 
 

@@ -290,7 +290,7 @@ class Model:
             raise ValueError(f"Invalid `weights`: the module has {len(state)} weight tensors, received "
                              f"{len(weights)}.")
         new_state = {}
-        for (key, current), value in zip(state.items(), weights):
+        for (key, current), value in zip(state.items(), weights, strict=True):
             tensor = torch.as_tensor(np.asarray(value))
             if tuple(tensor.shape) != tuple(current.shape):
                 raise ValueError(f"Invalid `weights`: {key!r} has shape {tuple(current.shape)}, received "

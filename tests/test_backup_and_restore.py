@@ -72,7 +72,7 @@ def fit(x, y, callbacks, epochs=6, steps_per_epoch=None, repeat=False):
 
 
 def assert_same_weights(a: mf.Model, b: mf.Model) -> None:
-    for wa, wb in zip(a.get_weights(), b.get_weights()):
+    for wa, wb in zip(a.get_weights(), b.get_weights(), strict=True):
         np.testing.assert_array_equal(wa, wb)
 
 
@@ -185,7 +185,7 @@ def test_custom_loop_with_checkpoint_manager(tmp_path):
     checkpoint.restore(latest)
     assert int(epoch) == 3
     train_epoch(module, optimizer)
-    for a, b in zip(module.state_dict().values(), reference.state_dict().values()):
+    for a, b in zip(module.state_dict().values(), reference.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     with pytest.raises(FileNotFoundError, match="ckpt-9"):
         checkpoint.restore(str(tmp_path / "ckpts" / "ckpt-9"))

@@ -36,7 +36,7 @@ def uninterrupted(tmp_path_factory) -> list[np.ndarray]:
     code, output = _launch(out, "--backup-dir", os.path.join(out, "backup"), "--save-freq", "5", restarts=0)
     assert code == 0, output
     w0, w1 = _weights(out, 0), _weights(out, 1)
-    for a, b in zip(w0, w1):
+    for a, b in zip(w0, w1, strict=True):
         np.testing.assert_array_equal(a, b)
     return w0
 
@@ -47,7 +47,7 @@ def _kill_and_resume(tmp_path, uninterrupted, rank: int, step: int, save_freq: s
                            "--kill-rank", str(rank), "--kill-at", str(step), *extra)
     assert code == 0, output
     assert "restarting the group" in output and "resuming from" in output, output
-    for a, b in zip(_weights(out, rank), uninterrupted):
+    for a, b in zip(_weights(out, rank), uninterrupted, strict=True):
         np.testing.assert_array_equal(a, b)  # bitwise equal to the run that was never killed
     return output
 
@@ -81,7 +81,7 @@ def test_sigterm_preemption_saves_at_one_step_and_restarts(tmp_path, uninterrupt
     match = re.search(r"resuming from \S+ at epoch (\d+), batch (\d+) \(iteration (\d+)\)", output)
     assert match, output
     assert int(match.group(3)) == 11
-    for a, b in zip(_weights(out, 0), uninterrupted):
+    for a, b in zip(_weights(out, 0), uninterrupted, strict=True):
         np.testing.assert_array_equal(a, b)
 
 

@@ -218,7 +218,7 @@ def test_prefetch_yields_the_same_elements_computed_on_a_background_thread():
     threads.clear()
     prefetched = list(build().prefetch(2))
     assert len(prefetched) == len(plain) == 4
-    for (xa, ya), (xb, yb) in zip(plain, prefetched):
+    for (xa, ya), (xb, yb) in zip(plain, prefetched, strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
     assert threads and main not in threads
 
@@ -393,7 +393,7 @@ def _pipeline(batch_size: int, count: int | None, buffer: int = 4):
 
 def _assert_same_batches(expected, got):
     assert len(expected) == len(got)
-    for (xa, ya), (xb, yb) in zip(expected, got):
+    for (xa, ya), (xb, yb) in zip(expected, got, strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
 

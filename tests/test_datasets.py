@@ -89,7 +89,7 @@ def test_load_mnist_returns_arrays_as_stored(tmp_path):
     arrays = _write_mnist(tmp_path / "mnist.npz")
     for path in (tmp_path / "mnist.npz", str(tmp_path / "mnist.npz"), tmp_path):
         (x_train, y_train), (x_test, y_test) = load_mnist(path)
-        for name, got in zip(("x_train", "y_train", "x_test", "y_test"), (x_train, y_train, x_test, y_test)):
+        for name, got in zip(("x_train", "y_train", "x_test", "y_test"), (x_train, y_train, x_test, y_test), strict=True):
             assert got.dtype == np.uint8
             np.testing.assert_array_equal(got, arrays[name])
 
@@ -138,5 +138,5 @@ def test_load_digits_matches_sklearn():
     (x_train, y_train), (x_test, y_test) = load_digits()
     x = np.concatenate([x_train, x_test]).reshape(len(bunch.target), -1)
     y = np.concatenate([y_train, y_test])
-    expected = Counter((tuple(row), label) for row, label in zip(bunch.data / 16.0, bunch.target))
-    assert Counter((tuple(row), label) for row, label in zip(x.astype(np.float64), y)) == expected
+    expected = Counter((tuple(row), label) for row, label in zip(bunch.data / 16.0, bunch.target, strict=True))
+    assert Counter((tuple(row), label) for row, label in zip(x.astype(np.float64), y, strict=True)) == expected

@@ -37,7 +37,7 @@ def _assert_equal(a, b):
     assert type(a) is type(b)
     if isinstance(a, tuple):
         assert len(a) == len(b)
-        for u, v in zip(a, b):
+        for u, v in zip(a, b, strict=True):
             _assert_equal(u, v)
     else:
         assert torch.equal(a, b), (a, b)
@@ -102,7 +102,7 @@ def test_data_steps_see_the_same_examples_for_any_number_of_replicas():
         sequences[n] = [_concat([r.replica_batch(step, 0)[0] for r in replicas]) for step in range(len(ds))]
     assert len(sequences[1]) == 5
     for n in (2, 4):
-        for a, b in zip(sequences[1], sequences[n]):
+        for a, b in zip(sequences[1], sequences[n], strict=True):
             _assert_equal(a, b)
     # and iterating a replica (custom loops) yields its replica_batch rows
     replica = _replicas(ds, 4)[3]

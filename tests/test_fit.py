@@ -60,7 +60,7 @@ def test_fit_equals_hand_written_loop_bitwise(digits):
     model.compile(optimizer=mf.optimizers.SGD(learning_rate=0.05, momentum=0.9),
                   loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     model.fit(ds, epochs=3, steps_per_epoch=4, verbose=0)
-    for (k, v), (_, r) in zip(model.module.state_dict().items(), ref.state_dict().items()):
+    for (k, v), (_, r) in zip(model.module.state_dict().items(), ref.state_dict().items(), strict=True):
         assert torch.equal(v, r), k
 
 
@@ -159,7 +159,7 @@ def test_save_and_load_model_resumes(digits, tmp_path):
     # Training continues identically: optimizer state came back too.
     model.fit(x[:128], y[:128], batch_size=64, epochs=1, verbose=0, shuffle=False)
     restored.fit(x[:128], y[:128], batch_size=64, epochs=1, verbose=0, shuffle=False)
-    for a, b in zip(model.get_weights(), restored.get_weights()):
+    for a, b in zip(model.get_weights(), restored.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
     # A corrupt save is reported, not half-loaded.
     with open(os.path.join(path, "model.safetensors"), "wb") as f:
@@ -193,7 +193,7 @@ def test_get_set_weights_roundtrip_and_errors():
     weights = model.get_weights()
     other = mf.Model(mlp(seed=5))
     other.set_weights(weights)
-    for a, b in zip(other.get_weights(), weights):
+    for a, b in zip(other.get_weights(), weights, strict=True):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="shape"):
         other.set_weights([w[..., :1] for w in weights])

@@ -57,7 +57,7 @@ def test_keras_file_is_one_zip_of_safetensors_and_json(tmp_path):
     # Training continues from the restored optimizer exactly as from the original.
     model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
     restored.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
-    for a, b in zip(model.get_weights(), restored.get_weights()):
+    for a, b in zip(model.get_weights(), restored.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
 
     from_directory = mf.load_model(str(tmp_path / "as_directory"))
@@ -71,7 +71,7 @@ def test_load_weights_from_a_keras_file_and_overwrite(tmp_path):
     other, _, _ = _trained(seed=1)
     assert not np.array_equal(other.get_weights()[0], model.get_weights()[0])
     other.load_weights(path)
-    for a, b in zip(other.get_weights(), model.get_weights()):
+    for a, b in zip(other.get_weights(), model.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
     other.save(path)  # overwrite in place: still one file, now other's weights
     np.testing.assert_array_equal(mf.load_model(path).predict(x, verbose=0), other.predict(x, verbose=0))
@@ -116,7 +116,7 @@ def test_every_worker_saving_one_keras_path_leaves_one_complete_file(tmp_path):
     weights, _ = run_distributed(_worker_save, world_size=2, args=(str(tmp_path),), timeout=180)
     assert sorted(os.listdir(tmp_path)) == ["shared.keras"]
     restored = mf.load_model(str(tmp_path / "shared.keras"))
-    for a, b in zip(restored.get_weights(), weights):
+    for a, b in zip(restored.get_weights(), weights, strict=True):
         np.testing.assert_array_equal(a, b)
 
 

@@ -51,7 +51,7 @@ class RecordRates(mf.callbacks.Callback):
 
 
 def assert_same_weights(a: mf.Model, b: mf.Model) -> None:
-    for wa, wb in zip(a.get_weights(), b.get_weights()):
+    for wa, wb in zip(a.get_weights(), b.get_weights(), strict=True):
         np.testing.assert_array_equal(wa, wb)
 
 

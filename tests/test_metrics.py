@@ -32,7 +32,7 @@ SCORES = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.5, 0.3, 0.2], [0.2, 
 
 def _replica_sum(metrics: list[Metric]) -> tuple[torch.Tensor, ...]:
     """What the loop's all-reduce does: element-wise sum of every replica's state tensors."""
-    return tuple(torch.stack(group).sum(0) for group in zip(*(m.state_tensors() for m in metrics)))
+    return tuple(torch.stack(group).sum(0) for group in zip(*(m.state_tensors() for m in metrics), strict=True))
 
 
 def test_sparse_categorical_accuracy_with_and_without_weights():
@@ -111,7 +111,7 @@ def test_replica_states_sum_to_the_single_replica_result(cls, y_true, y_pred, we
     whole = cls()
     whole.update_state(y_true, y_pred, sample_weight=weight)
     replicas = [cls(), cls()]
-    for replica, part in zip(replicas, (slice(0, 3), slice(3, 8))):  # uneven halves
+    for replica, part in zip(replicas, (slice(0, 3), slice(3, 8)), strict=True):  # uneven halves
         replica.update_state(y_true[part], y_pred[part], None if weight is None else weight[part])
     combined = replicas[0].result_from(_replica_sum(replicas))
     assert torch.allclose(combined, whole.result(), rtol=1e-12, atol=0)

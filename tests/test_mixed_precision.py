@@ -93,6 +93,6 @@ def test_bf16_is_close_to_fp32():
     mixed_precision.set_global_policy("mixed_bfloat16")
     bf16 = _model()
     bf16.fit(x, y, batch_size=32, epochs=2, verbose=0)
-    for a, b in zip(fp32.module.parameters(), bf16.module.parameters()):
+    for a, b in zip(fp32.module.parameters(), bf16.module.parameters(), strict=True):
         assert not torch.equal(a, b)                   # it did compute in another precision
         torch.testing.assert_close(a, b, atol=0.05, rtol=0.05)

@@ -42,9 +42,9 @@ def test_two_workers_equal_one_process_on_the_same_global_batch():
     single, single_history = _train_50_steps(mf.OneDeviceStrategy("cpu"))
     results = run_distributed(_worker_50_steps, world_size=2, timeout=180)
     (w0, h0), (w1, h1) = results
-    for a, b in zip(w0, w1):
+    for a, b in zip(w0, w1, strict=True):
         np.testing.assert_array_equal(a, b)  # replicas hold identical weights
-    for a, b in zip(w0, single):
+    for a, b in zip(w0, single, strict=True):
         rel = np.abs(a - b).max() / max(np.abs(b).max(), 1e-12)
         assert rel <= 1e-5, rel
     # Metrics are aggregated over replicas: the same as on one process.
@@ -144,7 +144,7 @@ def test_tutorial_flow_with_tf_config_two_separate_processes(tmp_path):
     assert code1 == 0, out1
     assert "Epoch 2/2" in out0 and "Epoch" not in out1  # progress from the chief only
     assert "rank 0 of 2 done" in out0 and "rank 1 of 2 done" in out1
-    for a, b in zip(_load(out, 0), _load(out, 1)):
+    for a, b in zip(_load(out, 0), _load(out, 1), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -155,7 +155,7 @@ def test_meshfit_launch_runs_the_same_script(tmp_path):
     code, output = finish(proc, timeout=180)
     assert code == 0, output
     assert "[worker 0]" in output and "[worker 1] rank 1 of 2 done" in output
-    for a, b in zip(_load(out, 0), _load(out, 1)):
+    for a, b in zip(_load(out, 0), _load(out, 1), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -165,7 +165,7 @@ def test_mirrored_strategy_from_a_plain_script_starts_its_second_replica(tmp_pat
     code, output = finish(proc, timeout=180)
     assert code == 0, output
     assert "rank 0 of 2 done" in output and "rank 1 of 2 done" in output
-    for a, b in zip(_load(out, 0), _load(out, 1)):
+    for a, b in zip(_load(out, 0), _load(out, 1), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -221,7 +221,7 @@ def test_the_same_script_under_torchrun(tmp_path):
     code, output = finish(proc, timeout=180)
     assert code == 0, output
     assert "rank 1 of 2 done" in output
-    for a, b in zip(_load(out, 0), _load(out, 1)):
+    for a, b in zip(_load(out, 0), _load(out, 1), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -310,7 +310,7 @@ def _worker_review_cases(rank: int, world: int, tmp: str):
 def test_override_chief_only_stop_uneven_files_and_fast_user_errors(tmp_path):
     (w0, steps0, t0), (w1, steps1, t1) = run_distributed(_worker_review_cases, world_size=2,
                                                          args=(str(tmp_path),), timeout=180)
-    for a, b in zip(w0, w1):
+    for a, b in zip(w0, w1, strict=True):
         np.testing.assert_array_equal(a, b)
     assert steps0 == steps1 == 3  # the chief's stop at batch 1 reached the other replica one step later
     assert t0 < 4 and t1 < 4

@@ -68,7 +68,7 @@ def test_updates_are_bit_identical_to_torch(ours, theirs):
     assert opt.built
     _train(module, opt.step, opt.zero_grad)
     assert opt.iterations == 5
-    for a, b in zip(_params(module), _params(reference)):
+    for a, b in zip(_params(module), _params(reference), strict=True):
         assert torch.equal(a, b)
 
 
@@ -133,7 +133,7 @@ def test_state_dict_round_trip_resumes_identically():
     assert opt2.iterations == 3
     _train(resumed, opt2.step, opt2.zero_grad, steps=3)
     assert opt2.iterations == 6
-    for a, b in zip(_params(resumed), _params(straight)):
+    for a, b in zip(_params(resumed), _params(straight), strict=True):
         assert torch.equal(a, b)
 
 

@@ -12,9 +12,23 @@ import pytest
 
 import meshfit
 
-PACKAGES = ["meshfit", "meshfit.callbacks", "meshfit.cluster", "meshfit.data", "meshfit.datasets",
-            "meshfit.distribute", "meshfit.losses", "meshfit.metrics", "meshfit.mixed_precision", "meshfit.optimizers",
-            "meshfit.optimizers.schedules", "meshfit.train"]
+
+def _public_packages() -> list[str]:
+    """``meshfit`` and every package under it whose path has no ``_``-prefixed part."""
+    root = os.path.dirname(meshfit.__file__)
+    found = ["meshfit"]
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("_"))
+        if folder != root and "__init__.py" in files:
+            found.append("meshfit." + os.path.relpath(folder, root).replace(os.sep, "."))
+    return found
+
+
+PACKAGES = _public_packages()
+
+
+def test_the_public_packages_are_found():
+    assert {"meshfit.callbacks", "meshfit.data", "meshfit.distribute", "meshfit.train"} <= set(PACKAGES)
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -24,6 +38,10 @@ def test_every_name_in_all_imports(package):
     assert len(set(module.__all__)) == len(module.__all__)
     for name in module.__all__:
         assert getattr(module, name) is not None, f"{package}.{name}"
+    namespace: dict[str, object] = {}
+    exec(f"from {package} import *", namespace)  # noqa: S102 - the star import is what is tested
+    missing = set(module.__all__) - set(namespace)
+    assert not missing, f"`from {package} import *` misses {sorted(missing)}"
 
 
 def test_spec_names_exist():

@@ -79,7 +79,7 @@ def test_a_schedule_sets_each_updates_rate_from_the_step_count():
         optimizer.zero_grad()
         nn.functional.cross_entropy(module(xt[batch]), yt[batch]).backward()
         optimizer.step()
-    for a, b in zip(model.get_weights(), [t.detach().numpy() for t in module.state_dict().values()]):
+    for a, b in zip(model.get_weights(), [t.detach().numpy() for t in module.state_dict().values()], strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -99,7 +99,7 @@ def test_a_schedule_is_saved_with_the_model_and_continues_where_it_was(tmp_path)
     assert restored.optimizer.learning_rate == schedule(6)
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     restored.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
-    for a, b in zip(model.get_weights(), restored.get_weights()):
+    for a, b in zip(model.get_weights(), restored.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -132,5 +132,5 @@ def test_backup_and_restore_resumes_a_schedule_exactly(tmp_path):
                 callbacks=[mf.callbacks.BackupAndRestore(backup, save_freq=4)])
     assert resumed.optimizer.iterations == reference.optimizer.iterations == 18
     assert resumed.optimizer.learning_rate == reference.optimizer.learning_rate
-    for a, b in zip(resumed.get_weights(), reference.get_weights()):
+    for a, b in zip(resumed.get_weights(), reference.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)

@@ -96,7 +96,7 @@ def _assert_same_tree(a, b):
             _assert_same_tree(a[key], b[key])
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b)
-        for x, y in zip(a, b):
+        for x, y in zip(a, b, strict=True):
             _assert_same_tree(x, y)
     else:
         assert a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b))
@@ -138,7 +138,7 @@ def test_optimizer_state_round_trips_and_resumes_bitwise(tmp_path, make_optimize
 
     _train(model, optimizer, steps=3, seed=2)
     _train(resumed_model, resumed_optimizer, steps=3, seed=2)
-    for original, resumed in zip(model.parameters(), resumed_model.parameters()):
+    for original, resumed in zip(model.parameters(), resumed_model.parameters(), strict=True):
         assert torch.equal(original, resumed)
 
 

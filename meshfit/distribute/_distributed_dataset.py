@@ -32,7 +32,7 @@ def agree_on_shuffle_seeds(dataset: Dataset, broadcast: Callable[[Any], Any]) ->
         return  # DistributedDataset's own check names the type
     shuffles = [node for node in dataset._nodes() if isinstance(node, Shuffle)]
     seeds = broadcast([node.seed for node in shuffles])
-    for node, seed in zip(shuffles, seeds):
+    for node, seed in zip(shuffles, seeds, strict=True):
         if node.seed != seed:
             node.seed, node._cache = seed, None
 

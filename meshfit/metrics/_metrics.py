@@ -69,7 +69,7 @@ class Metric:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The accumulators by name (float64, CPU)."""
-        return dict(zip(self._live_states(), self.state_tensors()))
+        return dict(zip(self._live_states(), self.state_tensors(), strict=True))
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Restore the accumulators from `state_dict()`.

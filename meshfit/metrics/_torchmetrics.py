@@ -80,7 +80,7 @@ class TorchMetricsMetric(Metric):
         metric = self.metric
         saved, saved_count = self._live_states(), metric._update_count
         try:
-            self._assign_states(dict(zip(self._keys, states)))
+            self._assign_states(dict(zip(self._keys, states, strict=True)))
             metric._to_sync = False
             value = metric.compute()
         finally:

@@ -107,13 +107,13 @@ class PiecewiseConstantDecay(LearningRateSchedule):
         if len(values) != len(boundaries) + 1:
             raise ValueError(f"Invalid `values`: expected {len(boundaries) + 1} values (one more than the "
                              f"boundaries), received values={values!r}.")
-        if any(b <= a for a, b in zip(boundaries, boundaries[1:])):
+        if any(b <= a for a, b in zip(boundaries, boundaries[1:], strict=False)):
             raise ValueError(f"Invalid `boundaries`: expected increasing steps, received boundaries={boundaries!r}.")
         self.boundaries = [non_negative_int("boundaries", b) for b in boundaries]
         self.values = [_rate("values", v) for v in values]
 
     def __call__(self, step: int) -> float:
-        for boundary, value in zip(self.boundaries, self.values):
+        for boundary, value in zip(self.boundaries, self.values[:-1], strict=True):
             if step <= boundary:
                 return value
         return self.values[-1]
