@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-quick lint bench clean
+.PHONY: demo test test-quick lint bench tf-venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,10 +26,13 @@ test: lint
 test-quick: lint
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
+# One table of ratios, every comparison in default processes (bench/README.md). The TF Keras row
+# needs .venv-tf: `make tf-venv` once (tensorflow-cpu, big; never a meshfit dependency).
 bench: $(STAMP)
-	$(BIN)/python bench/bench_fit.py
-	$(BIN)/python bench/bench_multiworker.py
-	$(BIN)/python bench/bench_backup.py
+	$(BIN)/python bench/bench_all.py
+
+tf-venv:
+	PY=$(PY) bash bench/tf_venv.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

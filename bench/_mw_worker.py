@@ -55,9 +55,9 @@ def main() -> None:
     parser.add_argument("--save-freq", type=int, default=30)
     parser.add_argument("--backup-base", default=None)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--default-malloc", action="store_true")
+    parser.add_argument("--tune-malloc", action="store_true")
     args = parser.parse_args()
-    tuned = False if args.default_malloc else C.tune_malloc()
+    tuned = C.tune_malloc() if args.tune_malloc else False
     C.quiet_threads()
     torch.manual_seed(0)
 

@@ -57,7 +57,6 @@ def main() -> None:
     import meshfit as mf
 
     events("imports_done")
-    C.tune_malloc()
     C.quiet_threads()
     torch.manual_seed(0)
     strategy = mf.MultiWorkerMirroredStrategy()

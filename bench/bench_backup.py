@@ -222,13 +222,13 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=None, help="part B kill/resume trials (default 3; quick 1)")
     parser.add_argument("--slow-trials", type=int, default=None,
                         help=f"part B trials with a {SLOW_STEP_DELAY} s sleep before every step (default 1; quick 0)")
-    parser.add_argument("--default-malloc", action="store_true", help="do not tune glibc malloc (part A)")
+    parser.add_argument("--tune-malloc", action="store_true", help="mallopt-tune glibc in the workers (part A)")
     args = parser.parse_args()
     rounds = args.rounds or (2 if args.quick else 4)
     steps = args.steps or (30 if args.quick else 60)
     trials = args.trials or (1 if args.quick else 3)
     slow_trials = args.slow_trials if args.slow_trials is not None else (0 if args.quick else 1)
-    extra = ["--default-malloc"] if args.default_malloc else []
+    extra = ["--tune-malloc"] if args.tune_malloc else []
     if "A" in args.part:
         part_a(rounds, steps, extra, timeout=120 if args.quick else 400)
     if "B" in args.part:

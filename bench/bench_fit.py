@@ -16,9 +16,9 @@ the order flipping every round (A B, B A, ...):
   (``skip`` continues where the last block stopped: every fit call starts its data at batch 0.)
 
 Both models see identical data from identical weights, so they do the same arithmetic; the final
-weight difference is printed as a check. glibc's malloc is tuned first (see
-`_common.tune_malloc`), otherwise page faults that move between the two variants dominate the ratio;
-``--default-malloc`` turns that off. Times are wall and process CPU time; on a loaded machine the
+weight difference is printed as a check. Both variants share one default process, as a user's is;
+``--tune-malloc`` tunes glibc first (`_common.tune_malloc`): without it, page faults that move
+between the two variants can dominate the ratio. ``bench_all.py`` compares separate processes. Times are wall and process CPU time; on a loaded machine the
 CPU-time ratio is the steadier estimate of the same thing (the loop is single-threaded).
 
 Run:  .venv/bin/python bench/bench_fit.py [--quick] [--rounds R] [--steps S] [--verbose 1] [--profile]
@@ -52,12 +52,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="steps per block (default 40; quick 20)")
     parser.add_argument("--verbose", type=int, default=0, choices=(0, 1, 2),
                         help="fit's verbose (default 0); 1/2 print the progress bar to /dev/null")
-    parser.add_argument("--default-malloc", action="store_true", help="do not tune glibc malloc")
+    parser.add_argument("--tune-malloc", action="store_true",
+                        help="mallopt-tune glibc in this process (a user's process is not tuned)")
     parser.add_argument("--profile", action="store_true", help="afterwards, cProfile one fit block")
     args = parser.parse_args()
     rounds = args.rounds or (3 if args.quick else 9)
     steps = args.steps or (20 if args.quick else 40)
-    tuned = False if args.default_malloc else C.tune_malloc()
+    tuned = C.tune_malloc() if args.tune_malloc else False
 
     C.quiet_threads()
     torch.manual_seed(0)

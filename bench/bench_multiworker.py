@@ -41,13 +41,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a short smoke run (3 rounds of 15 steps)")
     parser.add_argument("--rounds", type=int, default=None, help="measured rounds (default 7; quick 3)")
     parser.add_argument("--steps", type=int, default=None, help="steps per block (default 40; quick 15)")
-    parser.add_argument("--default-malloc", action="store_true", help="do not tune glibc malloc")
+    parser.add_argument("--tune-malloc", action="store_true", help="mallopt-tune glibc in the workers")
     parser.add_argument("--timeout", type=float, default=None, help="seconds before the workers are killed")
     args = parser.parse_args()
     rounds = args.rounds or (3 if args.quick else 7)
     steps = args.steps or (15 if args.quick else 40)
     timeout = args.timeout or (120 if args.quick else 400)
-    extra = ["--default-malloc"] if args.default_malloc else []
+    extra = ["--tune-malloc"] if args.tune_malloc else []
 
     print(f"bench_multiworker: seed CNN, global batch {GLOBAL_BATCH} (64 per worker), SGD lr 0.01, 1 torch "
           f"thread per worker, gloo; {rounds} rounds x {steps} steps per variant after 1 warm-up round",
