@@ -1,0 +1,67 @@
+"""bench/bench_all.py's arithmetic: the backup step figures, the per-round ratios and the table."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+_spec = importlib.util.spec_from_file_location("bench_all", os.path.join(ROOT, "bench", "bench_all.py"))
+bench_all = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_all)
+
+
+def test_backup_figures_take_saving_steps_after_warmup():
+    # step_ms[i] is the duration of step i + 2; 10 steps an epoch, saves every 5 steps (steps 5, 10, 15...)
+    step_ms = [10.0] * 29
+    for step in (5, 10, 15, 20, 25, 30):
+        step_ms[step - 2] = 10.0 + (100.0 if step <= 10 else 4.0)  # warm-up saves are slow and ignored
+    extra, mean = bench_all.backup_figures(step_ms, steps_per_epoch=10, save_freq=5)
+    assert extra == pytest.approx(4.0)
+    assert mean == pytest.approx(10.0 + 4.0 * 4 / 20)
+
+
+def test_user_env_drops_cluster_and_malloc_variables(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", "{}")
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    env = bench_all.user_env()
+    assert not {"TF_CONFIG", "MALLOC_TRIM_THRESHOLD_", "OMP_NUM_THREADS"} & set(env)
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == ROOT
+    assert bench_all.user_env(**bench_all.TUNED_MALLOC)["MALLOC_MMAP_THRESHOLD_"] == str(32 * 2**20)
+
+
+def _round(scale: float) -> dict:
+    cnn = {"ms_per_step": 10.0 * scale, "cpu_ms_per_step": 9.0 * scale, "faults_per_step": 3.0}
+    hand = {"ms_per_step": 8.0, "cpu_ms_per_step": 9.0, "faults_per_step": 500.0}
+    r = {f"{v}_{t}t": dict(cnn if v == "fit" else hand) for v in ("fit", "hand", "hand_tuned") for t in (1, 2)}
+    r.update(fit_bf16_1t={"ms_per_step": 5.0}, mlp_meshfit={"ms_per_step": 2.0, "cpu_ms_per_step": 2.0},
+             mlp_keras={"ms_per_step": 4.0, "cpu_ms_per_step": 2.0},
+             scale_1p2t={"ms_per_step": 9.0}, scale_2w1t={"ms_per_step": 10.0},
+             import_torch={"import_s": 2.0}, import_meshfit={"import_s": 2.2},
+             first_1p={"spawned": 100.0, "first_step_end": 103.5}, first_2w={"spawned": 0.0, "first_step_end": 5.0})
+    steps = [10.0] * 89
+    steps[60 - 2] = steps[90 - 2] = 13.0
+    r.update(backup_none={"step_ms": [10.0] * 89}, backup_sync={"step_ms": steps}, backup_async={"step_ms": steps})
+    return r
+
+
+def test_rows_are_per_round_ratios_and_the_table_shows_their_median():
+    import argparse
+
+    rows = bench_all.collect([_round(1.0), _round(2.0), _round(1.5)],
+                             argparse.Namespace(backup_steps=30, save_freq=30))
+    assert rows["fit/hand 1t"] == [1.25, 2.5, 1.875]
+    assert rows["2w/1p2t"] == [0.9] * 3
+    assert rows["backup sync saving step +ms"] == [3.0] * 3
+    assert rows["import meshfit/torch"] == pytest.approx([1.1] * 3)
+    text = bench_all.table(rows, cores=2, load=(0.5, 3.0), save_freq=30)
+    assert "machine: 2 cores" in text and "MEASURED UNDER LOAD" in text
+    assert "| 1.875 [1.250–2.500] |" in text                      # median of the per-round ratios
+    assert "| 0.500 [0.500–0.500] | – | ≤ 1.0 |" in text            # meshfit ÷ TF
+    assert "3.50 s" in text and "5.00 s" in text
+    assert "3 / 500 / 500" in text
