@@ -101,7 +101,7 @@ def main() -> None:
         result.update(ms_per_step=(w1 - w0) * 1e3 / timed, cpu_ms_per_step=(c1 - c0) * 1e3 / timed,
                       faults_per_step=(f1 - f0) / timed)
     if args.step_times:
-        result["step_ms"] = [(b - a) * 1e3 for a, b in zip(step_clock.ends, step_clock.ends[1:])]
+        result["step_ms"] = [(b - a) * 1e3 for a, b in zip(step_clock.ends, step_clock.ends[1:], strict=False)]
     if getattr(strategy, "cluster_resolver", None) is None or strategy.cluster_resolver.is_chief:
         with open(args.out, "w") as f:
             json.dump(result, f)
