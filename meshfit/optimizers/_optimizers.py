@@ -137,6 +137,16 @@ class Optimizer:
         self.iterations += 1
         return result
 
+    def minimize(self, loss: torch.Tensor, global_step: Any = None, var_list: Any = None) -> Any:
+        """TF1's ``optimizer.minimize(loss, global_step)`` for an Estimator's ``model_fn``.
+
+        Returns the train op (`meshfit.estimator.TrainOp`) that the Estimator runs after
+        ``model_fn`` returns: backward, gradients averaged over replicas, this optimizer's step.
+        """
+        from meshfit.estimator._train_op import minimize
+
+        return minimize(self, loss, global_step, var_list)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of the optimised parameters."""
         self._require_built("zero_grad()").zero_grad(set_to_none=set_to_none)

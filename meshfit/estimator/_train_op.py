@@ -1,0 +1,129 @@
+"""``train_op``: what applies one update, run by the Estimator after ``model_fn`` returns.
+
+TF's ``optimizer.minimize(loss, global_step)`` built an op that the session ran; here it builds a
+`TrainOp` that the Estimator runs: ``backward``, then the gradients averaged over the replicas,
+then the optimizer's step. Averaging is TF's Estimator semantics (the optimizer scaled each
+replica's loss by ``1/replicas`` and summed gradients): with the seed's loss, the sum over this
+replica's batch divided by the per-replica ``BATCH_SIZE``, N workers train exactly as one process
+on the global batch of ``N * BATCH_SIZE`` with loss ``sum / (N * BATCH_SIZE)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from meshfit._validation import _fail
+
+
+class TrainOp:
+    """A deferred update: ``backward`` of ``loss``, gradient averaging, optimizer step.
+
+    Args:
+        optimizer: a meshfit optimizer (built on the model's parameters when first run) or a
+            ``torch.optim.Optimizer``.
+        loss: the scalar loss tensor.
+        var_list: the parameters to train (default: every trainable parameter of the modules
+            ``model_fn`` uses).
+    """
+
+    def __init__(self, optimizer: Any, loss: torch.Tensor, var_list: Iterable[torch.Tensor] | None = None) -> None:
+        if not (hasattr(optimizer, "step") and hasattr(optimizer, "zero_grad")):
+            raise _fail("optimizer", "a meshfit optimizer or a torch.optim.Optimizer", optimizer, TypeError)
+        if not isinstance(loss, torch.Tensor):
+            raise _fail("loss", "a scalar tensor", loss, TypeError)
+        self.optimizer, self.loss = optimizer, loss
+        self.var_list = list(var_list) if var_list is not None else None
+
+    def __repr__(self) -> str:
+        return f"TrainOp(optimizer={type(self.optimizer).__name__})"
+
+
+def minimize(optimizer: Any, loss: torch.Tensor, global_step: Any = None,
+             var_list: Iterable[torch.Tensor] | None = None) -> TrainOp:
+    """TF1's ``optimizer.minimize(loss, global_step)`` for any optimizer: a `TrainOp`.
+
+    ``global_step`` is accepted for TF compatibility: the Estimator counts steps itself.
+
+    Example:
+        >>> import torch
+        >>> w = torch.nn.Parameter(torch.ones(1))
+        >>> minimize(torch.optim.SGD([w], lr=0.1), (w * 2).sum())
+        TrainOp(optimizer=SGD)
+    """
+    return TrainOp(optimizer, loss, var_list)
+
+
+def optimizer_of(train_op: Any) -> Any:
+    """The optimizer a ``train_op`` applies (None when there is none)."""
+    if train_op is None:
+        return None
+    if isinstance(train_op, TrainOp):
+        return train_op.optimizer
+    if hasattr(train_op, "step") and hasattr(train_op, "zero_grad"):
+        return train_op
+    raise TypeError(f"Invalid `train_op`: expected optimizer.minimize(loss, global_step), mf.estimator.minimize("
+                    f"optimizer, loss) or an optimizer, received {type(train_op).__name__}.")
+
+
+def trained_parameters(optimizer: Any, default: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The parameters ``optimizer`` updates (building a meshfit optimizer on ``default`` first)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [p for group in optimizer.param_groups for p in group["params"]]
+    if not getattr(optimizer, "built", True):
+        optimizer.build([p for p in default if p.requires_grad])
+    torch_optimizer = getattr(optimizer, "torch_optimizer", optimizer)
+    return [p for group in torch_optimizer.param_groups for p in group["params"]]
+
+
+def run_train_op(train_op: Any, loss: torch.Tensor, params: list[torch.Tensor], strategy: Any) -> None:
+    """Apply ``train_op``: backward, average the gradients of ``params`` over replicas, step."""
+    optimizer = optimizer_of(train_op)
+    if isinstance(train_op, TrainOp):
+        loss = train_op.loss
+    if loss.grad_fn is None:
+        raise ValueError("Invalid `loss`: it does not depend on any trainable parameter (no gradient); compute it "
+                         "from the module's output in model_fn.")
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    average_gradients(params, strategy)
+    optimizer.step()
+
+
+def average_gradients(params: list[torch.Tensor], strategy: Any) -> None:
+    """Replace each gradient by its mean over the replicas (one flat all-reduce per dtype)."""
+    replicas = strategy.num_replicas_in_sync
+    if replicas == 1:
+        return
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is None:  # every replica must reduce the same layout
+            p.grad = torch.zeros_like(p)
+        groups.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+    for group in groups.values():
+        flat = torch.cat([p.grad.reshape(-1) for p in group])
+        strategy.all_reduce_sum(flat)
+        flat.div_(replicas)
+        offset = 0
+        for p in group:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+            offset += p.numel()
+
+
+def get_global_step() -> torch.Tensor | None:
+    """The global step as an int64 scalar while an Estimator runs ``model_fn`` (else None).
+
+    ``tf.compat.v1.train.get_global_step``; the Estimator counts steps itself, so passing it to
+    ``minimize`` only documents intent.
+    """
+    from meshfit.estimator._model_fn import current_global_step
+
+    step = current_global_step()
+    return None if step is None else torch.tensor(step, dtype=torch.int64)
+
+
+def get_or_create_global_step() -> torch.Tensor | None:
+    """``tf.compat.v1.train.get_or_create_global_step``: the same as `get_global_step`."""
+    return get_global_step()
