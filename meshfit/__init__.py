@@ -49,6 +49,7 @@ __all__ = [
     "data",
     "datasets",
     "distribute",
+    "estimator",
     "get_strategy",
     "load_model",
     "losses",
@@ -60,9 +61,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    # meshfit.train imports torch.distributed.checkpoint (about a second): load it on first use.
-    if name == "train":
+    # meshfit.train imports torch.distributed.checkpoint (about a second): load it on first use;
+    # meshfit.estimator too (a TF migration API most programs never touch).
+    if name in ("train", "estimator"):
         import importlib
 
-        return importlib.import_module("meshfit.train")
+        return importlib.import_module(f"meshfit.{name}")
     raise AttributeError(f"module 'meshfit' has no attribute {name!r}")

@@ -193,8 +193,10 @@ class Estimator:
                 return self
             all_hooks = [*hooks, *trainable.spec_hooks]
             user_saver = next((h for h in all_hooks if isinstance(h, CheckpointSaverHook)), None)
+            # Hooks may differ between workers (and request a stop on one only): agreeing at every step
+            # keeps the workers' collectives in step and stops them all after the same step.
             hook_callback = HookCallback([*all_hooks, *self._default_hooks(is_chief)], session,
-                                         agree_on_stop=strategy.num_replicas_in_sync > 1 and bool(all_hooks))
+                                         agree_on_stop=strategy.num_replicas_in_sync > 1)
             callbacks.append(hook_callback)
             saver_hook = user_saver or self._saver_hook(saving_listeners)
             if saver_hook is not None:

@@ -49,8 +49,8 @@ class HookCallback(Callback):
     Args:
         hooks: the `SessionRunHook`s, in order.
         session: the `RunState` they see.
-        agree_on_stop: share a stop request with the other replicas at each step (needed when a
-            hook may stop training on one replica only; off when every hook is chief-only).
+        agree_on_stop: share a stop request with the other replicas at each step (one small
+            all-reduce), so that all stop after the same step; the same value on every replica.
     """
 
     reads_batch_logs = True

@@ -157,6 +157,10 @@ class EstimatorModel:
         features, labels = split_features_labels(sample)
         with torch.no_grad():
             spec = self.caller(features, labels, self.mode)
+            if self.caller.calls == 1:
+                # A second call before anything trains or saves: a model_fn that builds a fresh
+                # module at every call fails here, with nothing written to model_dir.
+                spec = self.caller(features, labels, self.mode)
         self.spec_hooks = self._hooks_of(spec)
         modules = self.caller.modules
         if not modules:

@@ -111,14 +111,18 @@ def _run_evaluator(estimator: Any, train_spec: TrainSpec, eval_spec: EvalSpec) -
         time.sleep(eval_spec.start_delay_secs)
     result: dict[str, Any] | None = None
     evaluated: str | None = None
+    said = ""
     while True:
         start = time.monotonic()
         latest = estimator.latest_checkpoint()
-        if latest is None:
-            log("Estimator is not trained yet. Will start an evaluation when a checkpoint is ready.")
-        elif latest == evaluated:
-            log("No new checkpoint ready for evaluation.")
+        if latest is None or latest == evaluated:
+            message = ("Estimator is not trained yet. Will start an evaluation when a checkpoint is ready."
+                       if latest is None else "No new checkpoint ready for evaluation.")
+            if message != said:  # once, not at every look
+                log(message)
+                said = message
         else:
+            said = ""
             try:
                 result = estimator.evaluate(eval_spec.input_fn, steps=eval_spec.steps, hooks=list(eval_spec.hooks),
                                             checkpoint_path=latest, name=eval_spec.name)
