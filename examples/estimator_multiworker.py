@@ -34,6 +34,7 @@ parser.add_argument("--max-steps", type=int, default=None)
 parser.add_argument("--save-checkpoints-steps", type=int, default=None)
 parser.add_argument("--keep-checkpoint-max", type=int, default=5)
 parser.add_argument("--eval-steps", type=int, default=100)
+parser.add_argument("--log-steps", type=int, default=100)
 parser.add_argument("--throttle-secs", type=float, default=600)
 parser.add_argument("--start-delay-secs", type=float, default=120)
 parser.add_argument("--train-examples", type=int, default=None)
@@ -107,7 +108,7 @@ config = mf.estimator.RunConfig(train_distribute=strategy)
 # ---- end of the tutorial's code; test knobs below -------------------------------------------------
 if args.save_checkpoints_steps:
     config = config.replace(save_checkpoints_steps=args.save_checkpoints_steps)
-config = config.replace(keep_checkpoint_max=args.keep_checkpoint_max, log_step_count_steps=10)
+config = config.replace(keep_checkpoint_max=args.keep_checkpoint_max, log_step_count_steps=args.log_steps)
 
 
 class KillAtStep(mf.estimator.SessionRunHook):

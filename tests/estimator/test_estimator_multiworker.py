@@ -1,0 +1,131 @@
+"""The Estimator on several workers: seed 001's program over TF_CONFIG and `meshfit launch --evaluator`,
+N replicas == one process on the global batch, and a worker killed during `train_and_evaluate`."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+from _multiproc import run_distributed
+from _procs import ROOT, child_env, finish, free_ports, start, tf_config
+
+SCRIPT = os.path.join(ROOT, "examples", "estimator_multiworker.py")
+QUICK = ["--learning-rate", "0.1", "--train-examples", "1024", "--eval-steps", "2", "--throttle-secs", "0",
+         "--start-delay-secs", "0"]
+
+
+def _losses(output: str) -> list[float]:
+    return [float(v) for v in re.findall(r"loss = ([0-9.]+), step = \d+", output)]
+
+
+def _results(prefix: str, task: str) -> dict:
+    with open(f"{prefix}.{task}.json") as file:
+        return json.load(file)
+
+
+def test_seed_001_program_on_two_workers_over_tf_config(tmp_path):
+    ports = free_ports(2)
+    model_dir, prefix = str(tmp_path / "multiworker"), str(tmp_path / "results")
+    argv = [SCRIPT, "--model-dir", model_dir, "--results", prefix, "--log-steps", "1",
+            "--save-checkpoints-steps", "4", *QUICK]
+    procs = [start(argv, child_env(TF_CONFIG=tf_config(ports, i))) for i in range(2)]
+    outputs = [finish(p, timeout=420) for p in procs]
+    for code, out in outputs:
+        assert code == 0, out
+    losses = _losses(outputs[0][1])
+    assert len(losses) == 8, outputs[0][1]  # 1024 examples, sharded over 2 workers, 64 per batch: 8 steps
+    assert np.mean(losses[-2:]) < np.mean(losses[:2]) - 0.02, losses
+    assert _losses(outputs[1][1]) == []  # only the chief logs
+    for task in ("worker0", "worker1"):
+        results = _results(prefix, task)
+        assert results["evaluate"]["global_step"] == 8 and set(results["evaluate"]) == {"loss", "global_step"}
+        assert results["evaluate"]["loss"] < losses[0]
+        assert results["predictions"] == {"count": 359, "keys": ["logits"], "logits_shape": [10]}
+    assert sorted(n for n in os.listdir(model_dir) if n.startswith("model.ckpt-")) == [
+        "model.ckpt-0", "model.ckpt-4", "model.ckpt-8"]
+
+
+def _train_replicated(rank: int, world: int, model_dir: str) -> dict:
+    import meshfit as mf
+    from meshfit.estimator import Estimator, EstimatorSpec, RunConfig, once
+
+    x = np.random.default_rng(0).normal(size=(48, 3)).astype(np.float32)
+    y = (x @ np.array([1.0, -2.0, 0.5], np.float32)).reshape(-1, 1)
+    batch = 8 // world  # the per-replica batch: 8 examples per step in all
+
+    def input_fn(mode, input_context=None):
+        ds = mf.data.Dataset.from_tensor_slices((x, y))
+        if input_context:
+            ds = ds.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
+        return ds.batch(batch)
+
+    def model_fn(features, labels, mode):
+        model = once(lambda: torch.nn.Linear(3, 1))
+        loss = ((model(features) - labels) ** 2).sum() * (1.0 / batch)  # the seed's loss: sum / per-replica batch
+        optimizer = once(lambda: mf.optimizers.SGD(learning_rate=0.05))
+        return EstimatorSpec(mode, loss=loss, train_op=optimizer.minimize(loss))
+
+    strategy = mf.MultiWorkerMirroredStrategy()
+    config = RunConfig(train_distribute=strategy, tf_random_seed=0, save_checkpoints_steps=3,
+                       log_step_count_steps=None)
+    estimator = Estimator(model_fn, model_dir=model_dir, config=config)
+    estimator.train(input_fn)
+    return {name: estimator.get_variable_value(name) for name in estimator.get_variable_names()}
+
+
+def test_two_replicas_train_as_one_process_on_the_global_batch(tmp_path):
+    single = run_distributed(_train_replicated, world_size=1, args=(str(tmp_path / "one"),), timeout=240)[0]
+    both = run_distributed(_train_replicated, world_size=2, args=(str(tmp_path / "two"),), timeout=240)
+    assert int(single["global_step"]) == 6 and int(both[0]["global_step"]) == 6
+    for name in single:
+        np.testing.assert_allclose(both[0][name], single[name], rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_array_equal(both[0][name], both[1][name])
+
+
+def _evaluations(model_dir: str) -> list[tuple[int, str]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(os.path.join(model_dir, "eval"), size_guidance={"tensors": 0})
+    events.Reload()
+    return [(e.step, e.tensor_proto.string_val[0].decode()) for e in events.Tensors("checkpoint_path/text_summary")]
+
+
+def test_seed_001_program_under_meshfit_launch_with_an_evaluator(tmp_path):
+    model_dir, prefix = str(tmp_path / "multiworker"), str(tmp_path / "results")
+    proc = start(["-m", "meshfit._cli", "launch", "--workers", "2", "--evaluator", SCRIPT, "--model-dir", model_dir,
+                  "--results", prefix, "--save-checkpoints-steps", "2", *QUICK], child_env())
+    code, out = finish(proc, timeout=420)
+    assert code == 0, out
+    assert "[evaluator 0] INFO:meshfit.estimator:Saving dict for global step 8: global_step = 8, loss = " in out, out
+    evaluator = _results(prefix, "evaluator0")["train_and_evaluate"]
+    assert evaluator["global_step"] == 8 and set(evaluator) == {"loss", "global_step"}
+    evaluations = _evaluations(model_dir)
+    assert evaluations[-1][0] == 8
+    for step, path in evaluations:  # what TensorBoard reads: each result at its checkpoint's step
+        assert os.path.basename(path) == f"model.ckpt-{step}"
+
+
+@pytest.mark.slow
+def test_a_worker_killed_during_train_and_evaluate_restarts_and_the_evaluator_reads_only_whole_checkpoints(tmp_path):
+    model_dir, prefix = str(tmp_path / "multiworker"), str(tmp_path / "results")
+    proc = start(["-m", "meshfit._cli", "launch", "--workers", "2", "--evaluator", "--max-restarts", "1", SCRIPT,
+                  "--model-dir", model_dir, "--results", prefix, "--save-checkpoints-steps", "1",
+                  "--keep-checkpoint-max", "2", "--kill-worker-at-step", "5", *QUICK], child_env())
+    code, out = finish(proc, timeout=600)
+    assert code == 0, out
+    assert "worker 1 exited with code -9; restarting the group" in out, out
+    assert "Restoring parameters from " in out and "Traceback" not in out, out
+    for task in ("worker0", "worker1", "evaluator0"):
+        results = _results(prefix, task)
+        final = results["train_and_evaluate"] if task == "evaluator0" else results["evaluate"]
+        assert final["global_step"] == 8, (task, results)
+    evaluations = _evaluations(model_dir)
+    assert evaluations and evaluations[-1][0] == 8
+    for step, path in evaluations:
+        assert os.path.basename(path) == f"model.ckpt-{step}"
+    kept = sorted(n for n in os.listdir(model_dir) if n.startswith("model.ckpt-"))
+    assert kept == ["model.ckpt-7", "model.ckpt-8"]
