@@ -314,3 +314,43 @@ def test_override_chief_only_stop_uneven_files_and_fast_user_errors(tmp_path):
         np.testing.assert_array_equal(a, b)
     assert steps0 == steps1 == 3  # the chief's stop at batch 1 reached the other replica one step later
     assert t0 < 4 and t1 < 4
+
+
+def _worker_resume_logs(rank: int, world: int, backup_dir: str):
+    """An uninterrupted run, then the same run interrupted mid-epoch and resumed in the same process."""
+    strategy = mf.MultiWorkerMirroredStrategy()
+    (x, y), _ = mf.datasets.load_digits()
+
+    class InterruptAtStep(mf.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if self.model.loop_state.iterations == 7:  # inside the second epoch (5 steps per epoch)
+                raise RuntimeError("Interruption")
+
+    def run(callbacks):
+        data = mf.data.Dataset.from_tensor_slices((x[:320], y[:320])).shuffle(320, seed=3).batch(64)
+        with strategy.scope():
+            model = mf.Model(_mlp())
+            model.compile(mf.optimizers.Adam(learning_rate=0.01),
+                          mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+        return model, model.fit(data, epochs=3, verbose=0, callbacks=callbacks)
+
+    _, uninterrupted = run([])
+    with pytest.raises(RuntimeError, match="Interruption"):
+        run([InterruptAtStep(), mf.callbacks.BackupAndRestore(backup_dir, save_freq=1)])
+    model, resumed = run([mf.callbacks.BackupAndRestore(backup_dir, save_freq=1)])
+    return uninterrupted.history, resumed.history, model.get_weights()
+
+
+def test_a_mid_epoch_resume_on_two_workers_logs_the_uninterrupted_epoch_metrics(tmp_path):
+    # Each replica's metric accumulators are its own share of the epoch: a backup that kept only
+    # rank 0's copy would resume the epoch with half the sums and log a different loss.
+    (full0, resumed0, w0), (full1, resumed1, w1) = run_distributed(
+        _worker_resume_logs, world_size=2, args=(str(tmp_path / "backup"),), timeout=240)
+    for a, b in zip(w0, w1, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert full0 == full1
+    # History's own state is in the backup: the resumed fit's history holds all three epochs, the
+    # interrupted second one included, with exactly the uninterrupted values.
+    assert resumed0 == resumed1
+    for name in ("loss", "accuracy"):
+        assert len(resumed0[name]) == 3 and resumed0[name] == full0[name], name
