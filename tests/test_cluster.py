@@ -192,7 +192,7 @@ def test_simple_resolver_and_cluster_info_validation():
         SimpleClusterResolver(0, 2, task_type="evaluator")
     with pytest.raises(ValueError, match="Invalid `master_port`"):
         SimpleClusterResolver(0, 2, master_port=0)
-    info = r.info
+    info = r._info  # the resolved value object is frozen
     assert isinstance(info, ClusterInfo)
     with pytest.raises(AttributeError):
         info.rank = 0

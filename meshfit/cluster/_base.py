@@ -115,11 +115,6 @@ class ClusterResolver:
         self._cluster_spec = cluster_spec
 
     @property
-    def info(self) -> ClusterInfo:
-        """The resolved `ClusterInfo`."""
-        return self._info
-
-    @property
     def task_type(self) -> str:
         """``"chief"``, ``"worker"`` or ``"evaluator"``."""
         return self._info.task_type
