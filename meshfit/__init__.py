@@ -15,6 +15,7 @@ from meshfit import (
     metrics,
     mixed_precision,
     optimizers,
+    utils,
 )
 from meshfit._model import Model
 from meshfit._saving import load_model
@@ -57,6 +58,7 @@ __all__ = [
     "mixed_precision",
     "optimizers",
     "train",
+    "utils",
 ]
 
 

@@ -12,13 +12,25 @@ def _demo(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="meshfit demo",
         description="Train the seed tutorial's CNN on bundled digits with several workers "
-                    "(meshfit launch), fault tolerance on, and print the test accuracy.")
+                    "(meshfit launch), fault tolerance on and shown: backups are announced, one worker "
+                    "crashes on purpose and the group resumes from the last backup. Leaves the model and "
+                    "a picture of the training curves in --output-dir.")
     parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     parser.add_argument("--max-restarts", type=int, default=2, help="group restarts after a failure (default 2)")
     parser.add_argument("--epochs", type=int, default=3, help="epochs (default 3)")
+    parser.add_argument("--steps-per-epoch", type=int, default=None, help="steps per epoch (default: one pass)")
     parser.add_argument("--backup-dir", default=None, help="BackupAndRestore directory (default: a temp dir)")
+    parser.add_argument("--save-freq", type=int, default=10, help="steps between backups (default 10)")
+    parser.add_argument("--crash-at-step", type=int, default=35,
+                        help="the last worker crashes at this step in the first round, to show the resume "
+                             "(default 35; 0: no crash)")
+    parser.add_argument("--output-dir", default="meshfit-demo",
+                        help="where model.keras and training.png are written (default ./meshfit-demo)")
     args = parser.parse_args(argv)
-    script_args = ["--epochs", str(args.epochs)]
+    script_args = ["--epochs", str(args.epochs), "--save-freq", str(args.save_freq),
+                   "--crash-at-step", str(args.crash_at_step), "--output-dir", args.output_dir]
+    if args.steps_per_epoch:
+        script_args += ["--steps-per-epoch", str(args.steps_per_epoch)]
     if args.backup_dir:
         script_args += ["--backup-dir", args.backup_dir]
     return launch(["--workers", str(args.workers), "--max-restarts", str(args.max_restarts),

@@ -16,6 +16,7 @@ from meshfit._loop import TrainingLoop, resolve_verbose
 from meshfit._state import LoopState
 from meshfit._validation import non_negative_int
 from meshfit.callbacks._callback_list import CallbackList
+from meshfit.callbacks._progbar import announce_quiet_worker
 from meshfit.data._structure import batch_size_of, unpack_batch
 from meshfit.distribute._strategy import get_strategy
 from meshfit.losses import _resolve as _resolve_loss
@@ -200,7 +201,8 @@ class Model:
         self._require_compiled("fit")
         non_negative_int("epochs", epochs)
         non_negative_int("initial_epoch", initial_epoch)
-        verbose = resolve_verbose(verbose, self.strategy.is_chief)
+        requested_verbose, verbose = verbose, resolve_verbose(verbose, self.strategy.is_chief)
+        announce_quiet_worker(self.strategy, requested_verbose)
         validation = _validation_parts(validation_data)
 
         def validate(epoch: int) -> dict[str, float]:

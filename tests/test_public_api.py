@@ -28,7 +28,8 @@ PACKAGES = _public_packages()
 
 
 def test_the_public_packages_are_found():
-    assert {"meshfit.callbacks", "meshfit.data", "meshfit.distribute", "meshfit.train"} <= set(PACKAGES)
+    assert {"meshfit.callbacks", "meshfit.data", "meshfit.distribute", "meshfit.train", "meshfit.utils",
+            "meshfit.optimizers.schedules"} <= set(PACKAGES)
 
 
 @pytest.mark.parametrize("package", PACKAGES)

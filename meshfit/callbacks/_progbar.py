@@ -396,3 +396,20 @@ class ProgbarLogger(Callback):
         logs = self._display_logs(logs)
         progbar.stateful_metrics.update(logs)
         progbar.update(self.target, logs, finalize=True)
+
+
+_announced: set[str] = set()
+
+
+def announce_quiet_worker(strategy: Any, verbose: Any) -> None:
+    """On a worker that is not the chief, say once per process that it trains and where logs are.
+
+    Keras prints nothing on such a worker; started by hand in its own terminal (the tutorial's way)
+    it would look stuck. Silent with ``verbose=0``.
+    """
+    if strategy.is_chief or verbose == 0 or "quiet-worker" in _announced:
+        return
+    _announced.add("quiet-worker")
+    print(f"worker {strategy.replica_id}: training with {strategy.num_replicas_in_sync} replicas; progress "
+          "and logs are printed by the chief (worker 0).", flush=True)
+
