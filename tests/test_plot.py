@@ -36,7 +36,7 @@ def test_plot_history_writes_a_png_of_every_metric_with_validation(tmp_path):
     figure = draw_history(history)
     axes = figure.get_axes()
     assert [a.get_title() for a in axes] == ["loss", "accuracy"]
-    for axis, name in zip(axes, ["loss", "accuracy"]):
+    for axis, name in zip(axes, ["loss", "accuracy"], strict=True):
         training, validation = axis.get_lines()
         assert list(training.get_xdata()) == [1, 2, 3]
         np.testing.assert_allclose(training.get_ydata(), history.history[name])
