@@ -81,7 +81,7 @@ def main() -> None:
 
     def block_data(k: int):
         start = offset + k * args.steps
-        return dataset.skip(start) if start else dataset
+        return dataset.skip(start)  # a fresh wrapper every block: its first pass (a re-iterated dataset reshuffles)
 
     def fit_model(distributed: bool) -> mf.Model:
         if distributed:

@@ -70,7 +70,9 @@ def main() -> None:
     blocks = rounds + 1
     index_stream = mf.data.Dataset.from_tensor_slices(np.arange(n)).shuffle(n, seed=0).repeat().batch(BATCH)
     indices = [b.clone() for b in itertools.islice(iter(index_stream), blocks * steps + 1)]
-    first = next(iter(dataset))
+    # A second iterator of one shuffled Dataset reshuffles (as tf.data's reshuffle_each_iteration):
+    # check the order on an identical, separate dataset so that fit's first block gets pass 0.
+    first = next(iter(mf.data.Dataset.from_tensor_slices((x, y)).shuffle(n, seed=0).repeat().batch(BATCH)))
     assert torch.equal(first[1], y_t[indices[0]]), "the hand loop's batches differ from the dataset's"
 
     # ---- hand-written loop --------------------------------------------------------------------
