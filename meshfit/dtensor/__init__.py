@@ -1,0 +1,32 @@
+"""Layouts on a device mesh, as ``tf.experimental.dtensor``, on torch DTensor.
+
+Create a mesh of processes with named axes, say how each weight is split over them with a
+`LayoutMap` (regular expressions over weight paths), and train with the same ``fit``::
+
+    mesh = mf.dtensor.create_mesh([("batch", 2), ("model", 2)], devices=[f"cpu:{i}" for i in range(4)])
+    layout_map = mf.dtensor.LayoutMap(mesh)
+    layout_map["feature.*weight"] = mf.dtensor.Layout(["model", mf.dtensor.UNSHARDED], mesh)
+    with layout_map.scope():
+        model = mf.Model(SubclassedModel())
+"""
+
+from meshfit.dtensor._apply import apply_layouts
+from meshfit.dtensor._create import create_mesh
+from meshfit.dtensor._layout import UNSHARDED, Layout
+from meshfit.dtensor._layout_map import LayoutMap
+from meshfit.dtensor._mesh import Mesh
+from meshfit.dtensor._pack import copy_to_mesh, pack, unpack
+from meshfit.dtensor._strategy import MeshStrategy
+
+__all__ = [
+    "UNSHARDED",
+    "Layout",
+    "LayoutMap",
+    "Mesh",
+    "MeshStrategy",
+    "apply_layouts",
+    "copy_to_mesh",
+    "create_mesh",
+    "pack",
+    "unpack",
+]

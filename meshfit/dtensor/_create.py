@@ -1,0 +1,82 @@
+"""`create_mesh`: form the process group (as the mirrored strategies do) and arrange it in named axes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from meshfit.distribute._values import CommunicationOptions
+from meshfit.dtensor._mesh import Mesh
+
+
+def create_mesh(mesh_dims: Sequence[tuple[str, int]], devices: Sequence[str] | None = None,
+                communication_options: CommunicationOptions | None = None) -> Mesh:
+    """A mesh of ``prod(sizes)`` processes with named axes, as ``dtensor.create_mesh``.
+
+    From a plain ``python train.py`` with local ``devices`` (``["cpu:0", ..., "cpu:3"]``), the
+    first process starts the others itself, as `MirroredStrategy` does. Under ``meshfit launch``,
+    torchrun, SLURM or ``TF_CONFIG``, the processes are the job's workers (the cluster resolver's
+    group, as for `MultiWorkerMirroredStrategy`), and ``devices`` only checks the count.
+
+    Args:
+        mesh_dims: ``[(axis_name, size), ...]``, e.g. ``[("batch", 2), ("model", 2)]``. The axis
+            named ``"batch"`` is the data-parallel axis.
+        devices: the mesh's devices, one per process, e.g. ``[f"cpu:{i}" for i in range(4)]``
+            (default: one per process of the job).
+        communication_options: backend and timeouts (default: gloo on CPUs, NCCL on GPUs).
+
+    Returns:
+        The `Mesh`, with its torch ``DeviceMesh`` and its strategy (``mesh.strategy``).
+
+    Raises:
+        ValueError: a malformed ``mesh_dims``, a repeated or unknown axis name, or a number of
+            devices or processes different from the mesh size (the message says how to fix it).
+    """
+    value = _mesh_value(mesh_dims, devices)
+    group = _form_group(value, devices, communication_options)
+    from meshfit.dtensor._strategy import MeshStrategy
+
+    return MeshStrategy(value, group).mesh
+
+
+def _mesh_value(mesh_dims: Any, devices: Sequence[str] | None) -> Mesh:
+    if isinstance(mesh_dims, (str, bytes)) or not isinstance(mesh_dims, Sequence) or not all(
+            isinstance(d, (tuple, list)) and len(d) == 2 for d in mesh_dims):
+        raise ValueError("Invalid `mesh_dims`: expected a list of (axis_name, size) pairs such as "
+                         f"[('batch', 2), ('model', 2)], received mesh_dims={mesh_dims!r}.")
+    device_type = "cpu"
+    if devices is not None:
+        if isinstance(devices, str) or not isinstance(devices, Sequence) or not devices:
+            raise ValueError("Invalid `devices`: expected a non-empty list such as ['cpu:0', 'cpu:1'], received "
+                             f"devices={devices!r}.")
+        kinds = {str(d).lower().lstrip("/").split(":")[0].replace("gpu", "cuda") for d in devices}
+        if len(kinds) != 1 or not kinds <= {"cpu", "cuda"}:
+            raise ValueError(f"Invalid `devices`: expected devices of one kind ('cpu:N' or 'cuda:N'), received "
+                             f"devices={list(devices)!r}.")
+        device_type = kinds.pop()
+    value = Mesh(tuple(d[0] for d in mesh_dims), tuple(d[1] for d in mesh_dims), device_type)
+    if devices is not None and len(devices) != value.size:
+        raise ValueError(f"Invalid `devices`: the mesh {value!r} needs {value.size} devices, received "
+                         f"{len(devices)}: {list(devices)!r}. List {value.size} devices, or change the axis sizes.")
+    return value
+
+
+def _form_group(value: Mesh, devices: Sequence[str] | None, options: CommunicationOptions | None) -> Any:
+    from meshfit.cluster import resolve_cluster
+    from meshfit.distribute._mirrored import _RANK_ENV, MirroredStrategy
+    from meshfit.distribute._multi_worker import MultiWorkerMirroredStrategy
+
+    if os.environ.get(_RANK_ENV) is not None:  # a replica a plain-script mesh started
+        return MirroredStrategy(devices=list(devices or []) or None, communication_options=options)
+    if dist.is_initialized() or resolve_cluster() is not None:
+        return MultiWorkerMirroredStrategy(communication_options=options)
+    if value.size > 1 and devices is None:
+        raise ValueError(f"Invalid mesh {value!r}: it needs {value.size} processes but this one was started alone. "
+                         f"Pass devices=[...] with {value.size} local devices (the others are started for you), "
+                         f"or start the job with `meshfit launch --workers {value.size}` or torchrun.")
+    if value.size > 1:
+        return MirroredStrategy(devices=list(devices), communication_options=options)
+    return MultiWorkerMirroredStrategy(communication_options=options)

@@ -1,0 +1,85 @@
+"""`pack`, `unpack`, `copy_to_mesh`: plain tensors in and out of DTensors with a `Layout`.
+
+TensorFlow's single client holds every local device's component; here each device is its own
+process, so `pack` takes this host's components (one per local mesh device, as the seed's
+``tf.split(x, mesh.num_local_devices())`` makes them) and keeps the one of this process's device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from meshfit.dtensor._layout import Layout
+
+
+def _check_layout(layout: Any) -> Layout:
+    if not isinstance(layout, Layout):
+        raise TypeError(f"Invalid `layout`: expected a meshfit.dtensor.Layout, received layout={layout!r}.")
+    return layout
+
+
+def pack(components: Sequence[torch.Tensor], layout: Layout) -> Any:
+    """A DTensor with ``layout`` from the components of this host's mesh devices.
+
+    Args:
+        components: one tensor per local mesh device (``layout.mesh.num_local_devices()``), in
+            local device order; each is that device's shard. A single tensor is accepted as this
+            process's own shard.
+        layout: the layout of the packed tensor.
+
+    Returns:
+        A ``torch.distributed.tensor.DTensor`` whose local shard is this process's component.
+
+    Raises:
+        ValueError: the number of components is not the number of local devices, their shapes
+            differ (shards must be even), or their rank is not the layout's.
+    """
+    from torch.distributed.tensor import DTensor
+
+    layout = _check_layout(layout)
+    mesh = layout.mesh
+    if isinstance(components, torch.Tensor):
+        components = [components]
+    components = list(components)
+    local = mesh.num_local_devices()
+    if len(components) not in (1, local) or not components:
+        raise ValueError(f"Invalid `components`: expected {local} tensors (one per local device of "
+                         f"{mesh!r}), received {len(components)}. Split the local batch with "
+                         f"tensor_split(x, mesh.num_local_devices()).")
+    shapes = {tuple(c.shape) for c in components}
+    if len(shapes) > 1:
+        raise ValueError(f"Invalid `components`: shards must be even, received shapes {sorted(shapes)}. Use a "
+                         f"batch size divisible by {len(components)}.")
+    mine = components[mesh.local_device_index() if len(components) > 1 else 0]
+    if mine.dim() != layout.rank:
+        raise ValueError(f"Invalid `components`: the layout {list(layout.sharding_specs)} has rank {layout.rank}, "
+                         f"received tensors of rank {mine.dim()} (shape {list(mine.shape)}).")
+    return DTensor.from_local(mine, mesh.device_mesh, list(layout.placements), run_check=False)
+
+
+def unpack(tensor: Any) -> list[torch.Tensor]:
+    """This process's component of a DTensor, as a one-element list (one local device per process)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        raise TypeError(f"Invalid `tensor`: expected a DTensor (from pack or copy_to_mesh), received "
+                        f"{type(tensor).__name__}.")
+    return [tensor.to_local()]
+
+
+def copy_to_mesh(tensor: Any, layout: Layout) -> Any:
+    """A DTensor with ``layout`` holding the full ``tensor`` (every process passes the same value)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    layout = _check_layout(layout)
+    tensor = torch.as_tensor(tensor)
+    layout.check_shape(tensor.shape, "the tensor")
+    return distribute_tensor(tensor, layout.mesh.device_mesh, list(layout.placements), src_data_rank=None)
+
+
+def to_layout(tensor: Any, layout: Layout) -> Any:
+    """A DTensor moved to ``layout`` (collectives as needed)."""
+    return tensor.redistribute(layout.mesh.device_mesh, list(layout.placements))

@@ -1,0 +1,246 @@
+"""`MeshStrategy`: training on a named device mesh, with weights laid out by a `LayoutMap`.
+
+The process group is formed exactly as the mirrored strategies form theirs (self-spawned local
+processes from a plain script, or the cluster resolver under ``meshfit launch``, torchrun, SLURM
+or ``TF_CONFIG``); this strategy then arranges the processes in the mesh's axes.
+
+The axis named ``"batch"`` is the data-parallel axis: its coordinate is the data-shard identity
+(`input_context`), metrics and other sums are reduced over it. Two ways to run a step:
+
+- **every weight replicated** (no key shards anything): plain parameters and DDP's bucketed
+  all-reduce over the ``batch`` axis, the `MultiWorkerMirroredStrategy` fast path;
+- **some weight sharded**: every parameter is a DTensor on the whole mesh; the module's inputs
+  become batch-sharded DTensors and its outputs this process's rows again, at the module's
+  boundary (forward hooks), so losses, metrics and ``train_step`` overrides see plain tensors.
+  DTensor's autograd sums the gradients of replicated weights over ``batch``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshfit.data._structure import map_structure
+from meshfit.distribute._collective import CollectiveStrategy
+from meshfit.distribute._gradient_weight import GradientWeight, weighted_allreduce_hook
+from meshfit.distribute._values import InputContext
+from meshfit.dtensor._apply import apply_layouts, attach_layout, resolve_layouts
+from meshfit.dtensor._layout import Layout
+from meshfit.dtensor._layout_map import LayoutMap
+from meshfit.dtensor._mesh import Mesh
+
+BATCH_AXIS = "batch"
+
+
+class MeshStrategy(CollectiveStrategy):
+    """The strategy of a mesh made by `create_mesh` (``mesh.strategy``); see the module docstring.
+
+    Args:
+        mesh: the mesh value (axis names and sizes).
+        group: the strategy that formed the process group (its heartbeat and failure state are shared).
+    """
+
+    def __init__(self, mesh: Mesh, group: CollectiveStrategy) -> None:
+        super().__init__(group.communication_options)
+        self._group_strategy = group  # keeps its exit handlers (spawned replicas, group shutdown) alive
+        for name in ("_rank", "_world", "_chief", "_heartbeat", "failure", "_device", "cluster_resolver"):
+            setattr(self, name, getattr(group, name))
+        if self._world != mesh.size:
+            raise ValueError(f"Invalid mesh {mesh!r}: it has {mesh.size} devices but {self._world} processes "
+                             f"joined. Start {mesh.size} processes (e.g. `meshfit launch --workers {mesh.size}`), "
+                             f"or change the axis sizes so that their product is {self._world}.")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _ensure_group()
+        self._device_mesh = init_device_mesh(mesh.device_type, mesh.shape, mesh_dim_names=mesh.axis_names)
+        self.mesh = Mesh(mesh.axis_names, mesh.shape, mesh.device_type, self._device_mesh, self)
+        self.layout_map: LayoutMap | None = None
+        self._batch = BATCH_AXIS if BATCH_AXIS in mesh.axis_names else None
+        self._gradient_weight = GradientWeight(process_group=self._group_of(self._batch))
+        self._grad_factor = 1.0 / self.num_replicas_in_sync
+        self._sharded = False
+        hosts = self.all_gather_world(socket.gethostname())
+        here = hosts[self._rank]
+        self.local_device_count = hosts.count(here)
+        self.local_device_index = hosts[:self._rank].count(here)
+
+    def with_layout_map(self, layout_map: LayoutMap) -> MeshStrategy:
+        """This strategy (same processes) applying ``layout_map`` to the modules it sets up."""
+        view = copy.copy(self)
+        view.layout_map = layout_map
+        return view
+
+    # ---- identity: the data-parallel axis --------------------------------------------------
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """The size of the ``batch`` axis (1 without one): how many data shards train together."""
+        return self.mesh.dim_size(self._batch) if self._batch else 1
+
+    @property
+    def replica_id(self) -> int:
+        """This process's coordinate along ``batch``."""
+        return self._device_mesh.get_local_rank(self._batch) if self._batch else 0
+
+    def input_context(self) -> InputContext:
+        return InputContext(num_input_pipelines=self.num_replicas_in_sync, input_pipeline_id=self.replica_id,
+                            num_replicas_in_sync=self.num_replicas_in_sync)
+
+    def _group_of(self, axis: str | None) -> Any:
+        return self._device_mesh.get_group(axis) if axis is not None and self._world > 1 else None
+
+    # ---- collectives -------------------------------------------------------------------------
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over ``batch``; then every axis agrees (max), so a flag raised anywhere is seen everywhere.
+
+        Processes that differ only along other axes hold the same values, so the max leaves sums
+        bitwise unchanged.
+        """
+        if self._world == 1:
+            return tensor
+        if self._batch and self.num_replicas_in_sync > 1:
+            dist.all_reduce(tensor, group=self._group_of(self._batch))
+        for axis, size in zip(self.mesh.axis_names, self.mesh.shape):
+            if axis != self._batch and size > 1:
+                dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group_of(axis))
+        return tensor
+
+    def all_gather_world(self, obj: Any) -> list[Any]:
+        """Every process's ``obj``, by global rank."""
+        if self._world == 1:
+            return [obj]
+        out: list[Any] = [None] * self._world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every data shard's ``obj`` (from the process at coordinate 0 of the other axes), by replica."""
+        gathered = self.all_gather_world(obj)
+        if self._world == 1:
+            return gathered
+        ranks = self._device_mesh.mesh
+        if self._batch:
+            ranks = ranks.movedim(self.mesh.axis_index(self._batch), 0).reshape(self.num_replicas_in_sync, -1)
+        else:
+            ranks = ranks.reshape(1, -1)
+        return [gathered[int(r)] for r in ranks[:, 0].tolist()]
+
+    # ---- placement -------------------------------------------------------------------------
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Lay out ``module``'s parameters; replicated-only layouts take DDP's bucketed path."""
+        module = module.to(self._device)
+        layout_map = self.layout_map if self.layout_map is not None else LayoutMap(self.mesh)
+        layouts = resolve_layouts(module, layout_map)
+        if any(not layout.is_fully_replicated() for layout in layouts.values()):
+            self._sharded = True
+            apply_layouts(module, layout_map)
+            _Boundary(self).install(module)
+            return module
+        for path, param in module.named_parameters():
+            attach_layout(param, layouts[path])
+        self._broadcast_from_rank0(module)
+        if self.num_replicas_in_sync == 1 or not any(p.requires_grad for p in module.parameters()):
+            return module
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [self._device.index] if self._device.type == "cuda" else None
+        wrapped = DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True,
+                                          process_group=self._group_of(self._batch))
+        wrapped.register_comm_hook(self._gradient_weight, weighted_allreduce_hook)
+        return wrapped
+
+    def _broadcast_from_rank0(self, module: nn.Module) -> None:
+        """Rank 0's weights everywhere (DDP broadcasts only within its ``batch`` group)."""
+        if self._world == 1 or self.num_replicas_in_sync == self._world:
+            return
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(tensor.data, src=0)
+
+    @contextlib.contextmanager
+    def batch_weight(self, local_size: int, global_size: int) -> Iterator[None]:
+        replicas = self.num_replicas_in_sync
+        self._gradient_weight.factor = local_size * replicas / global_size if global_size else 1.0
+        self._grad_factor = local_size / global_size if global_size else 1.0 / replicas
+        try:
+            yield
+        finally:
+            self._gradient_weight.factor = 1.0
+            self._grad_factor = 1.0 / replicas
+
+    def batch_placements(self) -> list[Any]:
+        """DTensor placements of a batch: rows split over ``batch``, replicated along the other axes."""
+        return list(Layout.batch_sharded(self.mesh, self._batch, 1).placements) if self._batch \
+            else list(Layout.replicated(self.mesh, 1).placements)
+
+    def __repr__(self) -> str:
+        return f"MeshStrategy({self.mesh!r}, rank {self._rank} of {self._world}, device={str(self._device)!r})"
+
+
+class _Boundary:
+    """Forward hooks: plain inputs become batch-sharded DTensors; outputs become this process's rows.
+
+    Inputs that are DTensors already (``pack``) are left alone, and so are the outputs of such a
+    call: the caller works with DTensors. The gradient reaching the local outputs is weighted by
+    this process's share of the global batch (``batch_weight``): DTensor sums the data shards'
+    gradients, so each shard's mean loss must count by its share.
+    """
+
+    def __init__(self, strategy: MeshStrategy) -> None:
+        self.strategy = strategy
+        self.placements = strategy.batch_placements()
+        self._converted: list[bool] = []
+
+    def install(self, module: nn.Module) -> None:
+        module.register_forward_pre_hook(self.before, with_kwargs=True)
+        module.register_forward_hook(self.after, with_kwargs=True)
+
+    def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        converted = [False]
+        mesh = self.strategy._device_mesh
+
+        def to_dtensor(leaf: Any) -> Any:
+            if not isinstance(leaf, torch.Tensor) or isinstance(leaf, DTensor):
+                return leaf
+            converted[0] = True
+            placements = self.placements if leaf.dim() > 0 else [Replicate()] * mesh.ndim
+            return DTensor.from_local(leaf, mesh, placements, run_check=False)
+
+        args, kwargs = map_structure(to_dtensor, args), map_structure(to_dtensor, kwargs)
+        self._converted.append(converted[0])
+        return args, kwargs
+
+    def after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if not self._converted.pop():
+            return output
+        from torch.distributed.tensor import DTensor, Replicate
+
+        strategy, placements = self.strategy, self.placements
+
+        def to_local(leaf: Any) -> Any:
+            if not isinstance(leaf, DTensor):
+                return leaf
+            batched = leaf.dim() > 0
+            target = placements if batched else [Replicate()] * len(placements)
+            if tuple(leaf.placements) != tuple(target):
+                leaf = leaf.redistribute(strategy._device_mesh, target)
+            local = leaf.to_local(grad_placements=target)
+            if batched and local.requires_grad:
+                local.register_hook(lambda grad: grad * strategy._grad_factor)
+            return local
+
+        return map_structure(to_local, output)
+
+
+def _ensure_group() -> None:
+    """A one-process gloo group for a one-device mesh (DeviceMesh needs a process group)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
