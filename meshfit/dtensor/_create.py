@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -65,11 +64,12 @@ def _mesh_value(mesh_dims: Any, devices: Sequence[str] | None) -> Mesh:
 
 
 def _form_group(value: Mesh, devices: Sequence[str] | None, options: CommunicationOptions | None) -> Any:
+    from meshfit._supervisor import replica_identity
     from meshfit.cluster import resolve_cluster
-    from meshfit.distribute._mirrored import _RANK_ENV, MirroredStrategy
+    from meshfit.distribute._mirrored import MirroredStrategy
     from meshfit.distribute._multi_worker import MultiWorkerMirroredStrategy
 
-    if os.environ.get(_RANK_ENV) is not None:  # a replica a plain-script mesh started
+    if replica_identity() is not None:  # a replica a plain-script mesh started
         return MirroredStrategy(devices=list(devices or []) or None, communication_options=options)
     if dist.is_initialized() or resolve_cluster() is not None:
         return MultiWorkerMirroredStrategy(communication_options=options)
