@@ -282,8 +282,11 @@ class Model:
 
     # ---- weights ---------------------------------------------------------------------------
     def get_weights(self) -> list[np.ndarray]:
-        """The module's ``state_dict`` values (parameters, then buffers, per submodule) as numpy."""
-        return [t.detach().cpu().numpy().copy() for t in self.module.state_dict().values()]
+        """The module's ``state_dict`` values (parameters, then buffers, per submodule) as numpy.
+
+        Sharded (DTensor) weights are gathered: every process gets the full arrays (a collective).
+        """
+        return [_full(t).detach().cpu().numpy().copy() for t in self.module.state_dict().values()]
 
     def set_weights(self, weights: list[Any]) -> None:
         """Set the values ``get_weights`` returns, in the same order; shapes must match."""
@@ -297,7 +300,7 @@ class Model:
             if tuple(tensor.shape) != tuple(current.shape):
                 raise ValueError(f"Invalid `weights`: {key!r} has shape {tuple(current.shape)}, received "
                                  f"shape {tuple(tensor.shape)}.")
-            new_state[key] = tensor.to(current.dtype)
+            new_state[key] = _laid_out_like(tensor.to(current.dtype), current)
         self.module.load_state_dict(new_state)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -370,3 +373,19 @@ class Model:
 
     def __repr__(self) -> str:
         return f"<meshfit.Model {self.name!r} on {self.strategy!r}>"
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (gathered from its shards), else ``tensor``."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _laid_out_like(value: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+    """The full ``value`` split like the DTensor ``current`` (every process holds ``value``), else ``value``."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(current, DTensor):
+        return value
+    return distribute_tensor(value, current.device_mesh, current.placements, src_data_rank=None)

@@ -193,6 +193,7 @@ class Optimizer:
                 "Invalid `state_dict`: expected the output of Optimizer.state_dict() or a torch optimizer "
                 f"state dict, received keys {sorted(state_dict)}."
             )
+        _place_state_like_params(opt)
 
     def get_config(self) -> dict[str, Any]:
         """The constructor arguments, JSON-serialisable."""
@@ -390,6 +391,20 @@ class TorchOptimizer(Optimizer):
 
     def __repr__(self) -> str:
         return f"TorchOptimizer({type(self._torch_optimizer).__name__})"
+
+
+def _place_state_like_params(optimizer: torch.optim.Optimizer) -> None:
+    """Give full-size state tensors their DTensor parameter's layout (a checkpoint restored into a
+    fresh optimizer has no state to load into in place, so it arrives as full plain tensors)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for param, state in optimizer.state.items():
+        if not isinstance(param, DTensor):
+            continue
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == param.shape:
+                state[key] = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements,
+                                               src_data_rank=None)
 
 
 _CLASSES: dict[str, type[Optimizer]] = {cls.__name__: cls for cls in (SGD, Adam, AdamW, RMSprop, Adagrad)}

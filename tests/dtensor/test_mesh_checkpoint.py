@@ -1,0 +1,102 @@
+"""Sharded backups reshard on load: a (2, 2) backup continues on a (2,) mesh and on one process."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from tests._multiproc import run_distributed
+
+BATCH, STEPS_PER_EPOCH = 8, 10
+
+
+def _data():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(2 * STEPS_PER_EPOCH * BATCH, 8)).astype("float32")
+    y = rng.integers(0, 4, size=(2 * STEPS_PER_EPOCH * BATCH,)).astype("int64")
+    return x, y
+
+
+def _train(mesh_dims, backup_dir, epochs):
+    from torch.distributed.tensor import DTensor
+
+    import meshfit as mf
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    scope = mf.get_strategy().scope()
+    if mesh_dims:
+        mesh = mf.dtensor.create_mesh(mesh_dims)
+        layout_map = mf.dtensor.LayoutMap(mesh)
+        layout_map[r"^0\.weight$"] = mf.dtensor.Layout(["model", mf.dtensor.UNSHARDED], mesh)
+        layout_map[r"^0\.bias$"] = mf.dtensor.Layout(["model"], mesh)
+        layout_map[r"^2\.weight$"] = mf.dtensor.Layout([mf.dtensor.UNSHARDED, "model"], mesh)
+        scope = layout_map.scope()
+    with scope:
+        model = mf.Model(module)
+        model.compile(optimizer=mf.optimizers.Adam(0.01),
+                      loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data()
+    callbacks = [mf.callbacks.BackupAndRestore(backup_dir, delete_checkpoint=False)] if backup_dir else []
+    history = model.fit(x, y, batch_size=BATCH, epochs=epochs, steps_per_epoch=STEPS_PER_EPOCH, shuffle=False,
+                        verbose=0, callbacks=callbacks)
+    weights = model.get_weights()
+    state = next(iter(model.optimizer.torch_optimizer.state.values()))
+    return (weights, model.optimizer.iterations, len(history.history["loss"]),
+            type(state["exp_avg"]).__name__, isinstance(model.module[0].weight, DTensor))
+
+
+def _on_mesh(rank, world, mesh_dims, backup_dir, epochs):
+    return _train(mesh_dims, backup_dir, epochs)
+
+
+def _close(a, b, tol=1e-5):
+    return max(float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) + 1e-12)) for x, y in zip(a, b)) <= tol
+
+
+@pytest.fixture(scope="module")
+def backup(tmp_path_factory):
+    """A backup written at the end of epoch 1 by 4 processes on a (2, 2) mesh."""
+    directory = tmp_path_factory.mktemp("mesh") / "backup"
+    results = run_distributed(_on_mesh, world_size=4, args=([("batch", 2), ("model", 2)], str(directory), 1),
+                              timeout=300)
+    assert all(r[1] == STEPS_PER_EPOCH and r[4] for r in results)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    return _train(None, None, 2)[0]
+
+
+def test_backup_from_2x2_continues_on_a_2_process_model_mesh(backup, uninterrupted, tmp_path):
+    copy = tmp_path / "backup"
+    shutil.copytree(backup, copy)
+    results = run_distributed(_on_mesh, world_size=2, args=([("model", 2)], str(copy), 2), timeout=300)
+    for weights, iterations, epochs_run, state_type, sharded in results:
+        assert iterations == 2 * STEPS_PER_EPOCH and epochs_run == 2  # History restored with epoch 1, then epoch 2
+        assert sharded and state_type == "DTensor"  # optimizer state resharded like its parameter
+        assert _close(weights, uninterrupted)
+
+
+def test_backup_from_2x2_continues_on_one_process(backup, uninterrupted, tmp_path):
+    copy = tmp_path / "backup"
+    shutil.copytree(backup, copy)
+    weights, iterations, epochs_run, state_type, sharded = _train(None, str(copy), 2)
+    assert iterations == 2 * STEPS_PER_EPOCH and epochs_run == 2
+    assert not sharded and state_type == "Tensor"
+    assert _close(weights, uninterrupted)
+
+
+def test_backup_from_2x2_continues_on_the_same_mesh(backup, uninterrupted, tmp_path):
+    copy = tmp_path / "backup"
+    shutil.copytree(backup, copy)
+    results = run_distributed(_on_mesh, world_size=4, args=([("batch", 2), ("model", 2)], str(copy), 2),
+                              timeout=300)
+    for weights, iterations, epochs_run, state_type, _ in results:
+        assert iterations == 2 * STEPS_PER_EPOCH and epochs_run == 2 and state_type == "DTensor"
+        assert _close(weights, uninterrupted)
