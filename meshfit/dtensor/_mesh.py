@@ -69,7 +69,7 @@ class Mesh:
         if repeated:
             raise ValueError(f"Invalid mesh: axis name {repeated[0]!r} is used twice in "
                              f"{list(self.axis_names)}; give every axis its own name.")
-        for name, size in zip(self.axis_names, self.shape):
+        for name, size in zip(self.axis_names, self.shape, strict=True):
             if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
                 raise ValueError(f"Invalid size of mesh axis {name!r}: expected a positive int, received {size!r}.")
         if self.device_type not in ("cpu", "cuda"):
@@ -143,7 +143,7 @@ class Mesh:
     # ---- text ------------------------------------------------------------------------------
     def to_string(self) -> str:
         """``|batch=2,model=2|cpu``: the axes and the device type; `from_string` reads it back."""
-        axes = ",".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
+        axes = ",".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape, strict=True))
         return f"|{axes}|{self.device_type}"
 
     @classmethod
@@ -162,5 +162,5 @@ class Mesh:
         return cls(tuple(names), tuple(sizes), match.group(2))
 
     def __repr__(self) -> str:
-        axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
+        axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape, strict=True))
         return f"Mesh({axes}, device_type={self.device_type!r})"

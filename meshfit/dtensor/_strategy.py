@@ -106,7 +106,7 @@ class MeshStrategy(CollectiveStrategy):
             return tensor
         if self._batch and self.num_replicas_in_sync > 1:
             dist.all_reduce(tensor, group=self._group_of(self._batch))
-        for axis, size in zip(self.mesh.axis_names, self.mesh.shape):
+        for axis, size in zip(self.mesh.axis_names, self.mesh.shape, strict=True):
             if axis != self._batch and size > 1:
                 dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group_of(axis))
         return tensor

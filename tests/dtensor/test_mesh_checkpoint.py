@@ -55,7 +55,7 @@ def _on_mesh(rank, world, mesh_dims, backup_dir, epochs):
 
 
 def _close(a, b, tol=1e-5):
-    return max(float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) + 1e-12)) for x, y in zip(a, b)) <= tol
+    return max(float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) + 1e-12)) for x, y in zip(a, b, strict=True)) <= tol
 
 
 @pytest.fixture(scope="module")

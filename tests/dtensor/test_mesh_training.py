@@ -58,7 +58,7 @@ def _fit_on_mesh(rank, world, shape, sharded):
     import meshfit as mf
 
     names = ("batch", "model")[:len(shape)] if len(shape) == 2 else ("batch",)
-    mesh = mf.dtensor.create_mesh(list(zip(names, shape)))
+    mesh = mf.dtensor.create_mesh(list(zip(names, shape, strict=True)))
     layout_map = _layouts(mf, mesh) if sharded else mf.dtensor.LayoutMap(mesh)
     model, history = _fit(mf, layout_map)
     first = model.module[0].weight
@@ -69,7 +69,7 @@ def _fit_on_mesh(rank, world, shape, sharded):
 
 
 def _max_relative_difference(a, b):
-    return max(float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) + 1e-12)) for x, y in zip(a, b))
+    return max(float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) + 1e-12)) for x, y in zip(a, b, strict=True))
 
 
 @pytest.fixture(scope="module")
