@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from meshfit._protocols import DistributionStrategy
 from meshfit.data._dataset import Dataset
 from meshfit.data._options import AutoShardPolicy
 from meshfit.data._prefetch import Prefetcher
@@ -89,7 +90,7 @@ class DataHandler:
     """
 
     def __init__(self, x: Any, y: Any, sample_weight: Any, batch_size: int | None, steps: int | None,
-                 shuffle: bool, strategy: Any, argument: str = "steps_per_epoch") -> None:
+                 shuffle: bool, strategy: DistributionStrategy, argument: str = "steps_per_epoch") -> None:
         self.strategy = strategy
         # Like a fresh tf.data iterator, each fit() on the same dataset object starts a new pass
         # (reshuffled) instead of replaying the batches the previous call trained on.

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:  # annotations only: the model and the loop import the callbacks
+    from meshfit._loop import TrainingLoop
+    from meshfit._model import Model
 
 # Substrings of a metric name whose larger values are better ("auto" mode of monitoring callbacks).
 _HIGHER_IS_BETTER = ("acc", "auc", "precision", "recall", "fmeasure", "f1")
@@ -44,11 +48,11 @@ class Callback:
     reads_batch_logs = True
 
     def __init__(self) -> None:
-        self.model: Any = None
-        self.loop: Any = None
+        self.model: Model | None = None
+        self.loop: TrainingLoop | None = None
         self.params: dict[str, Any] = {}
 
-    def set_model(self, model: Any) -> None:
+    def set_model(self, model: Model) -> None:
         """Sets the model the callback observes."""
         self.model = model
 
@@ -56,7 +60,7 @@ class Callback:
         """Sets the training parameters (``epochs``, ``steps``, ``verbose``)."""
         self.params = dict(params)
 
-    def set_loop(self, loop: Any) -> None:
+    def set_loop(self, loop: TrainingLoop) -> None:
         """Sets the `TrainingLoop` running ``fit`` (its counters, data position and saveable state)."""
         self.loop = loop
 
@@ -119,7 +123,7 @@ def _to_float(value: Any) -> Any:
     return value
 
 
-def _is_chief(model: Any) -> bool:
+def _is_chief(model: Model) -> bool:
     """Whether this process writes shared files: True without a model or strategy."""
     strategy = getattr(model, "strategy", None)
     return True if strategy is None else bool(strategy.is_chief)

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshfit.callbacks._callback import Callback
 from meshfit.callbacks._history import History
 from meshfit.callbacks._progbar import ProgbarLogger
+
+if TYPE_CHECKING:  # annotations only: the model and the loop import the callbacks
+    from meshfit._loop import TrainingLoop
+    from meshfit._model import Model
 
 
 def _overrides(callback: Callback, hook: str) -> bool:
@@ -64,7 +68,7 @@ class CallbackList:
         callbacks: Callback | Iterable[Callback] | None = None,
         add_history: bool = False,
         add_progbar: bool = False,
-        model: Any = None,
+        model: Model | None = None,
         **params: Any,
     ) -> None:
         if callbacks is None:
@@ -116,7 +120,7 @@ class CallbackList:
         # so that what they save includes the others' updates for that step or epoch.
         self.callbacks.sort(key=lambda c: bool(getattr(c, "run_last", False)))
 
-    def set_model(self, model: Any) -> None:
+    def set_model(self, model: Model) -> None:
         """Calls `set_model` on every callback."""
         self.model = model
         for callback in self.callbacks:
@@ -128,7 +132,7 @@ class CallbackList:
         for callback in self.callbacks:
             callback.set_params(self.params)
 
-    def set_loop(self, loop: Any) -> None:
+    def set_loop(self, loop: TrainingLoop) -> None:
         """Calls `set_loop` on every callback."""
         for callback in self.callbacks:
             callback.set_loop(loop)

@@ -10,6 +10,7 @@ from typing import Any, TextIO
 
 # Set by `meshfit launch` for its workers when its own stdout is a terminal: the launcher passes
 # carriage returns through, so a worker's bar may redraw in place although its stdout is a pipe.
+from meshfit._protocols import DistributionStrategy
 from meshfit._supervisor import FORWARDED_TERMINAL_ENV
 from meshfit._validation import finite_float
 from meshfit.callbacks._callback import Callback, _to_float
@@ -401,7 +402,7 @@ class ProgbarLogger(Callback):
 _announced: set[str] = set()
 
 
-def announce_quiet_worker(strategy: Any, verbose: Any) -> None:
+def announce_quiet_worker(strategy: DistributionStrategy, verbose: Any) -> None:
     """On a worker that is not the chief, say once per process that it trains and where logs are.
 
     Keras prints nothing on such a worker; started by hand in its own terminal (the tutorial's way)
