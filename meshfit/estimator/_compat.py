@@ -6,7 +6,6 @@ that ``fit`` runs on.
 
 from meshfit._evaluation import evaluate as evaluation_loop
 from meshfit._loop import TrainingLoop
-from meshfit._step_logs import agree
 from meshfit.callbacks._checkpoint_saver import CheckpointSaver, SavePolicy
 
-__all__ = ["CheckpointSaver", "SavePolicy", "TrainingLoop", "agree", "evaluation_loop"]
+__all__ = ["CheckpointSaver", "SavePolicy", "TrainingLoop", "evaluation_loop"]

@@ -66,10 +66,17 @@ def is_finite(data: DataHandler) -> bool:
 
 
 def restore_for_inference(trainable: Any, path: str) -> int:
-    """Load the module weights of checkpoint ``path`` into ``trainable``; returns its global step."""
+    """Load the module weights of checkpoint ``path`` into ``trainable``; returns its global step.
+
+    Under a strategy with several replicas they all read it together; otherwise this process reads
+    it alone (an evaluator, or one worker evaluating by itself).
+    """
     from meshfit.estimator._trainable import ModulesState
+    from meshfit.estimator._variables import load_modules
     from meshfit.train import Checkpoint
 
+    if trainable.strategy.num_replicas_in_sync == 1:
+        return load_modules(path, trainable.caller.modules)
     step = _GlobalStep()
     Checkpoint(model=ModulesState(trainable.caller.modules), loop=step).restore(path)
     return step.value

@@ -15,7 +15,7 @@ import torch
 
 from meshfit.estimator._compat import TrainingLoop
 from meshfit.estimator._data import input_data, is_finite, restore_for_inference
-from meshfit.estimator._hooks import LoggingTensorHook, SessionRunHook, StepCounterHook, log
+from meshfit.estimator._hooks import LoggingTensorHook, SessionRunHook, StepCounterHook, StopAtStepHook, log
 from meshfit.estimator._model_fn import ModelFnCaller, verify_model_fn
 from meshfit.estimator._run_config import RunConfig
 from meshfit.estimator._run_hooks import HookCallback, RunState
@@ -193,10 +193,7 @@ class Estimator:
                 return self
             all_hooks = [*hooks, *trainable.spec_hooks]
             user_saver = next((h for h in all_hooks if isinstance(h, CheckpointSaverHook)), None)
-            # Hooks may differ between workers (and request a stop on one only): agreeing at every step
-            # keeps the workers' collectives in step and stops them all after the same step.
-            hook_callback = HookCallback([*all_hooks, *self._default_hooks(is_chief)], session,
-                                         agree_on_stop=strategy.num_replicas_in_sync > 1)
+            hook_callback = HookCallback([*all_hooks, *self._default_hooks(is_chief)], session)
             callbacks.append(hook_callback)
             saver_hook = user_saver or self._saver_hook(saving_listeners)
             if saver_hook is not None:
@@ -205,6 +202,9 @@ class Estimator:
             if restored and is_chief:
                 log(f"Restoring parameters from {restored}")
             until = self._until_step(data, global_step, steps, max_steps)
+            for hook in all_hooks:  # TF's max_steps is a StopAtStepHook: stop exactly there on every replica
+                if isinstance(hook, StopAtStepHook):
+                    until = min(until, hook.last_step if hook.last_step is not None else global_step + hook.num_steps)
             loop.run(until_step=until, initial_epoch=loop.counters.epoch)
             if is_chief and "loss" in trainable.step_values:
                 log(f"Loss for final step: {float(self._final_loss(trainable)):.7g}.")
@@ -306,8 +306,10 @@ class Estimator:
         Runs in this process alone, on the latest checkpoint (fresh weights, with a warning, when
         there is none, as TF does). Dict predictions yield ``{key: numpy array}`` per example.
         """
+        from meshfit.distribute import OneDeviceStrategy
+
         hooks = _check_hooks(hooks)
-        strategy = self._eval_strategy()
+        strategy = OneDeviceStrategy(self._train_strategy().device)  # TF's predict is not distributed
         data = input_data(self, input_fn, ModeKeys.PREDICT, strategy)
         trainable = EstimatorModel(self._caller, ModeKeys.PREDICT, strategy)
         self._seed_before_first_build()

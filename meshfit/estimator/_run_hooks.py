@@ -2,8 +2,9 @@
 
 TF's session-run protocol maps onto the loop's events: ``begin`` and ``after_create_session`` at
 train begin (the model is built and restored by then), ``before_run``/``after_run`` around each
-step, ``end`` at train end. A hook's ``request_stop`` is agreed across replicas at once, so every
-worker stops after the same step.
+step, ``end`` at train end. A hook's ``request_stop`` reaches the other replicas through the loop's
+per-step reduction, so every worker stops after the same step (with several replicas, the step after
+the request; `StopAtStepHook` and ``max_steps`` stop exactly where they say).
 """
 
 from __future__ import annotations
@@ -36,12 +37,6 @@ class RunState:
     def strategy(self) -> Any:
         return self.trainable.strategy
 
-    def agree(self, flag: bool) -> bool:
-        """True on every replica when ``flag`` is true on any (collective)."""
-        from meshfit.estimator._compat import agree
-
-        return agree(self.trainable, flag)
-
 
 class HookCallback(Callback):
     """Calls ``hooks`` around the loop's training (or evaluation, or prediction) steps.
@@ -49,15 +44,13 @@ class HookCallback(Callback):
     Args:
         hooks: the `SessionRunHook`s, in order.
         session: the `RunState` they see.
-        agree_on_stop: share a stop request with the other replicas at each step (one small
-            all-reduce), so that all stop after the same step; the same value on every replica.
     """
 
     reads_batch_logs = True
 
-    def __init__(self, hooks: list[Any], session: RunState, agree_on_stop: bool = False) -> None:
+    def __init__(self, hooks: list[Any], session: RunState) -> None:
         super().__init__()
-        self.hooks, self.session, self.agree_on_stop = list(hooks), session, agree_on_stop
+        self.hooks, self.session = list(hooks), session
         self._context: SessionRunContext | None = None
         self._args: list[Any] = []
 
@@ -99,12 +92,8 @@ class HookCallback(Callback):
         self._before()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        stop = self._after(logs)
-        trainable = self.session.trainable
-        if self.agree_on_stop:
-            stop = self.session.agree(stop)
-        if stop:
-            trainable.stop_training = True
+        if self._after(logs):
+            self.session.trainable.stop_training = True
 
     def on_test_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         self._before()

@@ -66,3 +66,28 @@ def variable_value(path: str, name: str) -> np.ndarray:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load({key: tensor}, storage_reader=_storage.SafeFileSystemReader(path), no_dist=True)
     return tensor.numpy()
+
+
+def load_modules(path: str, modules: dict[str, torch.nn.Module]) -> int:
+    """Load ``modules``' weights from checkpoint ``path`` in this process alone; returns its global step.
+
+    Not collective: an evaluator, or one worker evaluating by itself, reads a checkpoint while the
+    others do something else.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    from meshfit.train import _storage
+
+    stored = _metadata(path)
+    destinations: dict[str, torch.Tensor] = {}
+    for name, module in modules.items():
+        for key, value in module.state_dict(keep_vars=False).items():
+            dcp_key = f"{_MODEL}{name}/{key}"
+            if dcp_key not in stored:
+                raise ValueError(f"Checkpoint {path!r} has no {name}/{key}: model_fn must build the same modules as "
+                                 "the run that saved it.")
+            destinations[dcp_key] = value
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(destinations, storage_reader=_storage.SafeFileSystemReader(path), no_dist=True)
+    return _global_step(path)

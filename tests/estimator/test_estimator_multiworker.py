@@ -49,13 +49,14 @@ def test_seed_001_program_on_two_workers_over_tf_config(tmp_path):
         "model.ckpt-0", "model.ckpt-4", "model.ckpt-8"]
 
 
-def _train_replicated(rank: int, world: int, model_dir: str) -> dict:
+def _regression(world: int):
+    """A linear regression whose input_fn shards by InputContext; 8 examples per step in all."""
     import meshfit as mf
-    from meshfit.estimator import Estimator, EstimatorSpec, RunConfig, once
+    from meshfit.estimator import EstimatorSpec, ModeKeys, once
 
     x = np.random.default_rng(0).normal(size=(48, 3)).astype(np.float32)
     y = (x @ np.array([1.0, -2.0, 0.5], np.float32)).reshape(-1, 1)
-    batch = 8 // world  # the per-replica batch: 8 examples per step in all
+    batch = 8 // world  # the per-replica batch
 
     def input_fn(mode, input_context=None):
         ds = mf.data.Dataset.from_tensor_slices((x, y))
@@ -66,15 +67,46 @@ def _train_replicated(rank: int, world: int, model_dir: str) -> dict:
     def model_fn(features, labels, mode):
         model = once(lambda: torch.nn.Linear(3, 1))
         loss = ((model(features) - labels) ** 2).sum() * (1.0 / batch)  # the seed's loss: sum / per-replica batch
+        if mode == ModeKeys.EVAL:
+            return EstimatorSpec(mode, loss=loss)
         optimizer = once(lambda: mf.optimizers.SGD(learning_rate=0.05))
         return EstimatorSpec(mode, loss=loss, train_op=optimizer.minimize(loss))
 
+    return input_fn, model_fn
+
+
+def _train_replicated(rank: int, world: int, model_dir: str) -> dict:
+    import meshfit as mf
+    from meshfit.estimator import Estimator, RunConfig
+
+    input_fn, model_fn = _regression(world)
     strategy = mf.MultiWorkerMirroredStrategy()
     config = RunConfig(train_distribute=strategy, tf_random_seed=0, save_checkpoints_steps=3,
                        log_step_count_steps=None)
     estimator = Estimator(model_fn, model_dir=model_dir, config=config)
     estimator.train(input_fn)
     return {name: estimator.get_variable_value(name) for name in estimator.get_variable_names()}
+
+
+def _stop_and_evaluate(rank: int, world: int, model_dir: str) -> dict:
+    import torch.distributed as dist
+
+    import meshfit as mf
+    from meshfit.estimator import Estimator, RunConfig, StopAtStepHook
+
+    input_fn, model_fn = _regression(world)
+    strategy = mf.MultiWorkerMirroredStrategy()
+    config = RunConfig(train_distribute=strategy, eval_distribute=strategy, tf_random_seed=0,
+                       save_checkpoints_steps=100, log_step_count_steps=None)
+    estimator = Estimator(model_fn, model_dir=model_dir, config=config)
+    estimator.train(input_fn, hooks=[StopAtStepHook(last_step=4)])
+    distributed = estimator.evaluate(input_fn)  # both replicas, each on its shard, reduced
+    local = None
+    if rank == 0:  # one worker evaluating by itself: no collective, so no hang
+        alone = Estimator(model_fn, model_dir=model_dir, config=config.replace(eval_distribute=None))
+        local = alone.evaluate(input_fn)
+    dist.barrier()
+    return {"step": estimator.latest_checkpoint().rsplit("-", 1)[1], "distributed": distributed, "local": local}
 
 
 def test_two_replicas_train_as_one_process_on_the_global_batch(tmp_path):
@@ -84,6 +116,14 @@ def test_two_replicas_train_as_one_process_on_the_global_batch(tmp_path):
     for name in single:
         np.testing.assert_allclose(both[0][name], single[name], rtol=1e-5, atol=1e-6, err_msg=name)
         np.testing.assert_array_equal(both[0][name], both[1][name])
+
+
+def test_stop_at_step_and_distributed_or_lone_evaluation_on_two_replicas(tmp_path):
+    results = run_distributed(_stop_and_evaluate, world_size=2, args=(str(tmp_path / "model"),), timeout=240)
+    assert [r["step"] for r in results] == ["4", "4"]
+    assert results[0]["distributed"] == results[1]["distributed"]
+    assert results[0]["distributed"]["global_step"] == results[0]["local"]["global_step"] == 4
+    assert results[0]["distributed"]["loss"] == pytest.approx(results[0]["local"]["loss"], rel=1e-6)
 
 
 def _evaluations(model_dir: str) -> list[tuple[int, str]]:

@@ -204,3 +204,27 @@ def test_train_and_evaluate_needs_checkpoints_locally(tmp_path):
     with pytest.raises(ValueError, match="saves none"):
         mf.estimator.train_and_evaluate(estimator, mf.estimator.TrainSpec(input_fn, max_steps=2),
                                         mf.estimator.EvalSpec(finite_input_fn))
+
+
+def test_keep_checkpoint_max_zero_keeps_all_and_a_users_saver_hook_replaces_the_default(tmp_path):
+    estimator = _estimator(tmp_path / "all", save_checkpoints_steps=2, keep_checkpoint_max=0)
+    estimator.train(input_fn, max_steps=8)
+    assert sorted(n for n in os.listdir(tmp_path / "all") if n.startswith("model.ckpt-")) == [
+        f"model.ckpt-{s}" for s in (0, 2, 4, 6, 8)]
+
+    class Listener(mf.estimator.CheckpointSaverListener):
+        def __init__(self):
+            self.saved = []
+
+        def after_save(self, session, global_step_value):
+            self.saved.append(global_step_value)
+            return global_step_value >= 6  # a listener may stop training
+
+    listener = Listener()
+    estimator = _estimator(tmp_path / "model", save_checkpoints_steps=1)
+    hook = mf.estimator.CheckpointSaverHook(str(tmp_path / "mine"), save_steps=3, listeners=[listener])
+    estimator.train(input_fn, max_steps=20, hooks=[hook])
+    assert listener.saved == [0, 3, 6]
+    assert sorted(os.listdir(tmp_path / "mine")) == ["checkpoint", "model.ckpt-0", "model.ckpt-3", "model.ckpt-6"]
+    assert not os.path.exists(tmp_path / "model") or not any(
+        n.startswith("model.ckpt-") for n in os.listdir(tmp_path / "model"))
