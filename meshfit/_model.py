@@ -14,7 +14,7 @@ from meshfit._evaluation import evaluate as run_evaluation
 from meshfit._evaluation import predict as run_prediction
 from meshfit._loop import TrainingLoop, resolve_verbose
 from meshfit._state import LoopState
-from meshfit._validation import non_negative_int
+from meshfit._validation import check_bool, non_negative_int
 from meshfit.callbacks._callback_list import CallbackList
 from meshfit.callbacks._progbar import announce_quiet_worker
 from meshfit.data._structure import batch_size_of, unpack_batch
@@ -61,6 +61,7 @@ class Model:
         self.strategy = get_strategy()
         self.optimizer: _optimizers.Optimizer | None = None
         self.loss: Any = None
+        self.jit_compile = False
         self.stop_training = False
         self.history: Any = None
         self._metric_identifiers: list[Any] = []
@@ -72,15 +73,22 @@ class Model:
         self._input_example: Any = None  # one example of the batch built on, for summary()'s shapes
 
     # ---- compile -------------------------------------------------------------------------
-    def compile(self, optimizer: Any = "rmsprop", loss: Any = None, metrics: list[Any] | None = None) -> None:
-        """Configure training: optimizer, loss and metrics (strings, meshfit or torch objects)."""
+    def compile(self, optimizer: Any = "rmsprop", loss: Any = None, metrics: list[Any] | None = None,
+                jit_compile: bool = False) -> None:
+        """Configure training: optimizer, loss and metrics (strings, meshfit or torch objects).
+
+        ``jit_compile=True`` (Keras's name) compiles the module with ``torch.compile`` when it is
+        placed for training: fewer Python dispatches and fused kernels per step, after a one-off
+        compilation at the first step.
+        """
+        check_bool("jit_compile", jit_compile)
         # Resolve everything first: a failed compile leaves the model as it was.
         resolved_optimizer = _optimizers.get(optimizer)
         resolved_loss = _resolve_loss.get(loss) if loss is not None else None
         if metrics is not None and not isinstance(metrics, (list, tuple)):
             raise TypeError(f"Invalid `metrics`: expected a list such as ['accuracy'], received metrics={metrics!r}.")
         compiled_metrics = [_metrics.get(m, loss=resolved_loss) for m in metrics or []]
-        self.optimizer, self.loss = resolved_optimizer, resolved_loss
+        self.optimizer, self.loss, self.jit_compile = resolved_optimizer, resolved_loss, jit_compile
         self._metric_identifiers, self._compiled_metrics = list(metrics or []), compiled_metrics
         self._compile_config = {
             "optimizer": _optimizers.serialize(self.optimizer),
@@ -88,7 +96,7 @@ class Model:
             "metrics": [m for m in self._metric_identifiers if isinstance(m, str)],
         }
         if self.optimizer.built and self._train_module is None:
-            self._train_module = self.strategy.setup_module(self.module)
+            self._train_module = self.strategy.setup_module(self.module, jit_compile=jit_compile)
 
     @property
     def compiled(self) -> bool:
@@ -134,7 +142,7 @@ class Model:
                     self.module.eval()
                     self.module(self.strategy.distribute_batch(sample_x))
                 self.module.train(was_training)
-            self._train_module = self.strategy.setup_module(self.module)
+            self._train_module = self.strategy.setup_module(self.module, jit_compile=self.jit_compile)
         if self.optimizer is not None and not self.optimizer.built:  # also: compiled again after fit
             self.optimizer.build(self.module.parameters())
 

@@ -50,7 +50,7 @@ resource_tracker.ensure_running()
 
 
 # Set by pytest itself, or by torch on first use of inductor-backed ops: not the test's doing.
-_ENV_SET_BY_TOOLS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
+_ENV_SET_BY_TOOLS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"}
 
 
 @pytest.fixture(autouse=True)

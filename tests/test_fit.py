@@ -324,3 +324,23 @@ def test_keras_style_train_step_override_returns_logs(digits):
     model.compile("sgd", mf.losses.SparseCategoricalCrossentropy(from_logits=True))
     history = model.fit(x[:64], y[:64], batch_size=32, epochs=2, verbose=0)
     assert len(history.history["my_loss"]) == 2
+
+
+def _train_small(jit_compile: bool) -> tuple[list[np.ndarray], mf.Model]:
+    torch.manual_seed(0)
+    (x, y), _ = mf.datasets.load_digits()
+    model = mf.Model(nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10)))
+    model.compile(mf.optimizers.Adam(learning_rate=0.01), mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=jit_compile)
+    model.fit(x[:256], y[:256], batch_size=32, epochs=2, shuffle=False, verbose=0)
+    return model.get_weights(), model
+
+
+def test_jit_compile_trains_a_compiled_module_to_the_eager_weights():
+    eager, _ = _train_small(False)
+    jitted, model = _train_small(True)
+    assert isinstance(model._train_module, torch._dynamo.eval_frame.OptimizedModule)
+    for a, b in zip(eager, jitted, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    with pytest.raises(TypeError, match="jit_compile"):
+        model.compile("sgd", "mse", jit_compile="yes")

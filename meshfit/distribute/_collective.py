@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from meshfit.distribute._failure import FailureState
 from meshfit.distribute._gradient_weight import GradientWeight, weighted_allreduce_hook
 from meshfit.distribute._heartbeat import Heartbeat
-from meshfit.distribute._strategy import Strategy
+from meshfit.distribute._strategy import Strategy, compiled
 from meshfit.distribute._values import CommunicationImplementation, CommunicationOptions
 
 _COMMUNICATION_HINTS = ("gloo", "nccl", "connection", "closed by peer", "timed out", "timeout",
@@ -149,13 +150,12 @@ class CollectiveStrategy(Strategy):
             dist.barrier()
 
     # ---- placement ---------------------------------------------------------------------------
-    def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Move ``module`` to this replica's device and wrap it in DDP with a batch-weighting hook."""
-        module = module.to(self._device)
+    def setup_module(self, module: torch.nn.Module, jit_compile: bool = False) -> torch.nn.Module:
+        """Move ``module`` to this replica's device, compile it if asked, wrap it in DDP with a
+        batch-weighting hook."""
+        module = compiled(module.to(self._device), jit_compile)
         if not self._distributed or not any(p.requires_grad for p in module.parameters()):
             return module
-        from torch.nn.parallel import DistributedDataParallel
-
         device_ids = [self._device.index] if self._device.type == "cuda" else None
         wrapped = DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True)
         wrapped.register_comm_hook(self._gradient_weight, weighted_allreduce_hook)

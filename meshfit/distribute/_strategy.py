@@ -102,14 +102,15 @@ class Strategy:
         """Wait until every replica reaches this point."""
 
     # ---- placement: the one place that decides where modules and batches live ------------
-    def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
+    def setup_module(self, module: torch.nn.Module, jit_compile: bool = False) -> torch.nn.Module:
         """Place ``module`` for training; returns the module to run the training forward through.
 
         The order of module transforms lives here, once: layouts (a mesh strategy replaces
-        parameters), then DDP (distributed strategies). Call it before building the optimizer: a
-        layout replaces parameters, and an optimizer built earlier would hold stale ones.
+        parameters), then ``torch.compile`` when ``jit_compile``, then DDP (distributed strategies).
+        Call it before building the optimizer: a layout replaces parameters, and an optimizer built
+        earlier would hold stale ones. The module's own parameters stay the ones trained.
         """
-        return module.to(self.device)
+        return compiled(module.to(self.device), jit_compile)
 
     def distribute_batch(self, batch: Any) -> Any:
         """This replica's batch placed for its module: tensors on the device, float64 as the default dtype."""
@@ -211,3 +212,8 @@ def _reduce_op(op: ReduceOp | str) -> ReduceOp:
     if isinstance(op, str) and op.upper() in ReduceOp.__members__:
         return ReduceOp[op.upper()]
     raise ValueError(f"Invalid `reduce_op`: expected ReduceOp.SUM or ReduceOp.MEAN, received {op!r}.")
+
+
+def compiled(module: torch.nn.Module, jit_compile: bool) -> torch.nn.Module:
+    """``module`` compiled with ``torch.compile`` when asked (it shares the module's parameters)."""
+    return torch.compile(module) if jit_compile else module
