@@ -79,7 +79,8 @@ def main() -> None:
         return clock.per(steps)
 
     module = copy.deepcopy(base)
-    config = mf.estimator.RunConfig(save_checkpoints_steps=None, save_checkpoints_secs=None, log_step_count_steps=None)
+    config = mf.estimator.RunConfig(save_checkpoints_steps=None, save_checkpoints_secs=None, log_step_count_steps=None,
+                                    save_summary_steps=None)
     estimator = mf.estimator.Estimator(model_fn, model_dir=tempfile.mkdtemp(prefix="bench_estimator_"), config=config,
                                        params={"module": module, "optimizer": mf.optimizers.SGD(learning_rate=0.01)})
 

@@ -211,10 +211,18 @@ class Estimator:
         return self
 
     def _default_hooks(self, is_chief: bool) -> list[SessionRunHook]:
-        every = self._config.log_step_count_steps
-        if not is_chief or not every:
+        """The chief's step logs and TensorBoard summaries, as TF's Estimator adds them."""
+        from meshfit.estimator._summaries import SummaryHook
+
+        if not is_chief:
             return []
-        return [LoggingTensorHook({"loss": "loss", "step": "step"}, every_n_iter=every), StepCounterHook(every)]
+        hooks: list[SessionRunHook] = []
+        every = self._config.log_step_count_steps
+        if every:
+            hooks += [LoggingTensorHook({"loss": "loss", "step": "step"}, every_n_iter=every), StepCounterHook(every)]
+        if self._config.save_summary_steps:
+            hooks.append(SummaryHook(self.model_dir, self._config.save_summary_steps))
+        return hooks
 
     def _saver_hook(self, listeners: list[Any] | None) -> CheckpointSaverHook | None:
         config = self._config

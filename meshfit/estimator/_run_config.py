@@ -34,7 +34,8 @@ class RunConfig:
         model_dir: where checkpoints and summaries go (the `Estimator`'s ``model_dir`` wins).
         tf_random_seed: seeds torch, numpy and Python's ``random`` before ``model_fn`` first builds
             modules, so weights start the same in every run (None: leave the streams alone).
-        save_summary_steps: write ``loss`` to TensorBoard (``model_dir``) every this many steps.
+        save_summary_steps: the chief writes ``loss`` and ``global_step/sec`` to TensorBoard event
+            files in ``model_dir`` every this many steps (None or 0: none).
         save_checkpoints_steps: checkpoint every this many global steps.
         save_checkpoints_secs: checkpoint every this many seconds (default 600 when neither is
             given). Both None: no periodic checkpoints (one is still written when training ends).

@@ -169,3 +169,12 @@ def test_a_worker_killed_during_train_and_evaluate_restarts_and_the_evaluator_re
         assert os.path.basename(path) == f"model.ckpt-{step}"
     kept = sorted(n for n in os.listdir(model_dir) if n.startswith("model.ckpt-"))
     assert kept == ["model.ckpt-7", "model.ckpt-8"]
+
+
+def test_mirrored_strategy_from_a_plain_python_process(tmp_path):
+    code, out = finish(start([os.path.join(ROOT, "tests", "scripts", "estimator_mirrored.py"), str(tmp_path / "m")],
+                             child_env()), timeout=300)
+    assert code == 0, out
+    lines = sorted(re.findall(r"replica (\d) of 2: step (\d+) weight (.*)", out))
+    assert [(r, s) for r, s, _ in lines] == [("0", "6"), ("1", "6")], out  # 48 examples, 2 x 4 per step
+    assert lines[0][2] == lines[1][2]

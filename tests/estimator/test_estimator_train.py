@@ -146,10 +146,16 @@ def test_max_steps_below_the_global_step_returns_at_once(tmp_path, capfd):
         estimator.train(input_fn, steps=0)
 
 
-def test_stop_at_step_hook_and_log_lines(tmp_path, capfd):
-    estimator = _estimator(tmp_path, save_checkpoints_steps=100, log_step_count_steps=2)
+def test_stop_at_step_hook_log_lines_and_summaries(tmp_path, capfd):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    estimator = _estimator(tmp_path, save_checkpoints_steps=100, log_step_count_steps=2, save_summary_steps=3)
     estimator.train(input_fn, hooks=[StopAtStepHook(last_step=7)])
     assert estimator.latest_checkpoint().endswith("model.ckpt-7")
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [3, 6]
+    assert [e.step for e in events.Scalars("global_step/sec")] == [3, 6]
     err = capfd.readouterr().err
     assert "loss = " in err and ", step = 0" in err and ", step = 6 (" in err and "global_step/sec: " in err
     assert "Saving checkpoints for 0 into" in err and "Saving checkpoints for 7 into" in err
