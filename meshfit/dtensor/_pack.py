@@ -80,6 +80,19 @@ def copy_to_mesh(tensor: Any, layout: Layout) -> Any:
     return distribute_tensor(tensor, layout.mesh.device_mesh, list(layout.placements), src_data_rank=None)
 
 
+def local_rows(tensor: Any) -> torch.Tensor:
+    """This process's rows of a DTensor: split over its mesh's ``batch`` axis, whole along the others."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = tensor.device_mesh
+    names = mesh.mesh_dim_names or ()
+    placements = [Shard(0) if name == "batch" and tensor.dim() > 0 else Replicate() for name in names] \
+        or [Replicate()] * mesh.ndim
+    if tuple(tensor.placements) != tuple(placements):
+        tensor = tensor.redistribute(mesh, placements)
+    return tensor.to_local()
+
+
 def to_layout(tensor: Any, layout: Layout) -> Any:
     """A DTensor moved to ``layout`` (collectives as needed)."""
     return tensor.redistribute(layout.mesh.device_mesh, list(layout.placements))

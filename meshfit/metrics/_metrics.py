@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshfit.losses import _losses
 from meshfit.losses import _resolve as _resolve_loss
@@ -14,6 +15,10 @@ from meshfit.losses._losses import _snake_case, _squeeze_or_expand
 
 
 def _as_tensor(value: Any) -> torch.Tensor:
+    if isinstance(value, DTensor):  # a mesh's tensor: this process's rows (reduced over `batch` in result())
+        from meshfit.dtensor._pack import local_rows
+
+        value = local_rows(value)
     return value.detach() if isinstance(value, torch.Tensor) else torch.as_tensor(value)
 
 
@@ -25,13 +30,16 @@ class Metric:
 
     Args:
         name: The metric's name in logs; defaults to the snake-case class name.
+        mesh: a `meshfit.dtensor.Mesh` (as DTensor Keras metrics take): DTensor inputs count by this
+            process's rows, and `result()` sums the states over the mesh's ``batch`` axis.
     """
 
-    def __init__(self, name: str | None = None) -> None:
+    def __init__(self, name: str | None = None, mesh: Any = None) -> None:
         if name is not None and not isinstance(name, str):
             raise TypeError(f"Invalid `name`: expected a str, received name={name!r}.")
         self.name = name or _snake_case(type(self).__name__)
         self._states: dict[str, torch.Tensor] = {}
+        self.mesh = _check_mesh(mesh)
 
     def add_state(self, name: str, shape: tuple[int, ...] = ()) -> None:
         """Declare a float64 CPU accumulator that starts at zero."""
@@ -59,8 +67,13 @@ class Metric:
         raise NotImplementedError(f"{type(self).__name__} must implement `result_from`.")
 
     def result(self) -> torch.Tensor:
-        """The metric's value for this replica's states."""
-        return self.result_from(self.state_tensors())
+        """The metric's value for this replica's states (over the mesh's ``batch`` axis with ``mesh``)."""
+        states = self.state_tensors()
+        if self.mesh is not None and states:
+            flat = self.mesh.strategy.all_reduce_sum(torch.cat([t.reshape(-1) for t in states]))
+            states = tuple(part.reshape(t.shape) for part, t in
+                           zip(flat.split([t.numel() for t in states]), states, strict=True))
+        return self.result_from(states)
 
     def reset_state(self) -> None:
         """Zero the accumulators."""
@@ -96,6 +109,16 @@ class Metric:
         return f"{type(self).__name__}(name={self.name!r})"
 
 
+def _check_mesh(mesh: Any) -> Any:
+    if mesh is None:
+        return None
+    from meshfit.dtensor import Mesh
+
+    if not isinstance(mesh, Mesh) or mesh._strategy is None:
+        raise TypeError(f"Invalid `mesh`: expected a mesh from meshfit.dtensor.create_mesh, received mesh={mesh!r}.")
+    return mesh
+
+
 class Mean(Metric):
     """The (weighted) mean of the values it is given.
 
@@ -111,8 +134,8 @@ class Mean(Metric):
         2.5
     """
 
-    def __init__(self, name: str = "mean") -> None:
-        super().__init__(name)
+    def __init__(self, name: str = "mean", mesh: Any = None) -> None:
+        super().__init__(name, mesh)
         self.add_state("total")
         self.add_state("count")
 
@@ -165,11 +188,11 @@ class MeanMetricWrapper(Mean):
         **kwargs: Passed to `fn`.
     """
 
-    def __init__(self, fn: Callable[..., Any], name: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, fn: Callable[..., Any], name: str | None = None, mesh: Any = None, **kwargs: Any) -> None:
         if not callable(fn):
             raise TypeError(f"Invalid `fn`: expected a callable, received fn={fn!r}.")
         fn_name = getattr(fn, "__name__", "")
-        super().__init__(name or (fn_name if fn_name.isidentifier() else "metric"))
+        super().__init__(name or (fn_name if fn_name.isidentifier() else "metric"), mesh)
         self._fn = fn
         self._fn_kwargs = kwargs
 
@@ -226,15 +249,15 @@ class SparseCategoricalAccuracy(MeanMetricWrapper):
         0.5
     """
 
-    def __init__(self, name: str = "sparse_categorical_accuracy") -> None:
-        super().__init__(sparse_categorical_accuracy, name)
+    def __init__(self, name: str = "sparse_categorical_accuracy", mesh: Any = None) -> None:
+        super().__init__(sparse_categorical_accuracy, name, mesh)
 
 
 class CategoricalAccuracy(MeanMetricWrapper):
     """How often the arg-max of `y_pred` equals the arg-max of one-hot `y_true`."""
 
-    def __init__(self, name: str = "categorical_accuracy") -> None:
-        super().__init__(categorical_accuracy, name)
+    def __init__(self, name: str = "categorical_accuracy", mesh: Any = None) -> None:
+        super().__init__(categorical_accuracy, name, mesh)
 
 
 class BinaryAccuracy(MeanMetricWrapper):

@@ -223,6 +223,8 @@ class SGD(Optimizer):
         momentum: Momentum in `[0, 1)`.
         nesterov: Whether to use Nesterov momentum (needs `momentum > 0`).
         weight_decay: L2 penalty, or `None`.
+        mesh: a `meshfit.dtensor.Mesh`, as DTensor Keras optimizers take (the state of a DTensor
+            parameter has its layout either way).
     """
 
     torch_class = torch.optim.SGD
@@ -234,8 +236,11 @@ class SGD(Optimizer):
         momentum: float = 0.0,
         nesterov: bool = False,
         weight_decay: float | None = None,
+        *,
+        mesh: Any = None,
     ) -> None:
         super().__init__(learning_rate)
+        self.mesh = _check_mesh(mesh)
         self.momentum = _check_number("momentum", momentum, _UNIT)
         self.nesterov = _check_bool("nesterov", nesterov)
         if nesterov and momentum == 0:
@@ -253,6 +258,8 @@ class Adam(Optimizer):
         epsilon: Positive constant for numerical stability.
         amsgrad: Whether to use the AMSGrad variant.
         weight_decay: L2 penalty, or `None`.
+        mesh: a `meshfit.dtensor.Mesh`, as DTensor Keras optimizers take (the state of a DTensor
+            parameter has its layout either way).
     """
 
     torch_class: type[torch.optim.Optimizer] = torch.optim.Adam
@@ -266,8 +273,11 @@ class Adam(Optimizer):
         epsilon: float = 1e-7,
         amsgrad: bool = False,
         weight_decay: float | None = None,
+        *,
+        mesh: Any = None,
     ) -> None:
         super().__init__(learning_rate)
+        self.mesh = _check_mesh(mesh)
         self.beta_1 = _check_number("beta_1", beta_1, _UNIT)
         self.beta_2 = _check_number("beta_2", beta_2, _UNIT)
         self.epsilon = _check_number("epsilon", epsilon, _POSITIVE)
@@ -391,6 +401,17 @@ class TorchOptimizer(Optimizer):
 
     def __repr__(self) -> str:
         return f"TorchOptimizer({type(self._torch_optimizer).__name__})"
+
+
+def _check_mesh(mesh: Any) -> Any:
+    """DTensor Keras optimizers take the mesh; here the state takes each parameter's layout by itself."""
+    if mesh is None:
+        return None
+    from meshfit.dtensor import Mesh
+
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"Invalid `mesh`: expected a meshfit.dtensor.Mesh, received mesh={mesh!r}.")
+    return mesh
 
 
 def _place_state_like_params(optimizer: torch.optim.Optimizer) -> None:
