@@ -30,6 +30,7 @@ from torch import nn
 from meshfit.data._structure import map_structure
 from meshfit.distribute._collective import CollectiveStrategy
 from meshfit.distribute._gradient_weight import GradientWeight, weighted_allreduce_hook
+from meshfit.distribute._strategy import compiled
 from meshfit.distribute._values import InputContext
 from meshfit.dtensor._apply import apply_layouts, attach_layout, resolve_layouts
 from meshfit.dtensor._layout import Layout
@@ -132,8 +133,8 @@ class MeshStrategy(CollectiveStrategy):
         return [gathered[int(r)] for r in ranks[:, 0].tolist()]
 
     # ---- placement -------------------------------------------------------------------------
-    def setup_module(self, module: nn.Module) -> nn.Module:
-        """Lay out ``module``'s parameters; replicated-only layouts take DDP's bucketed path."""
+    def setup_module(self, module: nn.Module, jit_compile: bool = False) -> nn.Module:
+        """Lay out ``module``'s parameters, compile if asked; replicated-only layouts take DDP's bucketed path."""
         module = module.to(self._device)
         layout_map = self.layout_map if self.layout_map is not None else LayoutMap(self.mesh)
         layouts = resolve_layouts(module, layout_map)
@@ -141,10 +142,11 @@ class MeshStrategy(CollectiveStrategy):
             self._sharded = True
             apply_layouts(module, layout_map)
             _Boundary(self).install(module)
-            return module
+            return compiled(module, jit_compile)
         for path, param in module.named_parameters():
             attach_layout(param, layouts[path])
         self._broadcast_from_rank0(module)
+        module = compiled(module, jit_compile)
         if self.num_replicas_in_sync == 1 or not any(p.requires_grad for p in module.parameters()):
             return module
         from torch.nn.parallel import DistributedDataParallel
