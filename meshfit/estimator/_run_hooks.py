@@ -46,11 +46,11 @@ class HookCallback(Callback):
         session: the `RunState` they see.
     """
 
-    reads_batch_logs = True
-
     def __init__(self, hooks: list[Any], session: RunState) -> None:
         super().__init__()
         self.hooks, self.session = list(hooks), session
+        # The loop reduces the step's loss over replicas only when a hook may fetch it.
+        self.reads_batch_logs = bool(self.hooks)
         self._context: SessionRunContext | None = None
         self._args: list[Any] = []
 
@@ -89,10 +89,11 @@ class HookCallback(Callback):
         return context.stop_requested
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
-        self._before()
+        if self.hooks:
+            self._before()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        if self._after(logs):
+        if self.hooks and self._after(logs):
             self.session.trainable.stop_training = True
 
     def on_test_batch_begin(self, batch: int, logs: dict | None = None) -> None:

@@ -86,7 +86,7 @@ def run_train_op(train_op: Any, loss: torch.Tensor, params: list[torch.Tensor], 
     if loss.grad_fn is None:
         raise ValueError("Invalid `loss`: it does not depend on any trainable parameter (no gradient); compute it "
                          "from the module's output in model_fn.")
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=False)  # reuse the gradient buffers: no per-step allocation
     loss.backward()
     average_gradients(params, strategy)
     optimizer.step()
