@@ -84,6 +84,9 @@ class Estimator:
             config = RunConfig()
         if not isinstance(config, RunConfig):
             raise TypeError(f"Invalid `config`: expected an mf.estimator.RunConfig, received {config!r}.")
+        if warm_start_from is not None:
+            raise ValueError(f"Invalid `warm_start_from`: warm starting is not supported yet, received "
+                             f"warm_start_from={warm_start_from!r}. Copy the weights into the module instead.")
         args = verify_model_fn(model_fn, params)
         if model_dir is not None:
             model_dir = os.fspath(model_dir)

@@ -9,6 +9,8 @@ import os
 import time
 from typing import Any
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from meshfit._io import atomic_write_json
 from meshfit.estimator._hooks import log
 from meshfit.estimator._saver_hook import CheckpointSaverListener
@@ -127,8 +129,12 @@ def _run_evaluator(estimator: Any, train_spec: TrainSpec, eval_spec: EvalSpec) -
                 result = estimator.evaluate(eval_spec.input_fn, steps=eval_spec.steps, hooks=list(eval_spec.hooks),
                                             checkpoint_path=latest, name=eval_spec.name)
                 evaluated = latest
-            except (FileNotFoundError, ValueError) as error:  # pruned while we read: take the next one
-                log(f"Checkpoint {latest} disappeared while it was evaluated ({error}); looking again.")
+            except (Exception, CheckpointException) as error:
+                if os.path.exists(latest):
+                    raise
+                # Pruned (keep_checkpoint_max) while it was read: the next look finds a newer one.
+                log(f"Checkpoint {latest} was deleted while it was evaluated ({type(error).__name__}); "
+                    "looking again.")
                 continue
             step = result["global_step"]
             if train_spec.max_steps is not None and step >= train_spec.max_steps:
