@@ -13,14 +13,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshfit.estimator._compat import TrainingLoop
+from meshfit.callbacks import CallbackList
+from meshfit.distribute import OneDeviceStrategy, get_strategy
+from meshfit.estimator._compat import TrainingLoop, evaluation_loop
 from meshfit.estimator._data import input_data, is_finite, restore_for_inference
 from meshfit.estimator._hooks import LoggingTensorHook, SessionRunHook, StepCounterHook, StopAtStepHook, log
 from meshfit.estimator._model_fn import ModelFnCaller, verify_model_fn
+from meshfit.estimator._outputs import Callbacks, examples
 from meshfit.estimator._run_config import RunConfig
 from meshfit.estimator._run_hooks import HookCallback, RunState
 from meshfit.estimator._saver_hook import CHECKPOINT_NAME, CheckpointSaverHook
 from meshfit.estimator._spec import ModeKeys
+from meshfit.estimator._summaries import SummaryHook, write_eval_summary
 from meshfit.estimator._trainable import EstimatorModel
 from meshfit.estimator._variables import variable_names, variable_value
 
@@ -141,14 +145,10 @@ class Estimator:
 
     # ---- strategies -------------------------------------------------------------------------
     def _train_strategy(self) -> Any:
-        from meshfit.distribute import get_strategy
-
         return self._config.train_distribute or get_strategy()
 
     def _eval_strategy(self) -> Any:
         """``eval_distribute``, else this process alone (TF evaluates without a strategy)."""
-        from meshfit.distribute import OneDeviceStrategy
-
         if self._config.eval_distribute is not None:
             return self._config.eval_distribute
         return OneDeviceStrategy(self._train_strategy().device)
@@ -176,47 +176,50 @@ class Estimator:
         _check_train_steps(steps, max_steps)
         hooks = _check_hooks(hooks)
         strategy = self._train_strategy()
-        is_chief = self._config.is_chief
         with strategy.guard():
             data = input_data(self, input_fn, ModeKeys.TRAIN, strategy)
-            trainable = EstimatorModel(self._caller, ModeKeys.TRAIN, strategy)
-            self._seed_before_first_build()
-            trainable.build(data.peek())
-            from meshfit.callbacks import CallbackList
-
-            callbacks = CallbackList()
-            loop = TrainingLoop(trainable, data, callbacks)
-            session = RunState(trainable, loop, is_chief=is_chief)
-            self._caller.step_source = lambda: loop.counters.iterations
-            restored = self._restore_training_state(loop)
-            global_step = loop.counters.iterations
-            if max_steps is not None and global_step >= max_steps:
-                log(f"Skipping training since max_steps has already saved (global step {global_step} >= "
-                    f"max_steps {max_steps}).")
-                return self
-            all_hooks = [*hooks, *trainable.spec_hooks]
-            user_saver = next((h for h in all_hooks if isinstance(h, CheckpointSaverHook)), None)
-            hook_callback = HookCallback([*all_hooks, *self._default_hooks(is_chief)], session)
-            callbacks.append(hook_callback)
-            saver_hook = user_saver or self._saver_hook(saving_listeners)
-            if saver_hook is not None:
-                callbacks.append(saver_hook.saver(session))
-            callbacks.set_loop(loop)
-            if restored and is_chief:
-                log(f"Restoring parameters from {restored}")
-            until = self._until_step(data, global_step, steps, max_steps)
-            for hook in all_hooks:  # TF's max_steps is a StopAtStepHook: stop exactly there on every replica
-                if isinstance(hook, StopAtStepHook):
-                    until = min(until, hook.last_step if hook.last_step is not None else global_step + hook.num_steps)
-            loop.run(until_step=until, initial_epoch=loop.counters.epoch)
-            if is_chief and "loss" in trainable.step_values:
-                log(f"Loss for final step: {float(self._final_loss(trainable)):.7g}.")
+            try:
+                self._train(data, strategy, hooks, steps, max_steps, saving_listeners)
+            finally:
+                data.close()
         return self
+
+    def _train(self, data: Any, strategy: Any, hooks: list[SessionRunHook], steps: int | None,
+               max_steps: int | None, saving_listeners: list[Any] | None) -> None:
+        is_chief = self._config.is_chief
+        trainable = EstimatorModel(self._caller, ModeKeys.TRAIN, strategy)
+        self._seed_before_first_build()
+        trainable.build(data.peek())
+        callbacks = CallbackList()
+        loop = TrainingLoop(trainable, data, callbacks)
+        session = RunState(trainable, loop, is_chief=is_chief)
+        self._caller.step_source = lambda: loop.counters.iterations
+        restored = self._restore_training_state(loop)
+        global_step = loop.counters.iterations
+        if max_steps is not None and global_step >= max_steps:
+            log(f"Skipping training since max_steps has already saved (global step {global_step} >= "
+                f"max_steps {max_steps}).")
+            return
+        all_hooks = [*hooks, *trainable.spec_hooks]
+        user_saver = next((h for h in all_hooks if isinstance(h, CheckpointSaverHook)), None)
+        hook_callback = HookCallback([*all_hooks, *self._default_hooks(is_chief)], session)
+        callbacks.append(hook_callback)
+        saver_hook = user_saver or self._saver_hook(saving_listeners)
+        if saver_hook is not None:
+            callbacks.append(saver_hook.saver(session))
+        callbacks.set_loop(loop)
+        if restored and is_chief:
+            log(f"Restoring parameters from {restored}")
+        until = self._until_step(data, global_step, steps, max_steps)
+        for hook in all_hooks:  # TF's max_steps is a StopAtStepHook: stop exactly there on every replica
+            if isinstance(hook, StopAtStepHook):
+                until = min(until, hook.last_step if hook.last_step is not None else global_step + hook.num_steps)
+        loop.run(until_step=until, initial_epoch=loop.counters.epoch)
+        if is_chief and "loss" in trainable.step_values:
+            log(f"Loss for final step: {float(self._final_loss(trainable)):.7g}.")
 
     def _default_hooks(self, is_chief: bool) -> list[SessionRunHook]:
         """The chief's step logs and TensorBoard summaries, as TF's Estimator adds them."""
-        from meshfit.estimator._summaries import SummaryHook
-
         if not is_chief:
             return []
         hooks: list[SessionRunHook] = []
@@ -274,8 +277,6 @@ class Estimator:
         Raises:
             ValueError: there is no checkpoint to evaluate, or ``steps`` is not positive.
         """
-        from meshfit.estimator._compat import evaluation_loop
-
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0):
             raise ValueError(f"Invalid `steps`: expected a positive int or None, received steps={steps!r}.")
         hooks = _check_hooks(hooks)
@@ -295,7 +296,7 @@ class Estimator:
                 log(f"Starting evaluation at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}")
             hook_callback.start()
             try:
-                logs = evaluation_loop(trainable, data, _Callbacks([hook_callback]))
+                logs = evaluation_loop(trainable, data, Callbacks([hook_callback]))
             finally:
                 data.close()
             hook_callback.finish()
@@ -303,8 +304,6 @@ class Estimator:
         if writes:
             text = ", ".join(f"{k} = {v:.7g}" if isinstance(v, float) else f"{k} = {v}" for k, v in sorted(results.items()))
             log(f"Saving dict for global step {global_step}: {text}")
-            from meshfit.estimator._summaries import write_eval_summary
-
             write_eval_summary(self.model_dir, name, results, path)
         return results
 
@@ -317,8 +316,6 @@ class Estimator:
         Runs in this process alone, on the latest checkpoint (fresh weights, with a warning, when
         there is none, as TF does). Dict predictions yield ``{key: numpy array}`` per example.
         """
-        from meshfit.distribute import OneDeviceStrategy
-
         hooks = _check_hooks(hooks)
         strategy = OneDeviceStrategy(self._train_strategy().device)  # TF's predict is not distributed
         data = input_data(self, input_fn, ModeKeys.PREDICT, strategy)
@@ -343,47 +340,9 @@ class Estimator:
                 with torch.no_grad():
                     out = trainable.predict_step(strategy.distribute_batch(batch))
                 hook_callback.on_predict_batch_end(step)
-                yield from _examples(out, predict_keys, yield_single_examples)
+                yield from examples(out, predict_keys, yield_single_examples)
         finally:
             module.train(was_training)
             data.close()
         hook_callback.finish()
 
-
-class _Callbacks:
-    """The few CallbackList events the evaluation loop sends, for one `HookCallback`."""
-
-    def __init__(self, callbacks: list[Any]) -> None:
-        self.callbacks = callbacks
-
-    def __getattr__(self, name: str) -> Any:
-        def fan_out(*args: Any, **kwargs: Any) -> None:
-            for callback in self.callbacks:
-                getattr(callback, name)(*args, **kwargs)
-
-        return fan_out
-
-
-def _examples(out: Any, keys: list[str] | None, single: bool) -> Iterator[Any]:
-    if isinstance(out, dict):
-        if keys is not None:
-            missing = sorted(set(keys) - set(out))
-            if missing:
-                raise ValueError(f"Invalid `predict_keys`: {missing} are not in the predictions {sorted(out)}.")
-            out = {k: out[k] for k in keys}
-        arrays = {k: v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v) for k, v in out.items()}
-        if not single:
-            yield arrays
-            return
-        sizes = {len(v) for v in arrays.values()}
-        if len(sizes) != 1:
-            raise ValueError(f"The predictions' first dimensions differ ({sorted(sizes)}); use "
-                             "yield_single_examples=False.")
-        for i in range(sizes.pop()):
-            yield {k: v[i] for k, v in arrays.items()}
-        return
-    array = out.detach().cpu().numpy() if isinstance(out, torch.Tensor) else np.asarray(out)
-    if not single:
-        yield array
-        return
-    yield from array
