@@ -3,7 +3,9 @@
 A scaled-down seed CNN (20x20 images, 16 channels: a 2.5 MB gradient, still far above glibc's
 initial mmap threshold) trains in a subprocess started as a user starts it -- no malloc variables,
 nothing tuned -- and reports its minor faults per step over the epochs after the first.
-For reference, measured here on 2026-11-23: 800-1300 faults/step by default, 0.1 with
+Which allocations fault is luck of the allocation pattern, so three processes must all stay under
+the bound. Measured here on 2026-11-23: before a310978 (gradients zeroed in place) 800-1300
+faults/step; after it, 0.03 in one run of three and 550-1260 in the other two; 0.1 with
 MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ set (which the test does not do).
 """
 
@@ -16,6 +18,7 @@ import pytest
 from _procs import ROOT, child_env, finish, start
 
 BOUND = 10  # faults per step after warm-up; the tuned allocator measures ~0.1
+RUNS = 3
 
 
 def _default_env() -> dict[str, str]:
@@ -26,15 +29,18 @@ def _default_env() -> dict[str, str]:
     return env
 
 
-@pytest.mark.xfail(strict=False, reason="issue 11 goal 1: fit frees and re-faults its gradients every step "
-                                        "(800-1300 minor faults/step on this model by default); the loop owner fixes it")
+@pytest.mark.xfail(strict=False, reason="issue 11 goal 1: after a310978 (gradients zeroed in place) fit still "
+                                        "takes 550-1260 minor faults/step in 2 of 3 default processes on this model")
 def test_fit_takes_almost_no_page_faults_per_step_after_warmup():
-    proc = start([os.path.join(ROOT, "tests", "scripts", "fit_page_faults.py"), "--steps", "20", "--epochs", "3"],
-                 _default_env())
-    code, out = finish(proc, timeout=240)
-    assert code == 0, out
-    result = json.loads(out.strip().splitlines()[-1])
-    assert result["warmup_faults_per_step"] > 0, result  # the counter counts
-    assert result["faults_per_step"] < BOUND, (
-        f"fit took {result['faults_per_step']:.1f} minor page faults per step after warm-up "
-        f"(bound {BOUND}; gradient {result['gradient_mb']:.1f} MB)")
+    script = os.path.join(ROOT, "tests", "scripts", "fit_page_faults.py")
+    procs = [start([script, "--steps", "20", "--epochs", "3"], _default_env()) for _ in range(RUNS)]
+    results = []
+    for proc in procs:
+        code, out = finish(proc, timeout=300)
+        assert code == 0, out
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert all(r["warmup_faults_per_step"] > 0 for r in results), results  # the counter counts
+    per_step = [round(r["faults_per_step"], 1) for r in results]
+    assert max(per_step) < BOUND, (
+        f"fit took {per_step} minor page faults per step after warm-up in {RUNS} default processes "
+        f"(bound {BOUND}; gradient {results[0]['gradient_mb']:.1f} MB)")
