@@ -160,7 +160,11 @@ def _has_custom_behaviour(module: nn.Module) -> bool:
     lazy_hook = getattr(module, "_initialize_hook", None)  # an uninitialized lazy layer's own hook
     if lazy_hook is not None:
         pre_hooks.pop(lazy_hook.id, None)
-    hooks = (module._forward_hooks, pre_hooks, module._backward_hooks, module._state_dict_hooks)
+    forward_hooks = dict(module._forward_hooks)
+    for table in (pre_hooks, forward_hooks):  # a strategy's placement hooks (mf.dtensor) change no math
+        for key in [k for k, hook in table.items() if getattr(hook, "meshfit_placement", False)]:
+            del table[key]
+    hooks = (forward_hooks, pre_hooks, module._backward_hooks, module._state_dict_hooks)
     return any(hooks) or "forward" in vars(module)
 
 

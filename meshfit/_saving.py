@@ -18,6 +18,7 @@ import json
 import os
 from typing import Any
 
+import torch
 from torch import nn
 
 from meshfit._architecture import module_from_config, module_to_config
@@ -48,6 +49,32 @@ def _chief_writes(model: Any, write: Any) -> None:
             raise error
 
 
+def _laid_out_like(value: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+    """A full tensor split like ``current`` when that is a DTensor (a mesh's layouts), else itself."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(current, DTensor):
+        return value
+    return distribute_tensor(value.to(current.dtype), current.device_mesh, current.placements, src_data_rank=None)
+
+
+def _gathered(value: Any) -> Any:
+    """``value`` with every DTensor in it replaced by its full tensor (collective; others unchanged)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    if isinstance(value, dict):
+        gathered = type(value)((k, _gathered(v)) for k, v in value.items()) if type(value) is not dict \
+            else {k: _gathered(v) for k, v in value.items()}
+        if hasattr(value, "_metadata"):
+            gathered._metadata = value._metadata  # type: ignore[attr-defined]
+        return gathered
+    if isinstance(value, (list, tuple)):
+        return type(value)(_gathered(v) for v in value)
+    return value
+
+
 def save_model(model: Any, filepath: str | os.PathLike) -> None:
     path = os.fspath(filepath)
     if path.endswith(".keras"):  # one zip file holding this directory's files (meshfit._keras_archive)
@@ -59,6 +86,12 @@ def save_model(model: Any, filepath: str | os.PathLike) -> None:
         raise ValueError(f"Cannot save {path!r}: the module still has lazy, uninitialised parameters. "
                          "Call fit, evaluate or predict (or model.build(sample_x)) first.")
 
+    # Sharded (DTensor) weights and optimizer state are gathered to full tensors on every process
+    # (a collective) before the chief writes them: the files hold plain, full tensors.
+    weights = _gathered(module.state_dict())
+    optimizer = model.optimizer
+    optimizer_state = _gathered(optimizer.state_dict()) if optimizer is not None and optimizer.built else None
+
     def write() -> None:
         config: dict[str, Any] = {
             "format": FORMAT,
@@ -69,10 +102,9 @@ def save_model(model: Any, filepath: str | os.PathLike) -> None:
             "optimizer_state": None,
         }
         with atomic_directory(path) as tmp:
-            save_state_dict(os.path.join(tmp, "model.safetensors"), module.state_dict())
-            optimizer = model.optimizer
-            if optimizer is not None and optimizer.built:
-                tensors, meta = flatten_optimizer_state(optimizer.state_dict())
+            save_state_dict(os.path.join(tmp, "model.safetensors"), weights)
+            if optimizer_state is not None:
+                tensors, meta = flatten_optimizer_state(optimizer_state)
                 save_state_dict(os.path.join(tmp, "optimizer.safetensors"), tensors)
                 config["optimizer_state"] = meta
             atomic_write_json(os.path.join(tmp, "config.json"), config)
@@ -84,9 +116,11 @@ def save_weights(model: Any, filepath: str | os.PathLike) -> None:
     path = os.fspath(filepath)
     parent = os.path.dirname(os.path.abspath(path))
 
+    weights = _gathered(model.module.state_dict())
+
     def write() -> None:
         os.makedirs(parent, exist_ok=True)
-        save_state_dict(path, model.module.state_dict())
+        save_state_dict(path, weights)
 
     _chief_writes(model, write)
 
@@ -99,7 +133,9 @@ def load_weights(model: Any, filepath: str | os.PathLike) -> None:
         return load_archive_weights(model, path)
     if os.path.isdir(path):
         path = os.path.join(path, "model.safetensors")
-    model.module.load_state_dict(load_state_dict_file(path))
+    state = load_state_dict_file(path)
+    current = model.module.state_dict()
+    model.module.load_state_dict({k: _laid_out_like(v, current[k]) if k in current else v for k, v in state.items()})
 
 
 def _read_config(path: str) -> dict[str, Any]:
@@ -158,7 +194,7 @@ def load_model(filepath: str | os.PathLike, module: nn.Module | None = None, com
                       loss=_resolve_loss.deserialize(compile_config["loss"]),
                       metrics=compile_config.get("metrics") or None)
         if config.get("optimizer_state") is not None:
-            model.optimizer.build(model.module.parameters())
+            model.build(None)  # place the module first (a mesh's layouts replace parameters), then the optimizer
             tensors = load_state_dict_file(os.path.join(path, "optimizer.safetensors"))
             model.optimizer.load_state_dict(unflatten_optimizer_state(tensors, config["optimizer_state"]))
     return model

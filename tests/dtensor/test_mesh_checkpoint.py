@@ -100,3 +100,68 @@ def test_backup_from_2x2_continues_on_the_same_mesh(backup, uninterrupted, tmp_p
     for weights, iterations, epochs_run, state_type, _ in results:
         assert iterations == 2 * STEPS_PER_EPOCH and epochs_run == 2 and state_type == "DTensor"
         assert _close(weights, uninterrupted)
+
+
+def _train_and_save(mesh_dims, path):
+    import meshfit as mf
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    mesh = mf.dtensor.create_mesh(mesh_dims)
+    with _layouts(mf, mesh).scope():
+        model = mf.Model(module)
+        model.compile(optimizer=mf.optimizers.Adam(0.01),
+                      loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data()
+    model.fit(x, y, batch_size=BATCH, epochs=1, steps_per_epoch=STEPS_PER_EPOCH, shuffle=False, verbose=0)
+    model.save(path)  # every process calls it; the files hold full tensors
+    return model.get_weights()
+
+
+def _layouts(mf, mesh):
+    layout_map = mf.dtensor.LayoutMap(mesh)
+    layout_map[r"^0\.weight$"] = mf.dtensor.Layout(["model", mf.dtensor.UNSHARDED], mesh)
+    layout_map[r"^0\.bias$"] = mf.dtensor.Layout(["model"], mesh)
+    layout_map[r"^2\.weight$"] = mf.dtensor.Layout([mf.dtensor.UNSHARDED, "model"], mesh)
+    return layout_map
+
+
+def _load_on_model_mesh(rank, world, path):
+    from torch.distributed.tensor import DTensor
+
+    import meshfit as mf
+
+    mesh = mf.dtensor.create_mesh([("model", 2)])
+    with _layouts(mf, mesh).scope():
+        model = mf.load_model(path)
+    first = model.module[0].weight
+    state = model.optimizer.torch_optimizer.state[first]
+    x, y = _data()
+    model.fit(x, y, batch_size=BATCH, epochs=1, steps_per_epoch=2, shuffle=False, verbose=0)
+    return (isinstance(first, DTensor), tuple(first.to_local().shape), first.layout.to_string(),
+            type(state["exp_avg"]).__name__, model.optimizer.iterations)
+
+
+def test_model_save_writes_full_tensors_and_load_model_reshards_them(tmp_path):
+    import safetensors.torch
+
+    path = str(tmp_path / "saved")
+    saved = run_distributed(_save_on_2x2, world_size=4, args=(path,), timeout=300)[0]
+    plain = safetensors.torch.load_file(str(tmp_path / "saved" / "model.safetensors"))  # plain torch reads it
+    plain = [plain[key] for key in ("0.weight", "0.bias", "2.weight", "2.bias")]
+    assert [tuple(t.shape) for t in plain] == [(16, 8), (16,), (4, 16), (4,)]
+    for tensor, weight in zip(plain, saved, strict=True):
+        np.testing.assert_array_equal(tensor.numpy(), weight)
+    for is_dtensor, local_shape, layout, state_type, iterations in run_distributed(
+            _load_on_model_mesh, world_size=2, args=(path,), timeout=300):
+        assert is_dtensor and local_shape == (8, 8) and layout == "sharding_specs:model,unsharded, mesh:|model=2|cpu"
+        assert state_type == "DTensor" and iterations == STEPS_PER_EPOCH + 2  # saved optimizer state, resharded
+    import meshfit as mf
+
+    alone = mf.load_model(path)  # one plain process
+    for got, weight in zip(alone.get_weights(), saved, strict=True):
+        np.testing.assert_array_equal(got, weight)
+
+
+def _save_on_2x2(rank, world, path):
+    return _train_and_save([("batch", 2), ("model", 2)], path)
