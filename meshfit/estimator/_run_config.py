@@ -146,6 +146,15 @@ class RunConfig:
         resolver = self._resolver()
         return resolver.world_size if resolver is not None else 1
 
+    @property
+    def cluster_spec(self) -> dict[str, list[str | None]]:
+        """The cluster's jobs ``{"chief"|"worker"|"evaluator": [addresses]}`` (empty when alone)."""
+        resolver = self._resolver()
+        if resolver is None:
+            return {}
+        spec = resolver.cluster_spec()
+        return dict(spec.as_dict() if hasattr(spec, "as_dict") else spec)
+
     def __repr__(self) -> str:
         fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
         return f"RunConfig({fields})"

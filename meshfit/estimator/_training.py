@@ -52,7 +52,7 @@ class _EvaluateAfterSave(CheckpointSaverListener):
 def train_and_evaluate(estimator: Any, train_spec: TrainSpec, eval_spec: EvalSpec) -> tuple[dict | None, list]:
     """Train and evaluate ``estimator`` as ``tf.estimator.train_and_evaluate`` does.
 
-    Locally (no cluster in ``TF_CONFIG``): one ``train`` that evaluates after each checkpoint
+    Locally (one training task and no evaluator task): one ``train`` that evaluates after each checkpoint
     (at most every ``throttle_secs``) and once at the end. On a cluster: the chief and workers
     train (the chief writes the checkpoints); the ``evaluator`` task evaluates each new complete
     checkpoint, waiting ``start_delay_secs`` first and ``throttle_secs`` between evaluations, and
@@ -70,8 +70,8 @@ def train_and_evaluate(estimator: Any, train_spec: TrainSpec, eval_spec: EvalSpe
     config = estimator.config
     if config.task_type == "evaluator":
         return _run_evaluator(estimator, train_spec, eval_spec), []
-    if config.num_worker_replicas > 1:
-        return _run_worker(estimator, train_spec), []
+    if config.num_worker_replicas > 1 or "evaluator" in config.cluster_spec:
+        return _run_worker(estimator, train_spec), []  # a cluster: the evaluator task evaluates
     config_text = (f"save_checkpoints_steps {config.save_checkpoints_steps} or save_checkpoints_secs "
                    f"{config.save_checkpoints_secs}")
     if config.save_checkpoints_steps is None and config.save_checkpoints_secs is None:

@@ -71,9 +71,16 @@ def test_run_config_reads_the_role_from_tf_config(monkeypatch):
                                                 "task": {"type": "worker", "index": 1}}))
     config = RunConfig()
     assert (config.task_type, config.task_id, config.is_chief, config.num_worker_replicas) == ("worker", 1, False, 2)
+    assert config.cluster_spec == {"worker": ["a:1", "b:2"], "evaluator": ["c:3"]}
     monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["a:1", "b:2"], "evaluator": ["c:3"]},
                                                 "task": {"type": "evaluator", "index": 0}}))
     assert RunConfig().task_type == "evaluator"
+
+
+def test_run_config_alone_has_no_cluster(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    config = RunConfig()
+    assert (config.task_type, config.is_chief, config.num_worker_replicas, config.cluster_spec) == ("worker", True, 1, {})
 
 
 def test_estimator_spec_requires_what_each_mode_needs():
