@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from meshfit._allocator import keep_freed_memory
 from meshfit._exit_codes import PREEMPTED_EXIT_CODE
 from meshfit._preemption import PreemptionWatch
 from meshfit._protocols import CallbackListLike, Stateful, Trainable
@@ -104,6 +105,7 @@ class TrainingLoop:
         """
         if epochs is None and until_step is None:
             raise ValueError("TrainingLoop.run needs `epochs` or `until_step`; received neither.")
+        keep_freed_memory()  # no page-fault tax on the tensors every step re-allocates
         trainable, cbs, counters = self.trainable, self.callbacks, self.counters
         counters.epoch, counters.step = initial_epoch, 0
         trainable.stop_training = False

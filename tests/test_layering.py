@@ -1,0 +1,107 @@
+"""The shape of the package: no import cycles, lazy imports only where they buy start-up time, small modules."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "meshfit")
+# Public subpackages loaded on first use because they import heavy parts of torch (DCP, DTensor).
+LAZY_SUBPACKAGES = ("meshfit.train", "meshfit.dtensor", "meshfit.estimator")
+MAX_LINES = 400
+
+
+def _modules() -> dict[str, str]:
+    found = {}
+    for folder, _, files in os.walk(ROOT):
+        for file in files:
+            if file.endswith(".py"):
+                path = os.path.join(folder, file)
+                rel = os.path.relpath(path, os.path.dirname(ROOT))[:-3].replace(os.sep, ".")
+                found[rel.removesuffix(".__init__")] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _target(name: str) -> str | None:
+    """The meshfit module an import statement names (a package's attribute import counts as the package)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(path: str) -> tuple[set[str], set[str]]:
+    """(module-level targets, function-level targets) of a file; TYPE_CHECKING blocks are skipped."""
+    tree = ast.parse(open(path).read())
+    top: set[str] = set()
+    nested: set[str] = set()
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            names: list[str] = []
+            if isinstance(child, ast.Import):
+                names = [alias.name for alias in child.names]
+            elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                names = [f"{child.module}.{alias.name}" for alias in child.names]
+            for name in names:
+                target = _target(name) if name.startswith("meshfit") else None
+                if target:
+                    (nested if inner else top).add(target)
+            visit(child, inner)
+
+    visit(tree, False)
+    return top, nested
+
+
+GRAPH = {name: _imports(path) for name, path in MODULES.items()}
+
+
+def _is_lazy(target: str) -> bool:
+    return any(target == lazy or target.startswith(lazy + ".") for lazy in LAZY_SUBPACKAGES)
+
+
+def test_no_import_cycles_between_meshfit_modules():
+    # Edges: every import except a package's own re-exports of its children (``__init__`` -> child)
+    # and lazily loaded public subpackages.
+    edges = {name: {t for t in top | nested if t != name and not _is_lazy(t)
+                    and not (t.startswith(name + ".") and MODULES[name].endswith("__init__.py"))}
+             for name, (top, nested) in GRAPH.items()}
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def walk(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                walk(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for name in sorted(edges):
+        if name not in state:
+            walk(name)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_function_local_imports_only_for_lazy_subpackages():
+    offenders = sorted(f"{name} imports {target} inside a function"
+                       for name, (_, nested) in GRAPH.items() for target in nested if not _is_lazy(target))
+    assert not offenders, "\n".join(offenders)
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_module_is_small(name):
+    with open(MODULES[name]) as f:
+        lines = sum(1 for _ in f)
+    assert lines <= MAX_LINES, f"{name} has {lines} lines (limit {MAX_LINES}): split it by concept"
