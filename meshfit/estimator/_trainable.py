@@ -154,6 +154,10 @@ class EstimatorModel:
 
     def build(self, sample: Any) -> None:
         """Call ``model_fn`` on the first batch: builds (or finds) its modules and optimizer, then places them."""
+        if getattr(self.strategy, "layout_map", None) is not None:
+            raise ValueError("Invalid `train_distribute`: a mesh strategy with a LayoutMap (layout_map.scope()) is not "
+                             "supported by the Estimator yet: its modules would train replicated, not laid out. Use "
+                             "the mesh without a LayoutMap, or MultiWorkerMirroredStrategy.")
         features, labels = split_features_labels(sample)
         with torch.no_grad():
             spec = self.caller(features, labels, self.mode)

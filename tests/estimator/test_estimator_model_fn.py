@@ -130,3 +130,15 @@ def test_unsupported_input_fn_results_are_errors(tmp_path):
         estimator.train(lambda: (torch.zeros(2, 4), torch.zeros(2)), steps=1)
     with pytest.raises(TypeError, match="Invalid `x`"):
         estimator.train(lambda: 42, steps=1)
+
+
+def test_a_layout_map_is_refused_rather_than_ignored(tmp_path):
+    class LaidOut(mf.OneDeviceStrategy):
+        layout_map = object()  # what layout_map.scope() sets on a mesh strategy
+
+    def model_fn(features, labels, mode):
+        return _spec(once(lambda: nn.Linear(4, 2)), features, labels, mode)
+
+    estimator = Estimator(model_fn, model_dir=tmp_path, config=RunConfig(train_distribute=LaidOut("cpu")))
+    with pytest.raises(ValueError, match="LayoutMap.*not supported by the Estimator yet"):
+        estimator.train(input_fn, steps=1)
