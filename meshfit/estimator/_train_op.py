@@ -86,30 +86,42 @@ def run_train_op(train_op: Any, loss: torch.Tensor, params: list[torch.Tensor], 
     if loss.grad_fn is None:
         raise ValueError("Invalid `loss`: it does not depend on any trainable parameter (no gradient); compute it "
                          "from the module's output in model_fn.")
-    optimizer.zero_grad(set_to_none=False)  # reuse the gradient buffers: no per-step allocation
+    optimizer.zero_grad(set_to_none=True)  # a parameter the loss does not use keeps no gradient (not zeros)
     loss.backward()
     average_gradients(params, strategy)
     optimizer.step()
 
 
 def average_gradients(params: list[torch.Tensor], strategy: Any) -> None:
-    """Replace each gradient by its mean over the replicas (one flat all-reduce per dtype)."""
+    """Replace each gradient by its mean over the replicas (one flat all-reduce per dtype).
+
+    A parameter without a gradient on some replicas counts as zero there; one without a gradient
+    on every replica keeps none, so the optimizer leaves it alone, as in one process.
+    """
     replicas = strategy.num_replicas_in_sync
     if replicas == 1:
         return
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for p in params:
-        if p.grad is None:  # every replica must reduce the same layout
-            p.grad = torch.zeros_like(p)
-        groups.setdefault((p.grad.dtype, p.grad.device), []).append(p)
-    for group in groups.values():
-        flat = torch.cat([p.grad.reshape(-1) for p in group])
+        groups.setdefault((p.dtype, p.device), []).append(p)
+    for (dtype, device), group in groups.items():
+        present = torch.tensor([float(p.grad is not None) for p in group], dtype=dtype, device=device)
+        flat = torch.cat([*(p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=dtype,
+                                                                                      device=device) for p in group),
+                          present])
         strategy.all_reduce_sum(flat)
-        flat.div_(replicas)
+        counts = flat[-len(group):].tolist()
+        flat = flat[:-len(group)].div_(replicas)
         offset = 0
-        for p in group:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+        for p, count in zip(group, counts, strict=True):
+            value = flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
+            if count == 0:
+                p.grad = None
+            elif p.grad is None:
+                p.grad = value.clone()
+            else:
+                p.grad.copy_(value)
 
 
 def get_global_step() -> torch.Tensor | None:

@@ -49,6 +49,17 @@ def test_seed_001_program_on_two_workers_over_tf_config(tmp_path):
         "model.ckpt-0", "model.ckpt-4", "model.ckpt-8"]
 
 
+class _WithUnused(torch.nn.Module):
+    """A regression whose second layer is never used: it must get no gradient (and no weight decay)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
 def _regression(world: int):
     """A linear regression whose input_fn shards by InputContext; 8 examples per step in all."""
     import meshfit as mf
@@ -65,11 +76,11 @@ def _regression(world: int):
         return ds.batch(batch)
 
     def model_fn(features, labels, mode):
-        model = once(lambda: torch.nn.Linear(3, 1))
+        model = once(_WithUnused)
         loss = ((model(features) - labels) ** 2).sum() * (1.0 / batch)  # the seed's loss: sum / per-replica batch
         if mode == ModeKeys.EVAL:
             return EstimatorSpec(mode, loss=loss)
-        optimizer = once(lambda: mf.optimizers.SGD(learning_rate=0.05))
+        optimizer = once(lambda: mf.optimizers.SGD(learning_rate=0.05, weight_decay=0.1))
         return EstimatorSpec(mode, loss=loss, train_op=optimizer.minimize(loss))
 
     return input_fn, model_fn
@@ -113,6 +124,10 @@ def test_two_replicas_train_as_one_process_on_the_global_batch(tmp_path):
     single = run_distributed(_train_replicated, world_size=1, args=(str(tmp_path / "one"),), timeout=240)[0]
     both = run_distributed(_train_replicated, world_size=2, args=(str(tmp_path / "two"),), timeout=240)
     assert int(single["global_step"]) == 6 and int(both[0]["global_step"]) == 6
+    # the unused layer got no gradient anywhere, so weight decay never touched it (it would, given zeros)
+    torch.manual_seed(0)
+    initial = _WithUnused()
+    np.testing.assert_array_equal(both[0]["unused.weight"], initial.unused.weight.detach().numpy())
     for name in single:
         np.testing.assert_allclose(both[0][name], single[name], rtol=1e-5, atol=1e-6, err_msg=name)
         np.testing.assert_array_equal(both[0][name], both[1][name])
