@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
 import torch
 from torch import nn
 
+import meshfit as mf
 from meshfit.optimizers import (
     SGD,
     Adagrad,
@@ -194,3 +196,33 @@ def test_serialize_round_trip_through_json():
     assert type(get(serialize("adamw"))) is AdamW
     with pytest.raises(ValueError, match=r"received class_name='Nadam'"):
         deserialize({"class_name": "Nadam", "config": {}})
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "rmsprop", "adagrad", "adamw"])
+def test_optimizers_use_the_foreach_update_and_match_the_per_parameter_one_bitwise(name):
+    def train(foreach: bool | None):
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+        if foreach:
+            optimizer = mf.optimizers.get(name)
+            optimizer.build(module.parameters())
+            assert optimizer.torch_optimizer.defaults["foreach"] is True
+            step, zero = optimizer.step, optimizer.zero_grad
+        else:
+            config = mf.optimizers.get(name)
+            config.build(torch.nn.Linear(1, 1).parameters())
+            torch_class = type(config.torch_optimizer)
+            accepted = inspect.signature(torch_class.__init__).parameters
+            defaults = {k: v for k, v in config.torch_optimizer.defaults.items() if k in accepted and k != "foreach"}
+            torch_optimizer = torch_class(module.parameters(), **defaults, foreach=False)
+            step, zero = torch_optimizer.step, torch_optimizer.zero_grad
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            x, y = torch.randn(4, 8, generator=generator), torch.randint(0, 3, (4,), generator=generator)
+            zero()
+            torch.nn.functional.cross_entropy(module(x), y).backward()
+            step()
+        return [p.detach() for p in module.parameters()]
+
+    for a, b in zip(train(True), train(None), strict=True):
+        assert torch.equal(a, b)
