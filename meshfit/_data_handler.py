@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from meshfit._fit_arguments import batch_and_shuffle
 from meshfit._protocols import DistributionStrategy
 from meshfit.data._dataset import Dataset
 from meshfit.data._options import AutoShardPolicy
@@ -84,7 +85,7 @@ class DataHandler:
         x, y, sample_weight: the user's input, as ``Model.fit`` takes it.
         batch_size: global batch size for array inputs (default 32).
         steps: steps per epoch (``steps_per_epoch``/``steps``); required for infinite data.
-        shuffle: shuffle array inputs every epoch.
+        shuffle: shuffle array inputs every epoch (``"batch"``: whole batches).
         strategy: the strategy whose replica this is.
         argument: the name of the steps argument, for error messages.
     """
@@ -130,9 +131,8 @@ class DataHandler:
                 raise ValueError(f"Invalid input: x, y and sample_weight must have the same number of samples, "
                                  f"received lengths {sorted(lengths)}.")
             dataset = Dataset.from_tensor_slices(parts if len(parts) > 1 else parts[0])
-            if shuffle:
-                dataset = dataset.shuffle(lengths.pop())
-            return self.strategy.experimental_distribute_dataset(dataset.batch(batch_size or 32))
+            dataset = batch_and_shuffle(dataset, lengths.pop(), batch_size or 32, shuffle)
+            return self.strategy.experimental_distribute_dataset(dataset)
         if x is None:
             raise ValueError("Invalid `x`: expected input data (a meshfit Dataset, arrays or a torch "
                              "Dataset/DataLoader), received x=None.")
@@ -142,10 +142,8 @@ class DataHandler:
         if hasattr(x, "__getitem__") and hasattr(x, "__len__"):
             if y is not None:
                 raise ValueError("Invalid `y`: a torch Dataset yields (x, y) pairs itself; pass y=None.")
-            dataset = Dataset(TorchMapDataset(x))
-            if shuffle:
-                dataset = dataset.shuffle(len(x))
-            return self.strategy.experimental_distribute_dataset(dataset.batch(batch_size or 32))
+            dataset = batch_and_shuffle(Dataset(TorchMapDataset(x)), len(x), batch_size or 32, shuffle)
+            return self.strategy.experimental_distribute_dataset(dataset)
         raise TypeError(f"Invalid `x`: expected a meshfit.data.Dataset, numpy arrays, torch tensors, a torch "
                         f"Dataset or DataLoader, received {type(x).__name__}.")
 

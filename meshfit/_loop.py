@@ -125,7 +125,7 @@ class TrainingLoop:
                 trainable.module.train()
                 stopped = False
                 while counters.step < self.data.steps and not self._reached(until_step):
-                    logs, stopped = self._train_step(batch_logs)
+                    logs, stopped = self._train_steps(batch_logs, until_step)
                     if stopped:
                         break
                 if counters.step < self.data.steps and not stopped:
@@ -144,18 +144,23 @@ class TrainingLoop:
     def _reached(self, until_step: int | None) -> bool:
         return until_step is not None and self.counters.iterations >= until_step
 
-    def _train_step(self, batch_logs: bool) -> tuple[dict[str, float], bool]:
-        """One step; returns its logs and whether every replica agreed to stop the epoch."""
+    def _train_steps(self, batch_logs: bool, until_step: int | None) -> tuple[dict[str, float], bool]:
+        """One execution: ``steps_per_execution`` steps (fewer at an epoch's end or ``until_step``)
+        between two batch-callback calls; returns the logs and whether every replica agreed to stop."""
         trainable, strategy, counters, cbs = self.trainable, self.strategy, self.counters, self.callbacks
-        step = counters.step
-        cbs.on_train_batch_begin(step)
-        strategy.check_alive()
-        batch, global_size = self.data.next_batch()
-        with strategy.batch_weight(batch_size_of(batch), global_size):
-            returned = trainable.train_step(strategy.distribute_batch(batch))
-        counters.step += 1
-        counters.iterations += 1
-        strategy.failure.step = counters.iterations
+        count = min(getattr(trainable, "steps_per_execution", 1), self.data.steps - counters.step)
+        if until_step is not None:
+            count = min(count, until_step - counters.iterations)
+        cbs.on_train_batch_begin(counters.step)
+        for _ in range(count):
+            strategy.check_alive()
+            batch, global_size = self.data.next_batch()
+            with strategy.batch_weight(batch_size_of(batch), global_size):
+                returned = trainable.train_step(strategy.distribute_batch(batch))
+            counters.step += 1
+            counters.iterations += 1
+            strategy.failure.step = counters.iterations
+        step = counters.step - 1  # Keras gives the execution's last batch to on_train_batch_end
         logs, (preempt, stop) = reduce_logs(trainable, [float(self._preemption.requested),
                                                         float(trainable.stop_training)], with_metrics=batch_logs)
         logs.update(as_logs(returned))

@@ -10,11 +10,19 @@ from torch import nn
 
 from meshfit import _summary, mixed_precision
 from meshfit._data_handler import DataHandler
+from meshfit._data_handler import _is_array_like as is_array_like
 from meshfit._evaluation import evaluate as run_evaluation
 from meshfit._evaluation import predict as run_prediction
+from meshfit._fit_arguments import (
+    ClassWeightedData,
+    check_shuffle,
+    check_validation_freq,
+    split_validation,
+    validates_after,
+)
 from meshfit._loop import TrainingLoop, resolve_verbose
 from meshfit._state import LoopState
-from meshfit._validation import check_bool, non_negative_int
+from meshfit._validation import check_bool, non_negative_int, positive_int
 from meshfit.callbacks._callback_list import CallbackList
 from meshfit.callbacks._progbar import announce_quiet_worker
 from meshfit.data._structure import batch_size_of, unpack_batch
@@ -70,25 +78,30 @@ class Model:
         self._train_module: nn.Module | None = None
         self._compile_config: dict[str, Any] | None = None
         self.loop_state = LoopState()
+        self.steps_per_execution = 1  # training steps between two batch-callback calls (compile's argument)
         self._input_example: Any = None  # one example of the batch built on, for summary()'s shapes
 
     # ---- compile -------------------------------------------------------------------------
     def compile(self, optimizer: Any = "rmsprop", loss: Any = None, metrics: list[Any] | None = None,
-                jit_compile: bool = False) -> None:
+                jit_compile: bool = False, steps_per_execution: int = 1) -> None:
         """Configure training: optimizer, loss and metrics (strings, meshfit or torch objects).
 
         ``jit_compile=True`` (Keras's name) compiles the module with ``torch.compile`` when it is
         placed for training: fewer Python dispatches and fused kernels per step, after a one-off
-        compilation at the first step.
+        compilation at the first step. ``steps_per_execution`` runs that many training steps between
+        two calls of the batch callbacks and one reduction of their logs across replicas (Keras's
+        argument).
         """
         check_bool("jit_compile", jit_compile)
         # Resolve everything first: a failed compile leaves the model as it was.
+        steps_per_execution = positive_int("steps_per_execution", steps_per_execution)
         resolved_optimizer = _optimizers.get(optimizer)
         resolved_loss = _resolve_loss.get(loss) if loss is not None else None
         if metrics is not None and not isinstance(metrics, (list, tuple)):
             raise TypeError(f"Invalid `metrics`: expected a list such as ['accuracy'], received metrics={metrics!r}.")
         compiled_metrics = [_metrics.get(m, loss=resolved_loss) for m in metrics or []]
         self.optimizer, self.loss, self.jit_compile = resolved_optimizer, resolved_loss, jit_compile
+        self.steps_per_execution = steps_per_execution
         self._metric_identifiers, self._compiled_metrics = list(metrics or []), compiled_metrics
         self._compile_config = {
             "optimizer": _optimizers.serialize(self.optimizer),
@@ -204,20 +217,31 @@ class Model:
 
     # ---- fit / evaluate / predict ---------------------------------------------------------
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
-            verbose: str | int = "auto", callbacks: list[Any] | None = None, validation_data: Any = None,
-            shuffle: bool = True, sample_weight: Any = None, initial_epoch: int = 0,
-            steps_per_epoch: int | None = None, validation_steps: int | None = None,
-            validation_batch_size: int | None = None, validation_freq: int = 1) -> Any:
-        """Train for ``epochs`` epochs; returns a `History`. Arguments as in Keras's ``Model.fit``."""
+            verbose: str | int = "auto", callbacks: list[Any] | None = None, validation_split: float = 0.0,
+            validation_data: Any = None, shuffle: bool | str = True, class_weight: dict[int, float] | None = None,
+            sample_weight: Any = None, initial_epoch: int = 0, steps_per_epoch: int | None = None,
+            validation_steps: int | None = None, validation_batch_size: int | None = None,
+            validation_freq: int | list[int] = 1) -> Any:
+        """Train for ``epochs`` epochs; returns a `History`. Arguments as in Keras's ``Model.fit``.
+
+        ``validation_split`` holds out the last fraction of array inputs (before shuffling);
+        ``class_weight`` multiplies each training example's weight by its class's; ``shuffle="batch"``
+        shuffles whole batches; ``validation_freq`` is an int or a list of 1-based epochs.
+        """
         self._require_compiled("fit")
         non_negative_int("epochs", epochs)
         non_negative_int("initial_epoch", initial_epoch)
+        shuffle = check_shuffle(shuffle)
+        validation_freq = check_validation_freq(validation_freq)
         requested_verbose, verbose = verbose, resolve_verbose(verbose, self.strategy.is_chief)
         announce_quiet_worker(self.strategy, requested_verbose)
+        if validation_split and validation_data is None:
+            (x, y, sample_weight), validation_data = split_validation(x, y, sample_weight, validation_split,
+                                                                      is_array_like)
         validation = _validation_parts(validation_data)
 
         def validate(epoch: int) -> dict[str, float]:
-            if validation is None or (epoch + 1) % validation_freq:
+            if validation is None or not validates_after(epoch, validation_freq):
                 return {}
             val_x, val_y, val_w = validation
             logs = self.evaluate(val_x, val_y, sample_weight=val_w, batch_size=validation_batch_size or batch_size,
@@ -226,6 +250,8 @@ class Model:
 
         with self.strategy.guard():
             data = DataHandler(x, y, sample_weight, batch_size, steps_per_epoch, shuffle, self.strategy)
+            if class_weight is not None:
+                data = ClassWeightedData(data, class_weight)
             try:
                 self.build(unpack_batch(data.peek())[0])
                 cbs = CallbackList(callbacks, add_history=True, add_progbar=verbose != 0, model=self,
