@@ -168,3 +168,13 @@ def test_lazy_parameters_need_a_forward_pass_first():
 def test_mesh_without_processes_says_how_to_get_them():
     with pytest.raises(RuntimeError, match="create_mesh"):
         MESH.device_mesh  # noqa: B018
+
+
+def test_a_parameter_that_does_not_split_evenly_is_named_with_the_fix():
+    layout_map = LayoutMap(MESH)
+    layout_map["head.weight"] = Layout(["model", UNSHARDED], MESH)
+    model = nn.Sequential()
+    model.add_module("head", nn.Linear(4, 5))  # 5 output rows over a model axis of size 2
+    with pytest.raises(ValueError, match=r"parameter 'head.weight' of shape \[5, 4\]: dim 0 \(size 5\) is sharded "
+                                         r"over mesh axis 'model' of size 2.*divisible by 2.*UNSHARDED"):
+        resolve_layouts(model, layout_map)

@@ -49,7 +49,9 @@ def _fit(mf, layout_map=None):
         model.compile(optimizer=mf.optimizers.Adam(0.01), loss=mf.losses.SparseCategoricalCrossentropy(
             from_logits=True), metrics=["accuracy"])
     history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    return model, history.history
+    evaluation = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    predictions = model.predict(x[:5 * BATCH + 3], batch_size=BATCH, verbose=0)  # an uneven last batch
+    return model, (history.history, evaluation, predictions)
 
 
 def _fit_on_mesh(rank, world, shape, sharded):
@@ -60,12 +62,13 @@ def _fit_on_mesh(rank, world, shape, sharded):
     names = ("batch", "model")[:len(shape)] if len(shape) == 2 else ("batch",)
     mesh = mf.dtensor.create_mesh(list(zip(names, shape, strict=True)))
     layout_map = _layouts(mf, mesh) if sharded else mf.dtensor.LayoutMap(mesh)
-    model, history = _fit(mf, layout_map)
+    model, (history, evaluation, predictions) = _fit(mf, layout_map)
     first = model.module[0].weight
     layout = first.layout
     kinds = (isinstance(first, DTensor), isinstance(first, nn.Parameter), tuple(first.to_local().shape)
              if isinstance(first, DTensor) else tuple(first.shape))
-    return _full_weights(model.module), history, layout.to_string(), kinds, model.strategy.input_context()
+    return (_full_weights(model.module), (history, evaluation, predictions), layout.to_string(), kinds,
+            model.strategy.input_context())
 
 
 def _max_relative_difference(a, b):
@@ -76,17 +79,21 @@ def _max_relative_difference(a, b):
 def reference():
     import meshfit as mf
 
-    model, history = _fit(mf)
-    return _full_weights(model.module), history
+    model, logs = _fit(mf)
+    return _full_weights(model.module), logs
 
 
 def test_fit_on_batch_by_model_mesh_equals_one_process(reference):
     results = run_distributed(_fit_on_mesh, world_size=4, args=((2, 2), True), timeout=300)
-    ref_weights, ref_history = reference
-    for weights, history, layout, kinds, _ in results:
+    ref_weights, (ref_history, ref_evaluation, ref_predictions) = reference
+    for weights, (history, evaluation, predictions), layout, kinds, _ in results:
         assert _max_relative_difference(weights, ref_weights) <= 1e-5
         assert history["loss"][0] == pytest.approx(ref_history["loss"][0], rel=1e-5)
         assert history["accuracy"][0] == pytest.approx(ref_history["accuracy"][0])
+        assert evaluation["loss"] == pytest.approx(ref_evaluation["loss"], rel=1e-5)
+        assert evaluation["accuracy"] == pytest.approx(ref_evaluation["accuracy"])
+        assert predictions.shape == ref_predictions.shape == (5 * BATCH + 3, 4)
+        np.testing.assert_allclose(predictions, ref_predictions, rtol=1e-4, atol=1e-5)
         assert layout == "sharding_specs:model,unsharded, mesh:|batch=2,model=2|cpu"
         assert kinds == (True, True, (8, 8))  # a real DTensor parameter holding half the rows
     # peers along `model` read the same rows: the data-shard identity is the `batch` coordinate
@@ -151,6 +158,10 @@ def _three_styles(rank, world):
         model.module.eval()  # (dropout on a partial-sum DTensor is not supported by torch's DTensor)
         out = model.module(torch.zeros(4, 16))  # plain inputs meet sharded weights
         found[style]["output"] = (type(out).__name__, tuple(out.shape))
+    # the seed: call the model on a DTensor made with copy_to_mesh; DTensors in give DTensors out
+    dtensor_input = mf.dtensor.copy_to_mesh(torch.zeros((16, 16)), layout=mf.dtensor.Layout.replicated(mesh, 2))
+    out = model.module(dtensor_input)
+    found["copy_to_mesh"] = (type(out).__name__, tuple(out.shape), tuple(mf.dtensor.unpack(out)[0].shape))
     return found
 
 
@@ -169,6 +180,7 @@ def test_three_model_styles_get_layouts_from_regex_keys():
         for style in ("subclassed", "sequential", "functional"):
             assert found[style]["output"][0] == "Tensor"  # this process's rows, a plain tensor
         assert found["subclassed"]["output"][1] == (4, 24)
+        assert found["copy_to_mesh"][:2] == ("DTensor", (16, 32))
 
 
 def _bad_world(rank, world):
