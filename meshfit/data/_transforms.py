@@ -123,10 +123,16 @@ class Repeat(Node):
         return self._inner._get(*self._locate(index, iteration))
 
     def _gather(self, indices: np.ndarray, iteration: int) -> Any:
-        located = [self._locate(int(i), iteration) for i in indices]
-        if len({t for _, t in located}) == 1:
-            return self._inner._gather(np.array([i for i, _ in located], dtype=np.int64), located[0][1])
-        return stack([self._inner._get(i, t) for i, t in located])
+        n = self._inner._length()
+        if n is None:
+            return self._inner._gather(indices, iteration)
+        if n == 0:
+            raise StopIteration
+        indices = np.asarray(indices, dtype=np.int64)
+        passes = iteration * (2**32 if self.count is None else self.count) + indices // n
+        if (passes == passes[0]).all():  # the usual case: the whole batch lies in one inner pass
+            return self._inner._gather(indices % n, int(passes[0]))
+        return stack([self._inner._get(int(i), int(t)) for i, t in zip(indices % n, passes, strict=True)])
 
 
 class Batch(Node):
