@@ -221,3 +221,19 @@ def test_every_argument_together_resumes_bitwise_under_backup_and_restore(digits
     assert history.history == ref_history.history and history.epoch == ref_history.epoch
     for a, b in zip(resumed.get_weights(), reference.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_step_backups_with_several_steps_per_execution_save_each_multiple_crossed(digits, tmp_path):
+    x, y = digits
+    saved: list[int] = []
+
+    class Saves(mf.callbacks.CheckpointSaver):
+        def _save(self):
+            saved.append(self.loop.counters.iterations)
+            super()._save()
+
+    model = make_model(steps_per_execution=4)
+    model.fit(x, y, batch_size=10, epochs=3, shuffle=False, verbose=0,
+              callbacks=[Saves(tmp_path, policy=mf.callbacks.SavePolicy(every_steps=5))])
+    # Executions end at steps 4, 8, 10 | 14, 18, 20 | 24, 28, 30: each crosses at most one multiple of 5.
+    assert saved == [8, 10, 18, 20, 28, 30]

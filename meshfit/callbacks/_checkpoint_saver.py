@@ -34,7 +34,8 @@ class SavePolicy:
     """When a `CheckpointSaver` saves.
 
     Args:
-        every_steps: save when the optimizer step count is a multiple of this.
+        every_steps: save when the optimizer step count reaches a multiple of this (with several
+            steps per execution: at the end of the execution that crosses it).
         every_seconds: save at the first step at least this long after the previous save (the
             replicas agree on the step, so a collective save never splits).
         every_epoch: save at each epoch's end.
@@ -95,6 +96,7 @@ class CheckpointSaver(Callback):
         self._manager: Any = None
         self._pending: Any = None
         self._saved_at: int | None = None
+        self._checked_at = 0  # the step count at the previous batch end
         self._last_save_time = time.monotonic()
 
     @property
@@ -115,10 +117,11 @@ class CheckpointSaver(Callback):
         latest = strategy.broadcast_object(self._manager.latest_checkpoint)
         self.restored_from = latest
         self._last_save_time = time.monotonic()
+        self._checked_at = loop.counters.iterations
         if latest is None:
             return
         checkpoint.restore(latest)
-        self._saved_at = loop.counters.iterations
+        self._saved_at = self._checked_at = loop.counters.iterations
         if strategy.is_chief:
             counters = loop.counters
             print(f"{type(self).__name__}: resuming from {latest} at epoch {counters.epoch + 1}, "
@@ -126,7 +129,8 @@ class CheckpointSaver(Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         policy, iterations = self.policy, self.loop.counters.iterations
-        due = policy.every_steps is not None and iterations % policy.every_steps == 0
+        previous, self._checked_at = self._checked_at, iterations
+        due = policy.every_steps is not None and iterations // policy.every_steps > previous // policy.every_steps
         if policy.every_seconds is not None:
             late = time.monotonic() - self._last_save_time >= policy.every_seconds
             due = agree(self.loop.trainable, late) or due
