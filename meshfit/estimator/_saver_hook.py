@@ -19,6 +19,7 @@ reader never sees a partial checkpoint; the newest ``keep_checkpoint_max`` kept)
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -114,6 +115,7 @@ class EstimatorCheckpointSaver(CheckpointSaver):
             listener.begin()
         latest = self._manager.latest_checkpoint
         step = loop.counters.iterations
+        self._checked_at, self._last_save_time = step, time.monotonic()  # the policy counts from here
         if latest is None or not latest.endswith(f"-{step}"):
             self._save()  # TF saves the starting step ("Saving checkpoints for 0")
         else:

@@ -137,6 +137,10 @@ def test_training_without_limits_ends_with_the_input_and_continues_on_the_next_p
     assert estimator.latest_checkpoint().endswith("model.ckpt-12")  # one pass: 12 batches, saved at the end
     estimator.train(finite_input_fn, steps=5)
     assert estimator.latest_checkpoint().endswith("model.ckpt-17")
+    every_4 = tmp_path / "every_4"
+    _estimator(every_4, save_checkpoints_steps=4).train(input_fn, steps=6)
+    _estimator(every_4, save_checkpoints_steps=4).train(input_fn, steps=3)  # resumes at 6: saves at 8, and 9 at the end
+    assert _kept(every_4) == ["model.ckpt-0", "model.ckpt-4", "model.ckpt-6", "model.ckpt-8", "model.ckpt-9"]
 
 
 def test_max_steps_below_the_global_step_returns_at_once(tmp_path, capfd):
