@@ -83,6 +83,15 @@ def test_backup_from_2x2_continues_on_a_2_process_model_mesh(backup, uninterrupt
         assert _close(weights, uninterrupted)
 
 
+def test_backup_from_2x2_continues_on_a_4_process_model_mesh(backup, uninterrupted, tmp_path):
+    copy = tmp_path / "backup"
+    shutil.copytree(backup, copy)
+    results = run_distributed(_on_mesh, world_size=4, args=([("model", 4)], str(copy), 2), timeout=300)
+    for weights, iterations, _, state_type, sharded in results:
+        assert iterations == 2 * STEPS_PER_EPOCH and sharded and state_type == "DTensor"
+        assert _close(weights, uninterrupted)
+
+
 def test_backup_from_2x2_continues_on_one_process(backup, uninterrupted, tmp_path):
     copy = tmp_path / "backup"
     shutil.copytree(backup, copy)
