@@ -155,7 +155,7 @@ def _three_styles(rank, world):
         found[style] = {path: (type(p).__mro__[1].__name__ if not isinstance(p, DTensor) else "DTensor",
                                p.layout.to_string(), tuple(p.to_local().shape))
                         for path, p in model.module.named_parameters()}
-        model.module.eval()  # (dropout on a partial-sum DTensor is not supported by torch's DTensor)
+        model.module.eval()
         out = model.module(torch.zeros(4, 16))  # plain inputs meet sharded weights
         found[style]["output"] = (type(out).__name__, tuple(out.shape))
     # the seed: call the model on a DTensor made with copy_to_mesh; DTensors in give DTensors out
