@@ -195,6 +195,7 @@ def test_mirrored_strategy_from_a_plain_python_process(tmp_path):
     code, out = finish(start([os.path.join(ROOT, "tests", "scripts", "estimator_mirrored.py"), str(tmp_path / "m")],
                              child_env()), timeout=300)
     assert code == 0, out
-    lines = sorted(re.findall(r"replica (\d) of 2: step (\d+) weight (.*)", out))
+    # the two processes' lines may interleave on one line of the captured output: match each whole
+    lines = sorted(re.findall(r"replica (\d) of 2: step (\d+) weight (\[\[.*?\]\])", out))
     assert [(r, s) for r, s, _ in lines] == [("0", "6"), ("1", "6")], out  # 48 examples, 2 x 4 per step
     assert lines[0][2] == lines[1][2]
