@@ -101,13 +101,29 @@ def test_fit_on_batch_by_model_mesh_equals_one_process(reference):
     assert {c.num_input_pipelines for *_, c in results} == {2}
 
 
+def _fit_multiworker(rank, world):
+    import meshfit as mf
+
+    strategy = mf.MultiWorkerMirroredStrategy()
+    x, y = _data()
+    with strategy.scope():
+        model = mf.Model(_mlp())
+        model.compile(optimizer=mf.optimizers.Adam(0.01), loss=mf.losses.SparseCategoricalCrossentropy(
+            from_logits=True), metrics=["accuracy"])
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    return _full_weights(model.module)
+
+
 def test_replicated_layouts_take_the_ddp_path_and_equal_one_process(reference):
     results = run_distributed(_fit_on_mesh, world_size=2, args=((2,), False), timeout=300)
+    multiworker = run_distributed(_fit_multiworker, world_size=2, timeout=300)[0]
     ref_weights, _ = reference
     for weights, _, layout, kinds, _ in results:
         assert _max_relative_difference(weights, ref_weights) <= 1e-5
         assert layout == "sharding_specs:unsharded,unsharded, mesh:|batch=2|cpu"
         assert kinds == (False, True, (16, 8))  # plain parameters: DDP's bucketed all-reduce
+        for a, b in zip(weights, multiworker, strict=True):  # a 1-D batch mesh is MultiWorkerMirroredStrategy
+            np.testing.assert_array_equal(a, b)
 
 
 class Subclassed(nn.Module):
