@@ -15,6 +15,7 @@ from meshfit import (
     losses,
     metrics,
     mixed_precision,
+    nn,
     optimizers,
     utils,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "losses",
     "metrics",
     "mixed_precision",
+    "nn",
     "optimizers",
     "train",
     "utils",

@@ -131,7 +131,8 @@ class DataHandler:
                 raise ValueError(f"Invalid input: x, y and sample_weight must have the same number of samples, "
                                  f"received lengths {sorted(lengths)}.")
             dataset = Dataset.from_tensor_slices(parts if len(parts) > 1 else parts[0])
-            dataset = batch_and_shuffle(dataset, lengths.pop(), batch_size or 32, shuffle)
+            dataset = batch_and_shuffle(dataset, lengths.pop(), batch_size or 32, shuffle,
+                                        seed=_shuffle_seed() if shuffle else None)
             return self.strategy.experimental_distribute_dataset(dataset)
         if x is None:
             raise ValueError("Invalid `x`: expected input data (a meshfit Dataset, arrays or a torch "
@@ -142,7 +143,8 @@ class DataHandler:
         if hasattr(x, "__getitem__") and hasattr(x, "__len__"):
             if y is not None:
                 raise ValueError("Invalid `y`: a torch Dataset yields (x, y) pairs itself; pass y=None.")
-            dataset = batch_and_shuffle(Dataset(TorchMapDataset(x)), len(x), batch_size or 32, shuffle)
+            dataset = batch_and_shuffle(Dataset(TorchMapDataset(x)), len(x), batch_size or 32, shuffle,
+                                        seed=_shuffle_seed() if shuffle else None)
             return self.strategy.experimental_distribute_dataset(dataset)
         raise TypeError(f"Invalid `x`: expected a meshfit.data.Dataset, numpy arrays, torch tensors, a torch "
                         f"Dataset or DataLoader, received {type(x).__name__}.")
@@ -217,13 +219,43 @@ class DataHandler:
             self._prefetcher = None
 
     # ---- Stateful ------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, int]:
-        """The data position: ``{"iteration": pass, "index": global batches read in it}``."""
-        return {"iteration": self.iteration, "index": self.index}
+    def state_dict(self) -> dict[str, Any]:
+        """The data position: ``{"iteration": pass, "index": global batches read in it,
+        "shuffle_seeds": the pipeline's shuffle seeds}`` (a resume reads the order it saved)."""
+        chains = self._shuffle_chains()
+        return {"iteration": self.iteration, "index": self.index,
+                "shuffle_seeds": [node.seed for node in chains[0]] if chains else []}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.close()
         self.iteration, self.index = int(state["iteration"]), int(state["index"])
+        seeds = [int(seed) for seed in state.get("shuffle_seeds") or []]
+        for chain in self._shuffle_chains():
+            if len(chain) == len(seeds):
+                for node, seed in zip(chain, seeds, strict=True):
+                    if node.seed != seed:
+                        node.seed, node._cache = seed, None
+
+    def _shuffle_chains(self) -> list[list[Any]]:
+        """The shuffle nodes, in pipeline order, of the dataset and of the replica's view of it
+        (rebatching a view clones the nodes above its batch, so each chain gets the seeds)."""
+        from meshfit.data._transforms import Shuffle
+
+        chains, seen = [], set()
+        for dataset in (getattr(self.source, "dataset", None), getattr(self.source, "view", None)):
+            if isinstance(dataset, Dataset) and id(dataset) not in seen:
+                seen.add(id(dataset))
+                chains.append([n for n in dataset._nodes() if isinstance(n, Shuffle)])
+        return chains
+
+
+def _shuffle_seed() -> int:
+    """The shuffle seed of array input, drawn from torch's global generator when ``fit`` starts.
+
+    ``torch.manual_seed(s)`` then the same ``fit`` gives the same order, in any process; the seed
+    is saved with the data position, so a resume reads the order it saved even in the same process.
+    """
+    return int(torch.randint(0, 2**62, (), dtype=torch.int64))
 
 
 def _leaves(value: Any) -> list[Any]:

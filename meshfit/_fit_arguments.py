@@ -117,11 +117,12 @@ def weigh_batch(batch: Any, table: torch.Tensor) -> Any:
     return x, y, weights
 
 
-def batch_and_shuffle(dataset: Any, count: int, batch_size: int, shuffle: bool | str) -> Any:
+def batch_and_shuffle(dataset: Any, count: int, batch_size: int, shuffle: bool | str,
+                      seed: int | None = None) -> Any:
     """``dataset`` batched, shuffled by example (``True``) or by whole batch (``"batch"``) each epoch."""
     if shuffle == "batch":
-        return dataset.batch(batch_size).shuffle(math.ceil(count / batch_size))
-    return (dataset.shuffle(count) if shuffle else dataset).batch(batch_size)
+        return dataset.batch(batch_size).shuffle(math.ceil(count / batch_size), seed=seed)
+    return (dataset.shuffle(count, seed=seed) if shuffle else dataset).batch(batch_size)
 
 
 class ClassWeightedData:

@@ -26,7 +26,8 @@ from meshfit._validation import check_bool, non_negative_int, positive_int
 from meshfit.callbacks._callback_list import CallbackList
 from meshfit.callbacks._progbar import announce_quiet_worker
 from meshfit.data._structure import batch_size_of, unpack_batch
-from meshfit.distribute._strategy import get_strategy
+from meshfit.distribute._replication import adopt, check_training_strategy
+from meshfit.distribute._strategy import current_scope_strategy, get_strategy
 from meshfit.losses import _resolve as _resolve_loss
 from meshfit.metrics import _metrics
 from meshfit.optimizers import _optimizers
@@ -67,6 +68,8 @@ class Model:
         self.module = module
         self.name = name or type(module).__name__
         self.strategy = get_strategy()
+        if current_scope_strategy() is not None:  # a module built outside, wrapped in the scope
+            adopt(module, self.strategy)
         self.optimizer: _optimizers.Optimizer | None = None
         self.loss: Any = None
         self.jit_compile = False
@@ -95,6 +98,7 @@ class Model:
         check_bool("jit_compile", jit_compile)
         # Resolve everything first: a failed compile leaves the model as it was.
         steps_per_execution = positive_int("steps_per_execution", steps_per_execution)
+        check_training_strategy(self, "compile")
         resolved_optimizer = _optimizers.get(optimizer)
         resolved_loss = _resolve_loss.get(loss) if loss is not None else None
         if metrics is not None and not isinstance(metrics, (list, tuple)):
@@ -229,6 +233,7 @@ class Model:
         shuffles whole batches; ``validation_freq`` is an int or a list of 1-based epochs.
         """
         self._require_compiled("fit")
+        check_training_strategy(self, "fit")
         non_negative_int("epochs", epochs)
         non_negative_int("initial_epoch", initial_epoch)
         shuffle = check_shuffle(shuffle)

@@ -88,11 +88,25 @@ class Callback:
     def on_predict_end(self, logs: dict | None = None) -> None:
         """Called at the end of `predict`."""
 
+    def on_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        """Keras's older name: called by the default `on_train_batch_begin`."""
+
+    def on_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        """Keras's older name: called by the default `on_train_batch_end`."""
+
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
-        """Called before each training step (``batch`` is the 0-based index in the epoch)."""
+        """Called before each training step (``batch`` is the 0-based index in the epoch).
+
+        By default it calls `on_batch_begin`, as in Keras.
+        """
+        self.on_batch_begin(batch, logs=logs)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        """Called after each training step; ``logs`` holds the epoch's running metrics."""
+        """Called after each training step; ``logs`` holds the epoch's running metrics.
+
+        By default it calls `on_batch_end`, as in Keras.
+        """
+        self.on_batch_end(batch, logs=logs)
 
     def on_test_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         """Called before each evaluation step."""

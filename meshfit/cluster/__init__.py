@@ -1,6 +1,7 @@
 """Cluster resolvers: where this process sits in a multi-process job (TF_CONFIG, torchrun, SLURM)."""
 
 from meshfit.cluster._base import ClusterInfo, ClusterResolver
+from meshfit.cluster._cluster_spec import ClusterSpec
 from meshfit.cluster._env_resolvers import (
     DEFAULT_MASTER_PORT,
     SimpleClusterResolver,
@@ -15,6 +16,7 @@ __all__ = [
     "DEFAULT_MASTER_PORT",
     "ClusterInfo",
     "ClusterResolver",
+    "ClusterSpec",
     "SimpleClusterResolver",
     "SlurmClusterResolver",
     "TFConfigClusterResolver",

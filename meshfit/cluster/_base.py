@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+from meshfit.cluster._cluster_spec import ClusterSpec
+
 TASK_TYPES = ("chief", "worker", "evaluator")
 
 
@@ -164,9 +166,10 @@ class ClusterResolver:
         """``tcp://host:port`` of rank 0, for ``torch.distributed.init_process_group``."""
         return self._info.init_method
 
-    def cluster_spec(self) -> dict[str, list[str | None]]:
-        """The cluster as ``{job: ["host:port", ...]}``; addresses the source does not give are ``None``."""
-        return copy.deepcopy(self._cluster_spec)
+    def cluster_spec(self) -> ClusterSpec:
+        """The cluster as a `ClusterSpec` (a ``{job: ["host:port", ...]}`` dict with ``as_dict()``);
+        addresses the source does not give are ``None``."""
+        return ClusterSpec(copy.deepcopy(self._cluster_spec))
 
     def __repr__(self) -> str:
         i = self._info

@@ -25,26 +25,66 @@ class AutoShardPolicy(enum.Enum):
     OFF = "off"
 
 
+def _check_policy(policy: object) -> AutoShardPolicy:
+    if not isinstance(policy, AutoShardPolicy):
+        raise TypeError(
+            "Invalid `auto_shard_policy`: expected a meshfit.data.AutoShardPolicy member "
+            f"(AUTO, FILE, DATA, OFF), received auto_shard_policy={policy!r}."
+        )
+    return policy
+
+
+class DistributeOptions:
+    """``options.experimental_distribute``: TensorFlow's spelling of the sharding option.
+
+    Setting ``options.experimental_distribute.auto_shard_policy = ...`` sets the owning
+    `Options`' ``auto_shard_policy`` (the one mutable path, as ``tf.data.Options`` is mutable).
+    """
+
+    __slots__ = ("_options",)
+
+    def __init__(self, options: Options) -> None:
+        self._options = options
+
+    @property
+    def auto_shard_policy(self) -> AutoShardPolicy:
+        """How the dataset is split across replicas."""
+        return self._options.auto_shard_policy
+
+    @auto_shard_policy.setter
+    def auto_shard_policy(self, policy: AutoShardPolicy) -> None:
+        object.__setattr__(self._options, "auto_shard_policy", _check_policy(policy))
+
+    def __repr__(self) -> str:
+        return f"DistributeOptions(auto_shard_policy=AutoShardPolicy.{self.auto_shard_policy.name})"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Options:
     """Options attached to a dataset with ``Dataset.with_options``.
 
     Args:
-        auto_shard_policy: how the dataset is split across replicas (see `AutoShardPolicy`).
+        auto_shard_policy: how the dataset is split across replicas (see `AutoShardPolicy`). The
+            seeds' ``options.experimental_distribute.auto_shard_policy = ...`` sets it too.
 
     Example:
         >>> Options(auto_shard_policy=AutoShardPolicy.OFF)
         Options(auto_shard_policy=AutoShardPolicy.OFF)
+        >>> options = Options()
+        >>> options.experimental_distribute.auto_shard_policy = AutoShardPolicy.DATA
+        >>> options
+        Options(auto_shard_policy=AutoShardPolicy.DATA)
     """
 
     auto_shard_policy: AutoShardPolicy = AutoShardPolicy.AUTO
 
     def __post_init__(self) -> None:
-        if not isinstance(self.auto_shard_policy, AutoShardPolicy):
-            raise TypeError(
-                "Invalid `auto_shard_policy`: expected a meshfit.data.AutoShardPolicy member "
-                f"(AUTO, FILE, DATA, OFF), received auto_shard_policy={self.auto_shard_policy!r}."
-            )
+        _check_policy(self.auto_shard_policy)
+
+    @property
+    def experimental_distribute(self) -> DistributeOptions:
+        """TensorFlow's ``tf.data.experimental.DistributeOptions`` view of these options."""
+        return DistributeOptions(self)
 
     def __repr__(self) -> str:
         return f"Options(auto_shard_policy=AutoShardPolicy.{self.auto_shard_policy.name})"

@@ -10,6 +10,7 @@ from meshfit.distribute._values import (
     CommunicationImplementation,
     CommunicationOptions,
     InputContext,
+    PerReplica,
     ReduceOp,
 )
 
@@ -24,6 +25,7 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
     "PeerFailureError",
+    "PerReplica",
     "ReduceOp",
     "Strategy",
     "get_strategy",

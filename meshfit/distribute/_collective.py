@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from meshfit.distribute._failure import FailureState
 from meshfit.distribute._gradient_weight import GradientWeight, weighted_allreduce_hook
 from meshfit.distribute._heartbeat import Heartbeat
-from meshfit.distribute._strategy import Strategy, compiled
+from meshfit.distribute._strategy import Strategy, compiled, register_running
 from meshfit.distribute._values import CommunicationImplementation, CommunicationOptions
 
 _COMMUNICATION_HINTS = ("gloo", "nccl", "connection", "closed by peer", "timed out", "timeout",
@@ -88,6 +88,7 @@ class CollectiveStrategy(Strategy):
             from torch.distributed.device_mesh import init_device_mesh
 
             self.mesh = init_device_mesh(self._device.type, (world_size,), mesh_dim_names=("batch",))
+            register_running(self)
             hb = self.communication_options.heartbeat_timeout_seconds
             store = dist.distributed_c10d._get_default_store()
             if hb is not None:
@@ -138,6 +139,17 @@ class CollectiveStrategy(Strategy):
         dist.broadcast_object_list(holder, src=0)
         return holder[0]
 
+    def broadcast_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not self._distributed:
+            return tensor
+        if self._device.type != "cpu":
+            moved = tensor.to(self._device)
+            dist.broadcast(moved, src=0)
+            tensor.copy_(moved.to(tensor.device))
+        else:
+            dist.broadcast(tensor, src=0)
+        return tensor
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         if not self._distributed:
             return [obj]
@@ -156,9 +168,12 @@ class CollectiveStrategy(Strategy):
         module = compiled(module.to(self._device), jit_compile)
         if not self._distributed or not any(p.requires_grad for p in module.parameters()):
             return module
+        from meshfit.distribute._replication import mark_ddp_synchronized
+
         device_ids = [self._device.index] if self._device.type == "cuda" else None
         wrapped = DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True)
         wrapped.register_comm_hook(self._gradient_weight, weighted_allreduce_hook)
+        mark_ddp_synchronized(wrapped)  # the optimizer must not reduce these gradients again
         return wrapped
 
     @contextlib.contextmanager

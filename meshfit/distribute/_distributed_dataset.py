@@ -156,6 +156,15 @@ class DistributedDataset:
         self._next_pass = start + 1
         return start
 
+    # ---- Stateful: a custom loop's checkpoint can track the dataset ------------------------
+    def state_dict(self) -> dict[str, int]:
+        """``{"next_pass": n}``: the pass the next ``iter()`` starts (each pass has its own shuffle)."""
+        return {"next_pass": self._next_pass}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Make the next ``iter()`` start the saved pass, so a resumed loop reads the same order."""
+        self._next_pass = int(state["next_pass"])
+
     def __iter__(self) -> Iterator[Any]:
         """This replica's batches of the next pass (for custom training loops)."""
         length, index, iteration = self.length(), 0, self._start_pass()

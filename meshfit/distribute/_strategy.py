@@ -7,6 +7,7 @@ values are reduced. ``Model.fit`` is written once, against this small interface.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,10 +16,12 @@ import torch
 from meshfit.data._structure import map_structure
 from meshfit.distribute._distributed_dataset import DistributedDataset, agree_on_shuffle_seeds
 from meshfit.distribute._failure import FailureState
-from meshfit.distribute._values import InputContext, ReduceOp
+from meshfit.distribute._values import InputContext, PerReplica, ReduceOp, local_results, regroup
 
 _SCOPE_STACK: list[Strategy] = []
 _DEFAULT: list[Strategy] = []
+# multi-replica strategies whose process group is up (to refuse training a model made outside them)
+_RUNNING: weakref.WeakSet = weakref.WeakSet()
 
 
 class Strategy:
@@ -58,21 +61,57 @@ class Strategy:
     # ---- scope ---------------------------------------------------------------------------
     @contextlib.contextmanager
     def scope(self) -> Iterator[Strategy]:
-        """Models created inside this context train with this strategy."""
+        """Models, optimizers and metrics created inside this context train with this strategy.
+
+        Parameters registered by modules built inside are replicated (rank 0's initial values are
+        broadcast when the scope exits) and their gradients summed by meshfit optimizers in custom
+        loops; see `meshfit.distribute._replication`.
+        """
+        from meshfit.distribute._replication import tracking_scope
+
         _SCOPE_STACK.append(self)
         try:
-            yield self
+            with tracking_scope(self):
+                yield self
         finally:
             _SCOPE_STACK.pop()
 
     # ---- running and reducing -------------------------------------------------------------
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
-        """Run ``fn`` on this process's replica (one replica per process)."""
-        return fn(*args, **(kwargs or {}))
+        """Run ``fn`` on this process's replica, as ``tf.distribute.Strategy.run``.
+
+        Returns:
+            ``fn``'s result; with several replicas in sync, each tensor or number in it is a
+            `PerReplica` value (``strategy.reduce`` combines it, ``experimental_local_results``
+            unwraps it), as in TensorFlow.
+        """
+        _SCOPE_STACK.append(self)  # inside run, get_strategy() is this strategy (TF's replica context)
+        try:
+            with self.guard():
+                result = fn(*args, **(kwargs or {}))
+        finally:
+            _SCOPE_STACK.pop()
+        return regroup(result) if self.num_replicas_in_sync > 1 else result
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """The values of ``value`` held by this process's replicas, as a tuple (one replica here)."""
+        return local_results(value)
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> torch.Tensor:
-        """Combine a per-replica value across replicas (``SUM`` or ``MEAN``); ``axis`` reduces first."""
+        """Combine a per-replica value across replicas (``SUM`` or ``MEAN``); ``axis`` reduces first.
+
+        Args:
+            reduce_op: ``ReduceOp.SUM``/``MEAN`` or ``"SUM"``/``"MEAN"``.
+            value: a `PerReplica` from ``run``, or a tensor/number this replica holds.
+            axis: reduce this dim of each value first (``MEAN`` then divides by the global count).
+
+        Returns:
+            The combined value, the same on every replica.
+        """
         op = _reduce_op(reduce_op)
+        if isinstance(value, PerReplica):
+            parts = [torch.as_tensor(v).detach() for v in value.values]
+            value = parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
         tensor = torch.as_tensor(value).detach().clone()
         if axis is not None:
             count = tensor.shape[axis]
@@ -93,6 +132,10 @@ class Strategy:
     def broadcast_object(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every replica."""
         return obj
+
+    def broadcast_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's values of ``tensor`` on every replica, in place; returns it."""
+        return tensor
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every replica's ``obj``, by replica."""
@@ -179,6 +222,28 @@ class OneDeviceStrategy(Strategy):
         >>> OneDeviceStrategy("cpu").num_replicas_in_sync
         1
     """
+
+
+def current_scope_strategy() -> Strategy | None:
+    """The strategy whose scope we are in, or None outside every scope."""
+    return _SCOPE_STACK[-1] if _SCOPE_STACK else None
+
+
+def register_running(strategy: Strategy) -> None:
+    """Called by a multi-replica strategy once its process group is up."""
+    _RUNNING.add(strategy)
+
+
+def running_multi_replica_strategy() -> Strategy | None:
+    """A strategy with several replicas in sync whose group is still up in this process, if any."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    for strategy in list(_RUNNING):
+        if strategy.num_replicas_in_sync > 1:
+            return strategy
+    return None
 
 
 def get_strategy() -> Strategy:

@@ -1,4 +1,5 @@
-"""Small value objects of the distribute API: `InputContext`, `CommunicationOptions`, `ReduceOp`."""
+"""Small value objects of the distribute API: `InputContext`, `CommunicationOptions`, `ReduceOp`,
+`PerReplica`."""
 
 from __future__ import annotations
 
@@ -91,3 +92,57 @@ class InputContext:
                              f"{self.num_replicas_in_sync} replicas in sync. Use a multiple of "
                              f"{self.num_replicas_in_sync}.")
         return global_batch_size // self.num_replicas_in_sync
+
+
+class PerReplica:
+    """The values one ``strategy.run`` produced on this process's replicas (one per process here).
+
+    Combine them across all replicas with ``strategy.reduce(op, value, axis)``; read this process's
+    values with ``strategy.experimental_local_results(value)``. As in TensorFlow, a per-replica
+    value is not a tensor: reduce it (or take the local results) before computing with it.
+
+    Args:
+        values: this process's replicas' values, in replica order.
+
+    Example:
+        >>> PerReplica((1.0,)).values
+        (1.0,)
+    """
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: tuple) -> None:
+        if not isinstance(values, tuple) or not values:
+            raise ValueError(f"Invalid `values`: expected a non-empty tuple, received values={values!r}.")
+        self.values = values
+
+    def __repr__(self) -> str:
+        return "PerReplica:{" + ", ".join(f"{i}: {v!r}" for i, v in enumerate(self.values)) + "}"
+
+    def __bool__(self) -> bool:
+        raise TypeError("A PerReplica value has no truth value: combine it first with "
+                        "strategy.reduce(ReduceOp.SUM, value, axis=None).")
+
+
+def regroup(result: object) -> object:
+    """``strategy.run``'s result with each leaf (tensor, number) wrapped in a `PerReplica`."""
+    if isinstance(result, PerReplica) or result is None or isinstance(result, (str, bytes)):
+        return result
+    if isinstance(result, dict):
+        return type(result)((k, regroup(v)) for k, v in result.items())
+    if isinstance(result, tuple) and hasattr(result, "_fields"):  # namedtuple
+        return type(result)(*(regroup(v) for v in result))
+    if isinstance(result, (tuple, list)):
+        return type(result)(regroup(v) for v in result)
+    return PerReplica((result,))
+
+
+def local_results(value: object) -> tuple:
+    """The local values of a `PerReplica` (or of a structure of them), as a tuple by replica."""
+    if isinstance(value, PerReplica):
+        return value.values
+    if isinstance(value, dict):
+        return ({k: local_results(v)[0] for k, v in value.items()},)
+    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+        return (type(value)(local_results(v)[0] for v in value),)
+    return (value,)

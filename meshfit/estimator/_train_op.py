@@ -89,6 +89,9 @@ def run_train_op(train_op: Any, loss: torch.Tensor, params: list[torch.Tensor], 
     optimizer.zero_grad(set_to_none=True)  # a parameter the loss does not use keeps no gradient (not zeros)
     loss.backward()
     average_gradients(params, strategy)
+    from meshfit.distribute._replication import mark_gradients_synchronized
+
+    mark_gradients_synchronized(params)  # a meshfit optimizer must not sum them again
     optimizer.step()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,10 @@ class Metric:
     Subclasses declare their states with `add_state(name, shape)` in `__init__` and implement
     `update_state` and `result_from`.
 
+    A metric created inside a multi-replica ``strategy.scope()`` reports global values: its
+    `result()` sums the replicas' states (a collective: call it on every replica, as in
+    TensorFlow). `local_result()` is this replica's value alone.
+
     Args:
         name: The metric's name in logs; defaults to the snake-case class name.
         mesh: a `meshfit.dtensor.Mesh` (as DTensor Keras metrics take): DTensor inputs count by this
@@ -40,6 +45,10 @@ class Metric:
         self.name = name or _snake_case(type(self).__name__)
         self._states: dict[str, torch.Tensor] = {}
         self.mesh = _check_mesh(mesh)
+        from meshfit.distribute._strategy import current_scope_strategy
+
+        strategy = current_scope_strategy()
+        self._strategy_ref = weakref.ref(strategy) if strategy is not None else None
 
     def add_state(self, name: str, shape: tuple[int, ...] = ()) -> None:
         """Declare a float64 CPU accumulator that starts at zero."""
@@ -67,18 +76,36 @@ class Metric:
         raise NotImplementedError(f"{type(self).__name__} must implement `result_from`.")
 
     def result(self) -> torch.Tensor:
-        """The metric's value for this replica's states (over the mesh's ``batch`` axis with ``mesh``)."""
+        """The metric's value: over all replicas when created in a multi-replica strategy's scope
+        (or over the mesh's ``batch`` axis with ``mesh``)."""
         states = self.state_tensors()
-        if self.mesh is not None and states:
-            flat = self.mesh.strategy.all_reduce_sum(torch.cat([t.reshape(-1) for t in states]))
+        strategy = self._reducing_strategy()
+        if strategy is not None and states:
+            flat = torch.cat([t.reshape(-1) for t in states])
+            strategy.all_reduce_sum(flat)
             states = tuple(part.reshape(t.shape) for part, t in
                            zip(flat.split([t.numel() for t in states]), states, strict=True))
         return self.result_from(states)
+
+    def _reducing_strategy(self) -> Any:
+        """The strategy whose replicas `result()` sums over, or None for a local metric."""
+        if self.mesh is not None:
+            return self.mesh.strategy
+        strategy = self._strategy_ref() if getattr(self, "_strategy_ref", None) is not None else None
+        return strategy if strategy is not None and strategy.num_replicas_in_sync > 1 else None
+
+    def local_result(self) -> torch.Tensor:
+        """The metric's value for this replica's states alone."""
+        return self.result_from(self.state_tensors())
 
     def reset_state(self) -> None:
         """Zero the accumulators."""
         for t in self._states.values():
             t.zero_()
+
+    def reset_states(self) -> None:
+        """Alias of `reset_state` (the TensorFlow 2.x tutorials' spelling)."""
+        self.reset_state()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The accumulators by name (float64, CPU)."""

@@ -41,6 +41,12 @@ _TORCH_NAMES = {"rho": "alpha", "epsilon": "eps"}  # Keras argument -> torch arg
 class Optimizer:
     """Base of meshfit optimizers: a spec that builds a `torch.optim.Optimizer` on `build(params)`.
 
+    In a custom training loop under a strategy (TensorFlow's contract), `step()` and
+    `apply_gradients()` first *sum* the gradients of parameters created inside
+    ``strategy.scope()`` across the replicas; divide the per-example loss by the global batch
+    (``meshfit.nn.compute_average_loss``) so that the sum is the global batch's gradient. Gradients
+    that ``Model.fit``'s DistributedDataParallel already reduced are not reduced again.
+
     Subclasses set `torch_class` and `config_keys`: their constructor arguments besides
     `learning_rate`, stored as attributes and passed on to `torch_class`.
     `weight_decay` follows the torch class it builds (L2 added to the gradient for SGD, Adam,
@@ -132,17 +138,69 @@ class Optimizer:
             kwargs.setdefault("foreach", True)
         self._torch_optimizer = self.torch_class(params, lr=self._learning_rate, **kwargs)
         self._param_ids = ids
+        _broadcast_lazy_params(flat)
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self._require_built("step()").param_groups for p in group["params"]]
 
     def step(self, closure: Any = None) -> Any:
-        """Apply one update to the parameters and count it in `iterations`."""
+        """Apply one update to the parameters and count it in `iterations`.
+
+        Under a multi-replica strategy, the gradients of parameters created in its scope are
+        summed across replicas first (not those DDP reduced already).
+        """
+        from meshfit.distribute._replication import synchronize_gradients
+
         optimizer = self._require_built("step()")
+        loss = None
+        if closure is not None:  # evaluated once here, so that its gradients can be synchronised
+            with torch.enable_grad():
+                loss = closure()
+        synchronize_gradients(self._params())
         if self._schedule is not None:
             rate = float(self._schedule(self.iterations))
             for group in optimizer.param_groups:
                 group["lr"] = rate
-        result = optimizer.step(closure)
+        optimizer.step()
         self.iterations += 1
-        return result
+        return loss
+
+    def apply_gradients(self, grads_and_vars: Iterable[tuple[torch.Tensor | None, torch.Tensor]]) -> int:
+        """Apply gradients to variables, as Keras's ``optimizer.apply_gradients``.
+
+        Builds the optimizer on the variables the first time. Under a multi-replica strategy the
+        gradients are summed across replicas first (TensorFlow's semantics); only the given
+        variables are updated.
+
+        Args:
+            grads_and_vars: ``(gradient, variable)`` pairs, e.g. ``zip(grads, module.parameters())``;
+                a ``None`` gradient leaves its variable unchanged.
+
+        Returns:
+            `iterations` after the update.
+
+        Raises:
+            ValueError: if a variable is not optimised by this (already built) optimizer, or a
+                gradient's shape differs from its variable's.
+        """
+        pairs = list(grads_and_vars)
+        variables = [v for _, v in pairs]
+        if not self.built:
+            self.build(variables)
+        known = {id(p) for p in self._params()}
+        for grad, var in pairs:
+            if id(var) not in known:
+                raise ValueError(f"Invalid `grads_and_vars`: a variable of shape {tuple(var.shape)} is not "
+                                 f"optimised by this {type(self).__name__}; create one optimizer per model.")
+            if grad is not None and tuple(grad.shape) != tuple(var.shape):
+                raise ValueError(f"Invalid `grads_and_vars`: a gradient of shape {tuple(grad.shape)} was given "
+                                 f"for a variable of shape {tuple(var.shape)}.")
+        given = {id(v): g for g, v in pairs}
+        for p in self._params():
+            g = given.get(id(p))
+            p.grad = None if g is None else g.detach().to(p.dtype).clone()
+        self.step()
+        return self.iterations
 
     def minimize(self, loss: torch.Tensor, global_step: Any = None, var_list: Any = None) -> Any:
         """TF1's ``optimizer.minimize(loss, global_step)`` for an Estimator's ``model_fn``.
@@ -433,6 +491,19 @@ def _place_state_like_params(optimizer: torch.optim.Optimizer) -> None:
             if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == param.shape:
                 state[key] = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements,
                                                src_data_rank=None)
+
+
+def _broadcast_lazy_params(params: list[torch.Tensor]) -> None:
+    """Rank 0's values of parameters created in a multi-replica scope that were lazy at its exit."""
+    from meshfit.distribute._replication import broadcast_initial_values, owner_of
+
+    by_strategy: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+    for p in params:
+        strategy = owner_of(p)
+        if strategy is not None and strategy.num_replicas_in_sync > 1:
+            by_strategy.setdefault(id(strategy), (strategy, []))[1].append(p)
+    for strategy, group in by_strategy.values():
+        broadcast_initial_values(group, strategy)
 
 
 _CLASSES: dict[str, type[Optimizer]] = {cls.__name__: cls for cls in (SGD, Adam, AdamW, RMSprop, Adagrad)}

@@ -1,0 +1,249 @@
+"""Which parameters a strategy replicates, and how their gradients are kept in sync in custom loops.
+
+TensorFlow mirrors every variable created inside ``strategy.scope()``: replicas start with the same
+values, and ``optimizer.apply_gradients`` inside ``strategy.run`` *sums* the replicas' gradients
+before the update (the user divides the per-example loss by the *global* batch with
+``compute_average_loss``). meshfit does the same for torch modules:
+
+- **Which parameters.** While a strategy's scope is entered, torch's global parameter and buffer
+  registration hooks (``torch.nn.modules.module.register_module_{parameter,buffer}_registration_hook``)
+  record every parameter and buffer a module registers, with the strategy of the innermost scope.
+  ``Model(module)`` created in a scope adopts the module's parameters too (a module built outside
+  and wrapped inside). The record is a weak mapping: nothing is kept alive by it.
+- **Same start.** When the outermost scope of a multi-replica strategy exits normally, rank 0's
+  values of the parameters and buffers created in it are broadcast (TF's ``MirroredVariable``
+  starts identical). Lazy parameters are broadcast when the optimizer is built on them (after
+  the forward pass that materialises them).
+- **Gradient sync.** `synchronize_gradients` all-reduces (SUM) the gradients of recorded
+  parameters over their strategy's replicas, in one flat buffer per dtype. Parameters whose
+  gradients ``DistributedDataParallel`` already averaged during this step (``Model.fit`` wraps the
+  module in DDP; `mark_ddp_synchronized` installs a forward pre-hook on the DDP wrapper that
+  flags them) are skipped, so nothing is reduced twice.
+- **DTensor parameters** follow their layout: a gradient with ``Partial`` placements is
+  redistributed to the parameter's placements (DTensor's own all-reduce); a ``Replicate``
+  gradient over a mesh axis named ``"batch"`` (computed from per-replica local batches) is summed
+  over that axis only. Sharded axes are left alone: each shard owns its gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.nn.parameter import is_lazy
+from torch.utils.weak import WeakIdKeyDictionary
+
+# tensor -> strategy that created it (weak on both sides, keyed by identity: tensors' == is elementwise)
+_OWNER = WeakIdKeyDictionary()
+# parameters whose gradients DDP (or another reducer) reduces in the current step
+_DDP_PENDING = WeakIdKeyDictionary()
+# per scope entry: the tensors created in it, to broadcast when it exits
+_CREATED: list[list[weakref.ref]] = []
+_HOOKS: list[Any] = []
+_BATCH_AXIS = "batch"
+
+
+def _record(tensor: torch.Tensor | None, strategy: Any) -> None:
+    if tensor is None or tensor in _OWNER:
+        return
+    _OWNER[tensor] = weakref.ref(strategy)
+    if _CREATED:
+        _CREATED[-1].append(weakref.ref(tensor))
+
+
+def _on_registration(module: torch.nn.Module, name: str, tensor: Any) -> None:
+    from meshfit.distribute._strategy import current_scope_strategy
+
+    strategy = current_scope_strategy()
+    if strategy is not None and isinstance(tensor, torch.Tensor):
+        _record(tensor, strategy)
+
+
+@contextlib.contextmanager
+def tracking_scope(strategy: Any) -> Iterator[None]:
+    """Record the parameters created inside; broadcast rank 0's values when the scope exits."""
+    from torch.nn.modules import module as torch_module
+
+    if not _HOOKS:
+        _HOOKS.append(torch_module.register_module_parameter_registration_hook(_on_registration))
+        _HOOKS.append(torch_module.register_module_buffer_registration_hook(_on_registration))
+    _CREATED.append([])
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        created = _CREATED.pop()
+        if not _CREATED:
+            for handle in _HOOKS:
+                handle.remove()
+            _HOOKS.clear()
+        if ok:
+            tensors = [t for t in (ref() for ref in created) if t is not None]
+            broadcast_initial_values(tensors, strategy)
+
+
+def adopt(module: torch.nn.Module, strategy: Any) -> None:
+    """Record ``module``'s parameters and buffers as ``strategy``'s (``Model(module)`` in a scope)."""
+    for tensor in [*module.parameters(), *module.buffers()]:
+        _record(tensor, strategy)
+
+
+def owner_of(tensor: torch.Tensor) -> Any:
+    """The strategy in whose scope ``tensor`` was created, or None."""
+    ref = _OWNER.get(tensor)
+    return ref() if ref is not None else None
+
+
+def broadcast_initial_values(tensors: Iterable[torch.Tensor], strategy: Any) -> None:
+    """Give every replica rank 0's values of ``tensors`` (lazy and already broadcast ones skipped)."""
+    if strategy.num_replicas_in_sync <= 1:
+        return
+    pending = [t for t in tensors if not is_lazy(t) and not getattr(t, "_meshfit_broadcast", False)
+               and not _is_dtensor(t)]
+    if not pending:
+        return
+    with torch.no_grad():
+        for group in _by_dtype(pending):
+            flat = torch.cat([t.detach().reshape(-1).to("cpu") for t in group])
+            strategy.broadcast_tensor(flat)
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+    for t in pending:
+        t._meshfit_broadcast = True
+
+
+def mark_gradients_synchronized(params: Iterable[torch.Tensor]) -> None:
+    """Tell the next optimizer step that these gradients were already reduced across replicas
+    (e.g. the Estimator's train op averages them itself)."""
+    for p in params:
+        _DDP_PENDING[p] = True
+
+
+def mark_ddp_synchronized(ddp_module: torch.nn.Module) -> None:
+    """Flag the parameters of a DDP wrapper as reduced by DDP whenever it runs a training forward."""
+    params = [p for p in ddp_module.parameters() if p.requires_grad]
+
+    def pre_hook(module: torch.nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled() and getattr(module, "require_backward_grad_sync", True):
+            for p in params:
+                _DDP_PENDING[p] = True
+
+    ddp_module.register_forward_pre_hook(pre_hook)
+
+
+def synchronize_gradients(params: Iterable[torch.Tensor]) -> None:
+    """Sum the gradients of ``params`` over their strategy's replicas, in place (TF's semantics).
+
+    Parameters created outside any strategy scope are left alone; so are the ones DDP reduced.
+
+    Raises:
+        ValueError: a parameter created outside ``strategy.scope()`` is trained while a
+            multi-replica strategy is running in this process (it would train alone on each worker).
+    """
+    by_strategy: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+    for p in params:
+        if p.grad is None:
+            continue
+        if _DDP_PENDING.pop(p, False):
+            continue
+        strategy = owner_of(p)
+        if _is_dtensor(p):  # its layout says how its gradient is reduced
+            _synchronize_dtensor_gradient(p, replicated_batch=strategy is not None)
+            continue
+        if strategy is None:
+            _refuse_if_unreplicated(p)
+            continue
+        if strategy.num_replicas_in_sync > 1:
+            by_strategy.setdefault(id(strategy), (strategy, []))[1].append(p)
+    for strategy, group in by_strategy.values():
+        for same_dtype in _by_dtype([p.grad for p in group]):
+            flat = torch.cat([g.reshape(-1) for g in same_dtype])
+            strategy.all_reduce_sum(flat)
+            offset = 0
+            for g in same_dtype:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+
+def _refuse_if_unreplicated(param: torch.Tensor) -> None:
+    from meshfit.distribute._strategy import running_multi_replica_strategy
+
+    strategy = running_multi_replica_strategy()
+    if strategy is not None:
+        raise ValueError(
+            f"A parameter of shape {tuple(param.shape)} was created outside `strategy.scope()`, but "
+            f"{strategy!r} runs {strategy.num_replicas_in_sync} replicas: each worker would train it alone. "
+            "Create the model inside `with strategy.scope():` (and the optimizer and metrics with it).")
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return list(groups.values())
+
+
+def _is_dtensor(tensor: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def _synchronize_dtensor_gradient(param: Any, replicated_batch: bool) -> None:
+    """Make a DTensor gradient follow its parameter's layout (the seam for sharded parameters).
+
+    A ``Partial`` gradient is always reduced to the parameter's placements. A ``Replicate``
+    gradient over the ``batch`` axis is summed over that axis only for parameters created in a
+    strategy's scope (``replicated_batch``): a loop that fed each replica its own local batch.
+    Whoever replaces a module's parameters by DTensors in a custom loop should `adopt` the module
+    again so that the new parameters are recorded.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import Partial, Replicate
+
+    grad = param.grad
+    if not _is_dtensor(grad):
+        return
+    if any(isinstance(p, Partial) for p in grad.placements):
+        param.grad = grad.redistribute(grad.device_mesh, param.placements)
+        return
+    if not replicated_batch:
+        return
+    mesh = grad.device_mesh
+    names = mesh.mesh_dim_names or ()
+    for dim, placement in enumerate(grad.placements):
+        if isinstance(placement, Replicate) and dim < len(names) and names[dim] == _BATCH_AXIS:
+            dist.all_reduce(grad.to_local(), group=mesh.get_group(dim))
+
+
+def check_training_strategy(model: Any, what: str) -> None:
+    """Refuse to compile or fit a model under a strategy other than the one it was created in.
+
+    Keras raises when ``compile`` runs in a strategy's scope that the model's variables were not
+    created in; meshfit does too, and also when ``fit`` would train a model created outside every
+    scope while a multi-replica strategy runs in this process (each worker would train alone).
+    """
+    from meshfit.distribute._strategy import current_scope_strategy, running_multi_replica_strategy
+
+    active = current_scope_strategy()
+    if active is not None and active is not model.strategy:
+        raise ValueError(
+            f"Invalid model: it was created under {model.strategy!r}, but {what}() runs in the scope of "
+            f"{active!r}. Create the model inside `with strategy.scope():` of the strategy that trains it, "
+            "e.g.\n    with strategy.scope():\n        model = mf.Model(build_module())\n"
+            "        model.compile(...)")
+    running = running_multi_replica_strategy()
+    if what == "fit" and running is not None and model.strategy.num_replicas_in_sync == 1:
+        raise ValueError(
+            f"Invalid model: it was created outside `strategy.scope()`, but {running!r} runs "
+            f"{running.num_replicas_in_sync} replicas in this process, so fit() would train each worker alone. "
+            "Create the model inside `with strategy.scope():`, e.g.\n    with strategy.scope():\n"
+            "        model = mf.Model(build_module())\n        model.compile(...)")
