@@ -23,12 +23,12 @@ class InterruptAtEpoch(mf.callbacks.Callback):
 
 
 class InterruptAtStep(mf.callbacks.Callback):
+    # The seed's callback as written there: Keras's `on_batch_begin` alias, no super().__init__().
     def __init__(self, interrupting_step: int = 140) -> None:
-        super().__init__()
         self.interrupting_step = interrupting_step
 
-    def on_train_batch_end(self, batch, logs=None):
-        if self.model.loop_state.iterations == self.interrupting_step:
+    def on_batch_begin(self, batch, logs=None):
+        if self.model.optimizer.iterations == self.interrupting_step:
             raise RuntimeError("Interruption")
 
 
@@ -201,3 +201,65 @@ def test_resume_from_a_backup_at_an_epochs_last_step_keeps_that_epochs_logs(data
     _, history = fit(x, y, [mf.callbacks.BackupAndRestore(backup, save_freq=4)], epochs=3, steps_per_epoch=4,
                      repeat=True)
     assert history.history == reference.history
+
+
+def test_keras_batch_aliases_are_called(data):
+    # on_batch_begin / on_batch_end are Keras's aliases of the train-batch hooks: the seed's
+    # InterruptAtStep relies on them (a callback overriding them was silently never called).
+    x, y = data
+    seen = []
+
+    class Aliases(mf.callbacks.Callback):
+        def on_batch_begin(self, batch, logs=None):
+            seen.append(("begin", batch))
+
+        def on_batch_end(self, batch, logs=None):
+            seen.append(("end", batch, "loss" in logs))
+
+    fit(x, y, [Aliases()], epochs=1, steps_per_epoch=2, repeat=True)
+    assert seen == [("begin", 0), ("end", 0, True), ("begin", 1), ("end", 1, True)]
+    with pytest.raises(RuntimeError, match="Interruption"):
+        fit(x, y, [InterruptAtStep(3)], epochs=1, steps_per_epoch=5, repeat=True)
+
+
+def _array_model() -> mf.Model:
+    module = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 10))
+    model = mf.Model(module)
+    model.compile(mf.optimizers.Adam(learning_rate=0.01), mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def test_same_seed_same_fit_on_arrays_in_one_process(data):
+    # Item 5: the shuffle of array input derives from torch's RNG when fit starts, not from a
+    # per-process counter: the same seed gives the same run, first call or second.
+    x, y = data
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = _array_model()
+        model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+        runs.append(model)
+    assert_same_weights(runs[0], runs[1])
+
+
+def test_backup_resumed_mid_epoch_in_the_same_process_on_arrays_is_bitwise(data, tmp_path):
+    # The fault-tolerance seed's notebook flow: fit raises; a new model (no reseeding) calls fit
+    # again in the same process and resumes from the step backup with the order it saved.
+    x, y = data
+    torch.manual_seed(0)
+    reference = _array_model()
+    ref_history = reference.fit(x, y, batch_size=32, epochs=3, verbose=0)
+    backup = str(tmp_path / "backup")
+    torch.manual_seed(0)
+    model = _array_model()
+    with pytest.raises(RuntimeError, match="Interruption"):
+        model.fit(x, y, batch_size=32, epochs=3, verbose=0,
+                  callbacks=[mf.callbacks.BackupAndRestore(backup, save_freq=4), InterruptAtStep(14)])
+    recorder = Recorder()
+    model = _array_model()
+    history = model.fit(x, y, batch_size=32, epochs=3, verbose=0,
+                        callbacks=[mf.callbacks.BackupAndRestore(backup, save_freq=4), recorder])
+    assert recorder.batches[0] == (1, 2)  # iteration 12 = epoch 2, batch 3 (1-based)
+    assert_same_weights(model, reference)
+    assert history.history == ref_history.history

@@ -218,3 +218,19 @@ def test_resolve_cluster_reads_os_environ(monkeypatch):
     assert resolve_cluster() is None
     monkeypatch.setenv("TF_CONFIG", json.dumps(_tf({"worker": ["a:1"]})))
     assert resolve_cluster().world_size == 1
+
+
+def test_cluster_spec_has_tf_methods(monkeypatch):
+    # The seed's `_is_chief(task_type, task_id, cluster_spec)` reads `cluster_spec.as_dict()`.
+    config = _tf({"chief": ["c:1"], "worker": ["a:1", "b:2"]}, index=1)
+    monkeypatch.setenv("TF_CONFIG", json.dumps(config))
+    spec = TFConfigClusterResolver().cluster_spec()
+    assert spec.as_dict() == {"chief": ["c:1"], "worker": ["a:1", "b:2"]}
+    assert "chief" in spec.as_dict() and spec.jobs == ["chief", "worker"]
+    assert spec.num_tasks("worker") == 2 and spec.task_address("worker", 1) == "b:2"
+    spec.as_dict()["worker"].append("x:3")  # a copy
+    assert spec.num_tasks("worker") == 2
+    with pytest.raises(ValueError, match="job_name='ps'"):
+        spec.num_tasks("ps")
+    with pytest.raises(ValueError, match="task_index=5"):
+        spec.task_address("worker", 5)

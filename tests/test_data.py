@@ -480,3 +480,15 @@ def test_docstring_examples_pass():
         assert result.failed == 0, f"{module.__name__}: {result.failed} doctest failures"
         attempted += result.attempted
     assert attempted > 0
+
+
+def test_options_experimental_distribute_spelling():
+    # The seed: options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    import meshfit as mf
+
+    options = mf.data.Options()
+    options.experimental_distribute.auto_shard_policy = mf.data.experimental.AutoShardPolicy.OFF
+    assert options.auto_shard_policy is AutoShardPolicy.OFF
+    assert Dataset.range(4).batch(2).with_options(options).options().auto_shard_policy is AutoShardPolicy.OFF
+    with pytest.raises(TypeError, match="auto_shard_policy='off'"):
+        options.experimental_distribute.auto_shard_policy = "off"

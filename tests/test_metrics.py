@@ -240,3 +240,13 @@ def test_get_rejects_unknown_identifiers_echoing_them():
         get(7)
     with pytest.raises(ValueError, match=r"received k=0"):
         SparseTopKCategoricalAccuracy(k=0)
+
+
+def test_reset_states_is_reset_state():
+    # TF 2.x tutorials call `train_accuracy.reset_states()` at each epoch's end.
+    metric = SparseCategoricalAccuracy()
+    metric.update_state(torch.tensor([1]), torch.tensor([[0.0, 1.0]]))
+    assert float(metric.result()) == 1.0
+    metric.reset_states()
+    assert [float(t) for t in metric.state_tensors()] == [0.0, 0.0]
+    assert float(metric.local_result()) == float(metric.result())

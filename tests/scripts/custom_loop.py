@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--steps-per-epoch", type=int, default=7)
     parser.add_argument("--examples", type=int, default=512)
+    parser.add_argument("--learning-rate", type=float, default=0.001)
     parser.add_argument("--kill-at", type=int, default=-1, help="SIGKILL rank --kill-rank at this global step")
     parser.add_argument("--kill-rank", type=int, default=1)
     args = parser.parse_args()
@@ -72,7 +73,7 @@ def main() -> None:
         multi_worker_dataset = strategy.distribute_datasets_from_function(
             lambda input_context: dataset_fn(global_batch_size, input_context, args.examples))
         multi_worker_model = build_cnn_model()
-        optimizer = mf.optimizers.RMSprop(learning_rate=0.001)
+        optimizer = mf.optimizers.RMSprop(learning_rate=args.learning_rate)
         train_accuracy = mf.metrics.SparseCategoricalAccuracy(name="train_accuracy")
     loss_object = mf.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
 
