@@ -248,3 +248,40 @@ def test_optimizer_closure_and_iterations_without_a_strategy():
     other = nn.Linear(2, 1)
     with pytest.raises(ValueError, match="not optimised by this SGD"):
         optimizer.apply_gradients([(torch.zeros(1, 2), other.weight)])
+
+
+def _dtensor_gradients(rank: int, world: int):
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    strategy = mf.MultiWorkerMirroredStrategy()
+    torch.manual_seed(0)
+    with strategy.scope():
+        module = nn.Linear(3, 1, bias=False)
+    mesh = strategy.mesh
+    module.weight = nn.Parameter(distribute_tensor(module.weight.detach(), mesh, [Replicate()]))
+    from meshfit.distribute._replication import adopt
+
+    adopt(module, strategy)  # layouts that replace parameters record the new ones
+    optimizer = mf.optimizers.SGD(learning_rate=1.0)
+    optimizer.build(module.parameters())
+    local_x = torch.full((2, 3), float(rank + 1))
+    # each replica's own batch stamped Replicate: the gradient is summed over the batch axis
+    x = DTensor.from_local(local_x, mesh, [Replicate()])
+    module(x).sum().backward()
+    optimizer.step()
+    replicate_grad = module.weight.grad.to_local().clone()
+    # the global batch sharded over the batch axis: DTensor reduces it itself (Partial), once
+    optimizer.zero_grad()
+    sharded = DTensor.from_local(local_x, mesh, [Shard(0)])
+    module(sharded).sum().backward()
+    optimizer.step()
+    return replicate_grad.numpy(), module.weight.grad.full_tensor().numpy(), type(module.weight.grad).__name__
+
+
+def test_dtensor_parameters_are_synchronised_by_their_layout():
+    (r0, s0, kind), (r1, s1, _) = run_distributed(_dtensor_gradients, timeout=120)
+    assert kind == "DTensor"
+    np.testing.assert_allclose(r0, np.full((1, 3), 6.0))  # 2*1 + 2*2, summed over the 2 replicas
+    np.testing.assert_array_equal(r0, r1)
+    np.testing.assert_allclose(s0, np.full((1, 3), 6.0))  # the sharded batch's gradient, not doubled
+    np.testing.assert_array_equal(s0, s1)

@@ -119,10 +119,11 @@ class Strategy:
         else:
             count = 1
         dtype = tensor.dtype
-        tensor = self.all_reduce_sum(tensor.to(torch.float64))
-        if op is ReduceOp.MEAN:
-            total = self.all_reduce_sum(torch.tensor(float(count), dtype=torch.float64))
-            tensor = tensor / total
+        with self.guard():  # a dead peer is named, as in fit, not a raw backend error
+            tensor = self.all_reduce_sum(tensor.to(torch.float64))
+            if op is ReduceOp.MEAN:
+                total = self.all_reduce_sum(torch.tensor(float(count), dtype=torch.float64))
+                tensor = tensor / total
         return tensor.to(dtype if dtype.is_floating_point else torch.float64)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:

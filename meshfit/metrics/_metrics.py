@@ -82,7 +82,8 @@ class Metric:
         strategy = self._reducing_strategy()
         if strategy is not None and states:
             flat = torch.cat([t.reshape(-1) for t in states])
-            strategy.all_reduce_sum(flat)
+            with strategy.guard():  # a dead peer is named, not a raw backend error
+                strategy.all_reduce_sum(flat)
             states = tuple(part.reshape(t.shape) for part, t in
                            zip(flat.split([t.numel() for t in states]), states, strict=True))
         return self.result_from(states)
