@@ -54,9 +54,9 @@ def test_seed_custom_loop_on_two_workers_equals_one_process(two_workers, tmp_pat
     single = str(tmp_path / "one")
     _launch(single, 1, "--workers-batch", "2")  # one worker on the same global batch (2 x 16)
     w0, w1, ref = _weights(two_workers, 0), _weights(two_workers, 1), _weights(single, 0)
-    for a, b in zip(w0, w1):
+    for a, b in zip(w0, w1, strict=True):
         np.testing.assert_array_equal(a, b)  # the replicas' weights stay identical
-    for a, b in zip(w0, ref):
+    for a, b in zip(w0, ref, strict=True):
         rel = np.linalg.norm(a - b) / np.linalg.norm(b)
         assert rel <= 1e-5, rel  # 21 steps: N replicas == 1 process on the global batch
     log0, log1, log_single = _log(two_workers, 0), _log(two_workers, 1), _log(single, 0)
@@ -76,7 +76,7 @@ def test_seed_custom_loop_killed_at_a_random_step_resumes_bitwise(two_workers, t
     assert "restarting the group" in output, output
     assert ("resuming from" in output) == (step > 7), (step, output)  # a checkpoint after each epoch
     for rank in (0, 1):
-        for a, b in zip(_weights(out, rank), _weights(two_workers, 0)):
+        for a, b in zip(_weights(out, rank), _weights(two_workers, 0), strict=True):
             np.testing.assert_array_equal(a, b, err_msg=f"killed at step {step}")
     assert _log(out, 0)[-1] == _log(two_workers, 0)[-1]
 
@@ -100,7 +100,7 @@ def _grads_are_summed(rank: int, world: int):
     # apply_gradients: TF's form, with gradients from autograd.grad
     grads = torch.autograd.grad(mf.nn.compute_average_loss(module(x).squeeze(1), global_batch_size=4),
                                 list(module.parameters()))
-    optimizer.apply_gradients(zip(grads, module.parameters()))
+    optimizer.apply_gradients(zip(grads, module.parameters(), strict=True))
     return [t.numpy() for t in (start_weight, local, summed, module.weight.detach().clone())] + [optimizer.iterations]
 
 

@@ -155,6 +155,9 @@ class MeshStrategy(CollectiveStrategy):
         wrapped = DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True,
                                           process_group=self._group_of(self._batch))
         wrapped.register_comm_hook(self._gradient_weight, weighted_allreduce_hook)
+        from meshfit.distribute._replication import mark_ddp_synchronized
+
+        mark_ddp_synchronized(wrapped)  # a meshfit optimizer must not reduce these gradients again
         return wrapped
 
     def _broadcast_from_rank0(self, module: nn.Module) -> None:
