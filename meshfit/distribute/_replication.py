@@ -231,7 +231,11 @@ def check_training_strategy(model: Any, what: str) -> None:
     created in; meshfit does too, and also when ``fit`` would train a model created outside every
     scope while a multi-replica strategy runs in this process (each worker would train alone).
     """
-    from meshfit.distribute._strategy import current_scope_strategy, running_multi_replica_strategy
+    from meshfit.distribute._strategy import (
+        current_scope_strategy,
+        is_default_strategy,
+        running_multi_replica_strategy,
+    )
 
     active = current_scope_strategy()
     if active is not None and active is not model.strategy:
@@ -241,7 +245,7 @@ def check_training_strategy(model: Any, what: str) -> None:
             "e.g.\n    with strategy.scope():\n        model = mf.Model(build_module())\n"
             "        model.compile(...)")
     running = running_multi_replica_strategy()
-    if what == "fit" and running is not None and model.strategy.num_replicas_in_sync == 1:
+    if what == "fit" and running is not None and is_default_strategy(model.strategy):
         raise ValueError(
             f"Invalid model: it was created outside `strategy.scope()`, but {running!r} runs "
             f"{running.num_replicas_in_sync} replicas in this process, so fit() would train each worker alone. "

@@ -230,6 +230,11 @@ def current_scope_strategy() -> Strategy | None:
     return _SCOPE_STACK[-1] if _SCOPE_STACK else None
 
 
+def is_default_strategy(strategy: Strategy) -> bool:
+    """Whether ``strategy`` is the default one (what code outside every scope gets)."""
+    return bool(_DEFAULT) and strategy is _DEFAULT[0]
+
+
 def register_running(strategy: Strategy) -> None:
     """Called by a multi-replica strategy once its process group is up."""
     _RUNNING.add(strategy)
