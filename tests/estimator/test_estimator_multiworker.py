@@ -65,6 +65,20 @@ class _WithUnused(torch.nn.Module):
         return self.used(x)
 
 
+def test_seed_001_program_under_torchrun(tmp_path):
+    model_dir, prefix = str(tmp_path / "multiworker"), str(tmp_path / "results")
+    (port,) = free_ports(1)
+    proc = start(["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                  "--master-port", str(port), SCRIPT, "--model-dir", model_dir, "--results", prefix,
+                  "--save-checkpoints-steps", "4", *QUICK], child_env())
+    code, out = finish(proc, timeout=420)
+    assert code == 0, out
+    for task in ("worker0", "worker1"):
+        results = _results(prefix, task)
+        assert results["evaluate"]["global_step"] == 8 and results["predictions"]["keys"] == ["logits"]
+    assert _kept(model_dir) == ["model.ckpt-0", "model.ckpt-4", "model.ckpt-8"]
+
+
 def _regression(world: int):
     """A linear regression whose input_fn shards by InputContext; 8 examples per step in all."""
     import meshfit as mf
