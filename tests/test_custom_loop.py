@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from _multiproc import run_distributed
-from _procs import child_env, finish, start
+from _procs import child_env, finish, free_ports, start, tf_config
 from torch import nn
 
 import meshfit as mf
@@ -79,6 +79,21 @@ def test_seed_custom_loop_killed_at_a_random_step_resumes_bitwise(two_workers, t
         for a, b in zip(_weights(out, rank), _weights(two_workers, 0), strict=True):
             np.testing.assert_array_equal(a, b, err_msg=f"killed at step {step}")
     assert _log(out, 0)[-1] == _log(two_workers, 0)[-1]
+
+
+def test_a_dead_peer_in_the_custom_loop_is_named(tmp_path):
+    # Item 10: strategy.run / reduce / metric results run inside the strategy's guard, so the
+    # survivor reports which worker stopped instead of a raw gloo "Connection closed by peer".
+    ports = free_ports(2)
+    args = [SCRIPT, "--out", str(tmp_path), *COMMON, "--kill-at", "5", "--kill-rank", "1"]
+    survivor = start(args, child_env(TF_CONFIG=tf_config(ports, 0)))
+    victim = start(args, child_env(TF_CONFIG=tf_config(ports, 1)))
+    try:
+        code, output = finish(survivor, timeout=120)
+    finally:
+        finish(victim, timeout=30)
+    assert code != 0, output
+    assert "PeerFailureError: Worker 1 stopped" in output, output
 
 
 # ---- the contract, piece by piece, on 2 gloo processes -------------------------------------------
