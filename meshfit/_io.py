@@ -14,6 +14,8 @@ import shutil
 from collections.abc import Iterator
 from typing import Any
 
+from meshfit._atomic import AtomicDirectory
+
 __all__ = [
     "atomic_directory",
     "atomic_write_bytes",
@@ -80,6 +82,11 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as error:
+        _remove(tmp)
+        if error.filename is None and error.errno is not None:  # a failed write(): name the file
+            raise type(error)(error.errno, error.strerror, path) from error
+        raise
     except BaseException:
         _remove(tmp)
         raise
@@ -123,10 +130,9 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
 def atomic_directory(path: str | os.PathLike[str]) -> Iterator[str]:
     """Builds a directory in a temporary sibling and moves it into place only on success.
 
-    Yields ``<path>.tmp-<pid>``, an empty directory to fill. On a clean exit its contents are
-    fsynced and it replaces ``path``: an existing ``path`` is first renamed to ``<path>.old-<pid>``,
-    the new directory is renamed into place, then the old one is deleted. If the body raises, the
-    temporary directory is removed and an existing ``path`` is left untouched.
+    Yields ``<path>.tmp-<pid>``, an empty directory to fill; see `meshfit._atomic.AtomicDirectory`
+    for the swap, the recovery of an interrupted one and the cleanup of dead writers' leftovers.
+    If the body raises, the temporary directory is removed and an existing ``path`` is untouched.
 
     Args:
         path: The final directory. Its parent is created if missing.
@@ -143,49 +149,5 @@ def atomic_directory(path: str | os.PathLike[str]) -> Iterator[str]:
         ['a.txt']
         >>> import shutil; shutil.rmtree(root)
     """
-    path = os.path.abspath(os.fspath(path))
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    pid = os.getpid()
-    tmp = f"{path}.tmp-{pid}"
-    old = f"{path}.old-{pid}"
-    _remove(tmp)  # left over by a crashed process that had the same pid
-    os.makedirs(tmp)
-    try:
+    with AtomicDirectory(path).writing() as tmp:
         yield tmp
-        _fsync_tree(tmp)
-    except BaseException:
-        _remove(tmp)
-        raise
-    _swap_into_place(tmp, path, old)
-    fsync_directory(parent)
-
-
-def _fsync_tree(root: str) -> None:
-    """Fsyncs every file and directory under ``root`` (bottom-up)."""
-    for dirpath, _, filenames in os.walk(root, topdown=False):
-        for name in filenames:
-            file_path = os.path.join(dirpath, name)
-            if os.path.islink(file_path):
-                continue
-            with open(file_path, "rb") as f:
-                os.fsync(f.fileno())
-        fsync_directory(dirpath)
-
-
-def _swap_into_place(tmp: str, path: str, old: str) -> None:
-    """Renames ``tmp`` to ``path``, moving an existing ``path`` aside first and deleting it after."""
-    had_old = os.path.lexists(path)
-    if had_old:
-        _remove(old)
-        os.replace(path, old)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        if had_old:  # put the previous version back rather than leave nothing at `path`
-            os.replace(old, path)
-        _remove(tmp)
-        raise
-    if had_old:
-        fsync_directory(os.path.dirname(path))
-        _remove(old)

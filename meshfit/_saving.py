@@ -1,27 +1,34 @@
 """``Model.save`` / ``load_model``: safetensors weights and JSON, never pickle.
 
-A saved model is a directory, written atomically (a temporary sibling renamed into place)::
+A saved model is a directory, written atomically by `meshfit._atomic.AtomicDirectory` (a scratch
+sibling ``<path>.tmp-<pid>`` renamed into place; a crash mid-swap is recovered by the next reader
+or writer)::
 
     <path>/
-      config.json              format, module class, architecture (when rebuildable), compile config,
+      config.json              format, module class, architecture (when rebuildable), compile config
+                               (optimizer, loss, metrics: names or {"class_name", "config"}),
                                optimizer state layout
-      model.safetensors        the module's state_dict
-      optimizer.safetensors    the optimizer's tensors (when it was built)
+      model.safetensors        the module's state_dict; header: CRC-32C of every tensor
+      optimizer.safetensors    the optimizer's tensors (when it was built); header: CRC-32Cs
 
-Every worker may call ``save`` on the same path: the chief writes, the others wait at a barrier,
-so exactly one complete copy results and nobody reads a half-written one.
+Every worker may call ``save`` on the same path: the chief writes, the others wait for its outcome
+(`meshfit._chief.chief_writes`), so exactly one complete copy results, nobody reads a half-written
+one, and every worker raises if the chief's write failed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
 from meshfit._architecture import module_from_config, module_to_config
+from meshfit._atomic import recover
+from meshfit._chief import chief_writes
 from meshfit._io import atomic_directory, atomic_write_json
 from meshfit._weights import (
     flatten_optimizer_state,
@@ -30,23 +37,53 @@ from meshfit._weights import (
     unflatten_optimizer_state,
 )
 from meshfit.losses import _resolve as _resolve_loss
+from meshfit.metrics import _metrics
 from meshfit.optimizers import _optimizers
 
 FORMAT = "meshfit.model/1"
 
 
-def _chief_writes(model: Any, write: Any) -> None:
+def _chief_writes(model: Any, write: Any, what: str = "save the model") -> None:
     strategy = model.strategy
     with strategy.guard():
-        error: BaseException | None = None
-        if strategy.is_chief:
-            try:
-                write()
-            except BaseException as caught:  # every worker must reach the barrier, then we re-raise
-                error = caught
-        strategy.barrier()
-        if error is not None:
-            raise error
+        chief_writes(write, is_chief=strategy.is_chief, gather=strategy.all_gather_object, what=what)
+
+
+def _named_os_error(error: OSError, path: str) -> OSError:
+    """``error`` (disk full, read-only...) with the path being saved in its message."""
+    if error.errno is None:
+        return error
+    return type(error)(error.errno, f"Cannot save to {path!r}: {error.strerror or error}")
+
+
+def _metric_config(identifier: Any) -> Any:
+    """A compiled metric as JSON: a string as is, a built-in metric object as {"class_name", "config"}."""
+    if isinstance(identifier, str):
+        return identifier
+    cls = type(identifier)
+    if _metrics._CLASSES.get(cls.__name__) is not cls:
+        return {"class_name": cls.__name__, "config": None}  # not rebuildable without running code
+    return {"class_name": cls.__name__,
+            "config": {"name": identifier.name, **getattr(identifier, "_fn_kwargs", {})}}
+
+
+def _metrics_from_config(entries: list[Any], path: str) -> list[Any]:
+    """The metrics `_metric_config` described; ones that cannot be rebuilt are reported and skipped."""
+    out: list[Any] = []
+    for entry in entries:
+        if isinstance(entry, str):
+            out.append(entry)
+        elif isinstance(entry, dict) and isinstance(entry.get("config"), dict):
+            cls = _metrics._CLASSES.get(entry.get("class_name"))
+            if cls is None:
+                raise ValueError(f"unknown metric class_name={entry.get('class_name')!r}; expected one of "
+                                 f"{sorted(_metrics._CLASSES)}")
+            out.append(cls(**entry["config"]))
+        else:
+            name = entry.get("class_name") if isinstance(entry, dict) else entry
+            warnings.warn(f"load_model({path!r}): metric {name!r} is a custom object and was not restored; "
+                          "compile the loaded model again with it.", RuntimeWarning, stacklevel=3)
+    return out
 
 
 def _laid_out_like(value: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
@@ -81,6 +118,7 @@ def save_model(model: Any, filepath: str | os.PathLike) -> None:
         from meshfit._keras_archive import save_archive
 
         return save_archive(model, path)
+    path = os.path.abspath(path)
     module = model.module
     if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters()):
         raise ValueError(f"Cannot save {path!r}: the module still has lazy, uninitialised parameters. "
@@ -93,36 +131,45 @@ def save_model(model: Any, filepath: str | os.PathLike) -> None:
     optimizer_state = _gathered(optimizer.state_dict()) if optimizer is not None and optimizer.built else None
 
     def write() -> None:
+        compile_config = dict(model._compile_config) if model._compile_config else None
+        if compile_config is not None:
+            compile_config["metrics"] = [_metric_config(m) for m in getattr(model, "_metric_identifiers", [])]
         config: dict[str, Any] = {
             "format": FORMAT,
             "name": model.name,
             "module_class": f"{type(module).__module__}.{type(module).__qualname__}",
             "architecture": module_to_config(module),
-            "compile": model._compile_config,
+            "compile": compile_config,
             "optimizer_state": None,
         }
-        with atomic_directory(path) as tmp:
-            save_state_dict(os.path.join(tmp, "model.safetensors"), weights)
-            if optimizer_state is not None:
-                tensors, meta = flatten_optimizer_state(optimizer_state)
-                save_state_dict(os.path.join(tmp, "optimizer.safetensors"), tensors)
-                config["optimizer_state"] = meta
-            atomic_write_json(os.path.join(tmp, "config.json"), config)
+        try:
+            with atomic_directory(path) as tmp:
+                save_state_dict(os.path.join(tmp, "model.safetensors"), weights)
+                if optimizer_state is not None:
+                    tensors, meta = flatten_optimizer_state(optimizer_state)
+                    save_state_dict(os.path.join(tmp, "optimizer.safetensors"), tensors)
+                    config["optimizer_state"] = meta
+                atomic_write_json(os.path.join(tmp, "config.json"), config)
+        except OSError as error:
+            raise _named_os_error(error, path) from error
 
-    _chief_writes(model, write)
+    _chief_writes(model, write, f"save the model to {path!r}")
 
 
 def save_weights(model: Any, filepath: str | os.PathLike) -> None:
-    path = os.fspath(filepath)
-    parent = os.path.dirname(os.path.abspath(path))
+    path = os.path.abspath(os.fspath(filepath))
+    parent = os.path.dirname(path)
 
     weights = _gathered(model.module.state_dict())
 
     def write() -> None:
-        os.makedirs(parent, exist_ok=True)
-        save_state_dict(path, weights)
+        try:
+            os.makedirs(parent, exist_ok=True)
+            save_state_dict(path, weights)
+        except OSError as error:
+            raise _named_os_error(error, path) from error
 
-    _chief_writes(model, write)
+    _chief_writes(model, write, f"save the weights to {path!r}")
 
 
 def load_weights(model: Any, filepath: str | os.PathLike) -> None:
@@ -131,6 +178,7 @@ def load_weights(model: Any, filepath: str | os.PathLike) -> None:
         from meshfit._keras_archive import load_archive_weights
 
         return load_archive_weights(model, path)
+    recover(path)
     if os.path.isdir(path):
         path = os.path.join(path, "model.safetensors")
     state = load_state_dict_file(path)
@@ -139,6 +187,7 @@ def load_weights(model: Any, filepath: str | os.PathLike) -> None:
 
 
 def _read_config(path: str) -> dict[str, Any]:
+    recover(path)  # a save that crashed between its two renames left the previous copy aside
     if not os.path.exists(path):
         parent = os.path.dirname(os.path.abspath(path)) or "."
         nearby = sorted(os.listdir(parent))[:10] if os.path.isdir(parent) else []
@@ -163,14 +212,16 @@ def load_model(filepath: str | os.PathLike, module: nn.Module | None = None, com
         filepath: the directory ``Model.save`` wrote, or its ``.keras`` file.
         module: the module to load the weights into. Needed when the module is not made of
             standard ``torch.nn`` layers (its architecture cannot be rebuilt without running code).
-        compile: restore the compile config and the optimizer state, when they were saved.
+        compile: restore the compile config (optimizer, loss, metrics) and the optimizer state,
+            when they were saved.
 
     Returns:
         A `meshfit.Model`.
 
     Raises:
         FileNotFoundError: nothing at ``filepath``.
-        ValueError: an incomplete or corrupt save, or an architecture that needs ``module=``.
+        ValueError: an incomplete or corrupt save (the message names the file), or an architecture
+            that needs ``module=``.
     """
     from meshfit._model import Model
 
@@ -180,21 +231,34 @@ def load_model(filepath: str | os.PathLike, module: nn.Module | None = None, com
 
         return load_archive(path, module=module, compile=compile)
     config = _read_config(path)
+    config_path = os.path.join(path, "config.json")
     if module is None:
         if config.get("architecture") is None:
             raise ValueError(f"The model at {path!r} is a custom module ({config.get('module_class')}) whose "
                              "architecture meshfit cannot rebuild without running code. Build it yourself and "
                              "pass it: mf.load_model(path, module=MyModule(...)).")
-        module = module_from_config(config["architecture"])
+        try:
+            module = module_from_config(config["architecture"])
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"Cannot rebuild the model from {config_path!r}: {error}") from error
     module.load_state_dict(load_state_dict_file(os.path.join(path, "model.safetensors")))
     model = Model(module, name=config.get("name"))
     compile_config = config.get("compile")
     if compile and compile_config and compile_config.get("optimizer") and compile_config.get("loss"):
-        model.compile(optimizer=_optimizers.deserialize(compile_config["optimizer"]),
-                      loss=_resolve_loss.deserialize(compile_config["loss"]),
-                      metrics=compile_config.get("metrics") or None)
+        try:
+            optimizer = _optimizers.deserialize(compile_config["optimizer"])
+            loss = _resolve_loss.deserialize(compile_config["loss"])
+            metrics = _metrics_from_config(compile_config.get("metrics") or [], path)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"Cannot restore the compile config from {config_path!r}: {error}") from error
+        model.compile(optimizer=optimizer, loss=loss, metrics=metrics or None)
         if config.get("optimizer_state") is not None:
             model.build(None)  # place the module first (a mesh's layouts replace parameters), then the optimizer
-            tensors = load_state_dict_file(os.path.join(path, "optimizer.safetensors"))
-            model.optimizer.load_state_dict(unflatten_optimizer_state(tensors, config["optimizer_state"]))
+            optimizer_file = os.path.join(path, "optimizer.safetensors")
+            tensors = load_state_dict_file(optimizer_file)
+            try:
+                model.optimizer.load_state_dict(unflatten_optimizer_state(tensors, config["optimizer_state"]))
+            except (KeyError, TypeError, ValueError) as error:
+                raise ValueError(f"Cannot restore the optimizer state from {optimizer_file!r} and "
+                                 f"{config_path!r}: {error}") from error
     return model

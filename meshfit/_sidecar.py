@@ -4,7 +4,9 @@ The training workers save with ``ModelCheckpoint`` (``model.save`` folders or ``
 files) into ``checkpoint_dir``; the evaluator, a separate process (``meshfit launch --evaluator``
 starts one with ``TF_CONFIG`` task type ``"evaluator"``), watches that folder, loads every new
 complete save into its own copy of the model and evaluates it. Partial saves are never read: both
-kinds of save are renamed into place only when complete.
+kinds of save are renamed into place only when complete, and scratch names (``.tmp``, ``.old``,
+``.deleting``, see `meshfit._atomic`) are recognised by the same rule every saver uses; a copy left
+aside by a writer that crashed mid-swap is put back before looking.
 """
 
 from __future__ import annotations
@@ -13,11 +15,14 @@ import os
 import time
 from typing import Any
 
+from meshfit._atomic import clean_directory, is_scratch_name
+
 _WEIGHT_SUFFIX = ".safetensors"
 
 
 def _saves(directory: str) -> list[str]:
     """Complete saves in ``directory``, oldest first: model folders and weight files."""
+    clean_directory(directory)
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
@@ -25,7 +30,7 @@ def _saves(directory: str) -> list[str]:
     found = []
     for name in names:
         path = os.path.join(directory, name)
-        if ".tmp" in name or ".old" in name:
+        if is_scratch_name(name):
             continue
         if os.path.isdir(path) and os.path.isfile(os.path.join(path, "model.safetensors")) \
                 and os.path.isfile(os.path.join(path, "config.json")):

@@ -4,12 +4,13 @@ A weights file is a plain safetensors file (``safetensors.torch``), written atom
 `meshfit._io`. A torch optimizer's ``state_dict`` (nested dicts keyed by int parameter ids, tensors,
 python scalars such as ``momentum_buffer=None``, and ``param_groups`` lists) is split by
 `flatten_optimizer_state` into a flat tensor dict (for safetensors) and a JSON-able tree that
-references those tensors by name; `unflatten_optimizer_state` rebuilds it exactly.
+references those tensors by name (`meshfit._tagged_json`, the one codec checkpoints use too);
+`unflatten_optimizer_state` rebuilds it exactly.
 """
 
 from __future__ import annotations
 
-import math
+import json
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -17,6 +18,8 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from meshfit import _tagged_json
+from meshfit._checksum import ChecksumError, tensor_crc32
 from meshfit._io import atomic_write_bytes
 
 __all__ = [
@@ -29,6 +32,7 @@ __all__ = [
 ]
 
 OPTIMIZER_STATE_FORMAT = "meshfit.optimizer_state/1"
+CHECKSUM_KEY = "meshfit.crc32c"  # header metadata: JSON {tensor name: CRC-32C of its bytes}
 
 
 def _prepare_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -63,7 +67,8 @@ def save_state_dict(
     """Saves a flat ``{name: tensor}`` dict as a safetensors file, atomically.
 
     Tensors are moved to CPU and made contiguous; tensors that share memory (tied weights) are
-    stored as separate copies, so every key loads back.
+    stored as separate copies, so every key loads back. The CRC-32C of every tensor is stored in the
+    header (``metadata["meshfit.crc32c"]``) and verified by `load_state_dict_file`.
 
     Args:
         path: Destination file; its parent directory must exist.
@@ -80,8 +85,9 @@ def save_state_dict(
                     f"Invalid `metadata` entry {key!r}: {value!r}: keys and values must both be str. "
                     "Encode other values with json.dumps."
                 )
-        metadata = dict(metadata)
-    data = safetensors.torch.save(_prepare_tensors(state), metadata=metadata)
+    tensors = _prepare_tensors(state)
+    metadata = {**(metadata or {}), CHECKSUM_KEY: json.dumps({k: tensor_crc32(t) for k, t in tensors.items()})}
+    data = safetensors.torch.save(tensors, metadata=metadata)
     atomic_write_bytes(path, data)
 
 
@@ -104,15 +110,24 @@ def load_state_dict_file(path: str | os.PathLike[str]) -> dict[str, torch.Tensor
 
     Raises:
         FileNotFoundError: If ``path`` is not an existing file.
-        ValueError: If the file is not a safetensors file or is corrupted.
+        ValueError: If the file is not a safetensors file or is corrupted (a tensor whose bytes do
+            not match the checksum recorded at save time: `meshfit._checksum.ChecksumError`).
     """
     path = _check_file(path)
     try:
-        return safetensors.torch.load_file(path, device="cpu")
+        tensors = safetensors.torch.load_file(path, device="cpu")
+        with safetensors.safe_open(path, framework="pt") as f:
+            recorded = (f.metadata() or {}).get(CHECKSUM_KEY)
+        expected = json.loads(recorded) if recorded is not None else {}
     except Exception as err:
         raise ValueError(
             f"Cannot load {path!r}: not a meshfit/safetensors checkpoint or corrupted ({err})."
         ) from err
+    for name, crc in expected.items():
+        if name not in tensors or tensor_crc32(tensors[name]) != crc:
+            raise ChecksumError(f"Corrupt file {path!r}: tensor {name!r} does not match the CRC-32C recorded when "
+                                "it was saved (a bit flip or a damaged copy). Restore the file from a good copy.")
+    return tensors
 
 
 def load_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
@@ -125,76 +140,22 @@ def load_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
     path = _check_file(path)
     try:
         with safetensors.safe_open(path, framework="pt") as f:
-            return dict(f.metadata() or {})
+            return {k: v for k, v in (f.metadata() or {}).items() if k != CHECKSUM_KEY}
     except Exception as err:
         raise ValueError(
             f"Cannot load {path!r}: not a meshfit/safetensors checkpoint or corrupted ({err})."
         ) from err
 
 
-# JSON tree encoding. Every JSON object in the tree is a tagged node with exactly one key:
-#   {"tensor": name}, {"dict": [[key, value], ...]}, {"tuple": [...]}, {"float": "nan"|"inf"|"-inf"}.
-# Lists, str, int, bool, finite floats and None are stored as themselves.
+def _tensor_loader(tensors: Mapping[str, torch.Tensor]) -> Any:
+    """``load(key, as_ndarray)`` for `meshfit._tagged_json.decode` over a loaded tensor file."""
 
+    def load(key: str, as_ndarray: bool) -> Any:
+        if key not in tensors:
+            raise ValueError(f"Corrupted optimizer state: tensor {key!r} is missing from the tensor file.")
+        return tensors[key].numpy() if as_ndarray else tensors[key]
 
-def _join(where: str, key: Any) -> str:
-    """The tensor name for ``key`` under path ``where``."""
-    return f"{where}/{key}" if where else str(key)
-
-
-def _encode(value: Any, where: str, tensors: dict[str, torch.Tensor]) -> Any:
-    """Encodes one value of the optimizer state tree, moving tensors into ``tensors``."""
-    if isinstance(value, torch.Tensor):
-        name = where or "tensor"
-        suffix = 1
-        while name in tensors:
-            suffix += 1
-            name = f"{where}#{suffix}"
-        tensors[name] = value.detach()
-        return {"tensor": name}
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else {"float": repr(value)}
-    if isinstance(value, tuple):
-        return {"tuple": [_encode(v, _join(where, i), tensors) for i, v in enumerate(value)]}
-    if isinstance(value, list):
-        return [_encode(v, _join(where, i), tensors) for i, v in enumerate(value)]
-    if isinstance(value, Mapping):
-        items = []
-        for key, item in value.items():
-            if not (key is None or isinstance(key, (bool, int, str, float))):
-                raise TypeError(f"Cannot store optimizer state key {key!r} at {where!r}: unsupported type.")
-            items.append([key, _encode(item, _join(where, key), tensors)])
-        return {"dict": items}
-    raise TypeError(
-        f"Cannot store optimizer state value at {where!r}: type {type(value).__name__} is not a tensor, "
-        "number, str, bool, None, list, tuple or dict."
-    )
-
-
-def _decode(node: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """Inverse of `_encode`."""
-    if isinstance(node, list):
-        return [_decode(v, tensors) for v in node]
-    if not isinstance(node, dict):
-        return node
-    if len(node) != 1:
-        raise ValueError(f"Corrupted optimizer state: expected a tagged node, received {node!r}.")
-    ((tag, payload),) = node.items()
-    if tag == "tensor":
-        if payload not in tensors:
-            raise ValueError(
-                f"Corrupted optimizer state: tensor {payload!r} is missing from the tensor file."
-            )
-        return tensors[payload]
-    if tag == "tuple":
-        return tuple(_decode(v, tensors) for v in payload)
-    if tag == "dict":
-        return {key: _decode(value, tensors) for key, value in payload}
-    if tag == "float":
-        return float(payload)
-    raise ValueError(f"Corrupted optimizer state: unknown node tag {tag!r}.")
+    return load
 
 
 def flatten_optimizer_state(
@@ -228,7 +189,7 @@ def flatten_optimizer_state(
             f"received {type(state_dict).__name__}."
         )
     tensors: dict[str, torch.Tensor] = {}
-    tree = _encode(state_dict, "", tensors)
+    tree = _tagged_json.encode(state_dict, "", tensors, "optimizer state")
     return tensors, {"format": OPTIMIZER_STATE_FORMAT, "tree": tree}
 
 
@@ -251,7 +212,7 @@ def unflatten_optimizer_state(tensors: Mapping[str, torch.Tensor], meta: Mapping
             f"Invalid optimizer state description: expected format {OPTIMIZER_STATE_FORMAT!r}, "
             f"received {fmt!r}. Pass the `meta` returned by flatten_optimizer_state."
         )
-    state = _decode(meta["tree"], tensors)
+    state = _tagged_json.decode(meta["tree"], _tensor_loader(tensors), "optimizer state")
     if not isinstance(state, dict):
         raise ValueError(f"Corrupted optimizer state: the root is a {type(state).__name__}, not a dict.")
     return state

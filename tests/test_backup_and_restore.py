@@ -263,3 +263,49 @@ def test_backup_resumed_mid_epoch_in_the_same_process_on_arrays_is_bitwise(data,
     assert recorder.batches[0] == (1, 2)  # iteration 12 = epoch 2, batch 3 (1-based)
     assert_same_weights(model, reference)
     assert history.history == ref_history.history
+
+
+def test_delete_checkpoint_deletes_only_what_meshfit_wrote(data, tmp_path):
+    x, y = data
+    backup = tmp_path / "backup"
+    with pytest.raises(RuntimeError, match="Interruption"):
+        fit(x, y, [mf.callbacks.BackupAndRestore(str(backup), save_freq=4), InterruptAtStep(6)], epochs=1)
+    (backup / "notes.txt").write_text("the user's own file")  # added to a meshfit backup folder later
+    fit(x, y, [mf.callbacks.BackupAndRestore(str(backup))], epochs=1)
+    assert sorted(os.listdir(backup)) == ["notes.txt"]  # backups, record and marker gone; the user's file kept
+
+
+def test_a_non_empty_folder_that_is_not_a_backup_is_refused(data, tmp_path):
+    x, y = data
+    folder = tmp_path / "results"
+    folder.mkdir()
+    for name in ("a.csv", "b.png", "model.pt"):
+        (folder / name).write_text(name)
+    with pytest.raises(ValueError, match=r"results.*not a meshfit backup folder.*a\.csv"):
+        fit(x, y, [mf.callbacks.BackupAndRestore(str(folder))], epochs=1)
+    assert sorted(os.listdir(folder)) == ["a.csv", "b.png", "model.pt"]
+    with pytest.raises(TypeError, match=r"Invalid `backup_dir`.*backup_dir=5"):
+        mf.callbacks.BackupAndRestore(backup_dir=5)
+
+
+def test_a_corrupt_latest_backup_falls_back_to_the_previous_one(data, tmp_path):
+    x, y = data
+    backup = tmp_path / "backup"
+    reference, _ = fit(x, y, [], epochs=1)
+    with pytest.raises(RuntimeError, match="Interruption"):
+        fit(x, y, [mf.callbacks.BackupAndRestore(str(backup), save_freq=2), InterruptAtStep(7)], epochs=1)
+    latest = mf.train.latest_checkpoint(backup)
+    assert latest.endswith("ckpt-3")
+    data_file = os.path.join(latest, "__0_0.distcp")
+    with open(data_file, "r+b") as f:
+        f.seek(os.path.getsize(data_file) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    recorder = Recorder()
+    callback = mf.callbacks.BackupAndRestore(str(backup), save_freq=2, delete_checkpoint=False)
+    with pytest.warns(RuntimeWarning, match=r"Skipping the corrupt backup .*ckpt-3.*__0_0\.distcp"):
+        resumed, _ = fit(x, y, [callback, recorder], epochs=1)
+    assert callback.restored_from.endswith("ckpt-2")
+    assert recorder.batches[0] == (0, 4)  # resumed after the backup at iteration 4
+    assert_same_weights(resumed, reference)

@@ -13,7 +13,7 @@ import torch._dynamo  # noqa: F401  (see below)
 import torch.distributed as dist
 from _multiproc import run_distributed
 
-from meshfit.train import Checkpoint, CheckpointManager, PerRank, latest_checkpoint
+from meshfit.train import Checkpoint, CheckpointManager, PerRank, latest_checkpoint, load_checkpoint
 
 # torch sets TORCHINDUCTOR_CACHE_DIR the first time torch._dynamo is imported, which building a torch
 # optimizer does; importing it here keeps the env-leak guard from blaming the first optimizer test.
@@ -350,4 +350,96 @@ def _save_to_different_paths(rank: int, world: int, root: str) -> str:
 def test_ranks_saving_to_different_paths_is_an_error(tmp_path):
     messages = run_distributed(_save_to_different_paths, world_size=2, args=(str(tmp_path),), timeout=120)
     assert all("rank 0:" in m and "rank 1:" in m for m in messages)
+    assert all("write_filepath" in m for m in messages)  # says what to change in the tutorial's code
     assert latest_checkpoint(str(tmp_path / "worker0")) is None
+
+
+def test_a_bit_flip_in_a_data_file_is_an_error_naming_the_file(tmp_path):
+    from meshfit._checksum import ChecksumError
+
+    path = Checkpoint(w=torch.arange(256.0)).save(tmp_path / "ckpt-1")
+    data = os.path.join(path, "__0_0.distcp")
+    with open(data, "r+b") as f:
+        f.seek(os.path.getsize(data) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(ChecksumError, match="__0_0.distcp"):
+        Checkpoint(w=torch.zeros(256)).restore(path)
+    with pytest.raises(ChecksumError, match="__0_0.distcp"):
+        load_checkpoint(path)
+
+
+def test_restore_none_is_a_no_op_and_bad_paths_are_refused(tmp_path):
+    step = torch.tensor(3)
+    Checkpoint(step=step).restore(latest_checkpoint(tmp_path))  # TF's first-run idiom on an empty folder
+    assert int(step) == 3
+    existing = tmp_path / "a_file"
+    existing.write_text("mine")
+    with pytest.raises(FileExistsError, match="a_file"):
+        Checkpoint(step=step).save(existing)
+    assert existing.read_text() == "mine"
+    with pytest.raises(TypeError, match="Invalid `path`"):
+        Checkpoint(step=step).save(5)
+
+
+def test_load_checkpoint_reads_tensors_by_name(tmp_path):
+    model, optimizer = _model_and_optimizer("adam")
+    _train_step(model, optimizer, 0)
+    path = Checkpoint(model=model, optimizer=optimizer, rng=PerRank(torch.tensor([4, 5]))).save(tmp_path / "c-1")
+    reader = load_checkpoint(path)
+    shapes = reader.get_variable_to_shape_map()
+    assert shapes["model/0.weight"] == [4, 3] and shapes["rng/rank0"] == [2]
+    assert "optimizer/state/0/exp_avg" in shapes and reader.has_tensor("model/2.bias")
+    assert torch.equal(reader.get_tensor("model/0.weight"), model[0].weight.detach())
+    assert reader.get_variable_to_dtype_map()["rng/rank0"] == torch.int64
+    with pytest.raises(KeyError, match="model/0.weight"):
+        reader.get_tensor("nope")
+
+
+class _Mean:
+    """A metric-like accumulator whose value differs per rank."""
+
+    def __init__(self, total: float) -> None:
+        self.total = torch.tensor(total)
+
+    def state_dict(self) -> dict:
+        return {"total": self.total}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.total.copy_(state["total"])
+
+
+def _differing_plain_tensor(rank: int, world: int, root: str) -> dict:
+    mean = _Mean(10.0 * (rank + 1))  # 10 on rank 0, 20 on rank 1
+    with pytest.raises(ValueError, match=r"'mean'.*mean/total.*PerRank") as refused:
+        Checkpoint(mean=mean).save(os.path.join(root, "shared"))
+    Checkpoint(mean=PerRank(mean)).save(os.path.join(root, "per_rank"))
+    mean.total.zero_()
+    Checkpoint(mean=PerRank(mean)).restore(os.path.join(root, "per_rank"))
+    return {"message": str(refused.value), "restored": float(mean.total)}
+
+
+def test_a_tensor_that_differs_between_ranks_is_never_silently_dropped(tmp_path):
+    results = run_distributed(_differing_plain_tensor, world_size=2, args=(str(tmp_path),), timeout=150)
+    assert [r["restored"] for r in results] == [10.0, 20.0]  # each rank's own value came back
+    assert all("rank 0:" in r["message"] and "rank 1:" in r["message"] for r in results)
+    assert latest_checkpoint(tmp_path) == str(tmp_path / "per_rank")  # the refused save left nothing
+
+
+def _save_on_a_full_disk(rank: int, world: int, directory: str) -> str:
+    manager = CheckpointManager(Checkpoint(w=torch.zeros(200_000)), directory)  # 0.8 MB > the disk
+    with pytest.raises(RuntimeError) as caught:
+        manager.save()
+    return str(caught.value)
+
+
+def test_a_full_disk_reads_no_space_left_with_the_path_on_every_rank(tmp_path):
+    from _disk import small_disk
+
+    with small_disk(tmp_path / "disk") as disk:
+        messages = run_distributed(_save_on_a_full_disk, world_size=2, args=(str(disk / "backup"),), timeout=150)
+        assert os.listdir(disk / "backup") == []  # the partial save was removed
+    for message in messages:
+        assert "No space left on device" in message and str(disk / "backup" / "ckpt-1.tmp") in message, message
+        assert "enforce fail" not in message

@@ -10,20 +10,25 @@ Checkpoints are `meshfit.train.CheckpointManager` checkpoints (atomic; the newes
 kept, so a crash during a save leaves the previous one usable)::
 
     directory/
+      meshfit_backup.json   with delete_on_end: marks a folder meshfit may clean (a non-empty one
+                            without it is refused)
       checkpoint        {"latest_checkpoint": "ckpt-12", ...}
       ckpt-11/          the previous complete checkpoint
       ckpt-12/          the newest complete checkpoint
-      ckpt-13.tmp/      a save in progress (ignored until renamed)
+      ckpt-13.tmp/      a save in progress (ignored until renamed; see meshfit/_atomic.py)
+
+At start the newest checkpoint that verifies is restored: a corrupt one (a data file's CRC-32C, an
+unreadable state file) is skipped with a warning naming it, and the previous one is used.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import time
 from typing import Any
 
+from meshfit._chief import chief_writes
 from meshfit._step_logs import agree
 from meshfit._validation import check_bool, finite_float, optional_positive_int, path_like, positive_int
 from meshfit.callbacks._callback import Callback
@@ -104,23 +109,27 @@ class CheckpointSaver(Callback):
         return self.policy.on_preemption
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        from meshfit.train import Checkpoint, CheckpointManager  # lazily loaded public subpackage
+        from meshfit.train import Checkpoint, CheckpointManager, _backup  # lazily loaded public subpackage
 
         loop = self.loop
         if loop is None:
             raise RuntimeError(f"{type(self).__name__} saves training state: use it in fit's callbacks.")
         checkpoint = Checkpoint(**loop.checkpoint_items())
+        strategy = loop.strategy
+        if self.delete_on_end:  # refuse a folder holding files meshfit would not delete
+            chief_writes(lambda: _backup.claim_backup_dir(self.directory, self.checkpoint_name),
+                         is_chief=strategy.is_chief, gather=strategy.all_gather_object,
+                         what=f"use {self.directory!r} as the checkpoint folder")
         self._manager = CheckpointManager(checkpoint, self.directory, max_to_keep=self.max_to_keep,
                                           checkpoint_name=self.checkpoint_name)
-        strategy = loop.strategy
         strategy.failure.backup_dir = self.directory
-        latest = strategy.broadcast_object(self._manager.latest_checkpoint)
+        candidates = strategy.broadcast_object(self._manager.checkpoints)
+        latest = _backup.restore_newest_intact(checkpoint, candidates, strategy.is_chief)
         self.restored_from = latest
         self._last_save_time = time.monotonic()
         self._checked_at = loop.counters.iterations
         if latest is None:
             return
-        checkpoint.restore(latest)
         self._saved_at = self._checked_at = loop.counters.iterations
         if strategy.is_chief:
             counters = loop.counters
@@ -153,7 +162,7 @@ class CheckpointSaver(Callback):
             strategy = self.loop.strategy
             strategy.barrier()
             if strategy.is_chief:
-                delete_checkpoints(self.directory)
+                delete_checkpoints(self.directory, self.checkpoint_name)
             strategy.barrier()
 
     def _save(self) -> None:
@@ -171,6 +180,8 @@ class CheckpointSaver(Callback):
             pending.result()
 
 
-def delete_checkpoints(directory: str) -> None:
-    """Remove a finished job's checkpoint folder."""
-    shutil.rmtree(directory, ignore_errors=True)
+def delete_checkpoints(directory: str, checkpoint_name: str = "ckpt") -> None:
+    """Remove a finished job's checkpoints: only what meshfit wrote (see ``meshfit/train/_backup.py``)."""
+    from meshfit.train import _backup  # lazily loaded public subpackage
+
+    _backup.delete_backup_dir(directory, checkpoint_name)

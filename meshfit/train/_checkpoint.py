@@ -18,8 +18,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from meshfit.train import _storage, _tree
-from meshfit.train._per_rank import PerRank, is_trackable
+from meshfit import _tagged_json as _tree
+from meshfit._checksum import CorruptFileError
+from meshfit._chief import chief_writes
+from meshfit._validation import path_like
+from meshfit.train import _storage
+from meshfit.train._per_rank import PerRank, check_shared_tensors_agree, is_trackable, shared_tensor_checksums
 from meshfit.train._save_future import SaveFuture
 
 _FORMAT = "meshfit.train.Checkpoint"
@@ -68,7 +72,7 @@ class Checkpoint:
                                             "state": <tree>}            (shared state)
                                      name: {..., "ranks": [<tree of rank 0>, <tree of rank 1>]}}}
 
-    A ``<tree>`` is the state dict as tagged JSON (see ``meshfit/train/_tree.py``); each tensor in
+    A ``<tree>`` is the state dict as tagged JSON (see ``meshfit/_tagged_json.py``); each tensor in
     it is ``{"tensor": "<DCP key>"}`` with key ``<name>/<path>`` (``optimizer/state/0/exp_avg``), or
     ``<name>/rank<r>/<path>`` for a :class:`PerRank` trackable. A directory is a checkpoint only when
     it has its final name, ``.metadata`` and ``meshfit_state.json``.
@@ -153,7 +157,10 @@ class Checkpoint:
               on_commit: Callable[[str], None] | None = None) -> Any:
         """``save`` plus ``on_commit(path)``, run on every rank after the rename (before a future resolves)."""
         global _pending_save
-        path = os.path.abspath(os.fspath(path))
+        path = os.path.abspath(path_like("path", path))
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise FileExistsError(f"Invalid `path`: expected a checkpoint directory to write, received path={path!r}, "
+                                  "an existing file. Choose another path or remove the file.")
         tmp = path + _storage.TMP_SUFFIX
         _wait_for_pending_save()
         distributed = dist.is_available() and dist.is_initialized()
@@ -162,7 +169,7 @@ class Checkpoint:
         group = _storage.control_group() if distributed else None
         rank = dist.get_rank() if distributed else 0
         tensors, document = self._collect(rank, distributed, group, path)
-        _rank0_step(lambda: _storage.prepare_directory(tmp), distributed, rank, group, f"prepare {tmp!r}")
+        _rank0_step(lambda: _storage.prepare_directory(tmp, path), distributed, rank, group, f"prepare {tmp!r}")
         if not async_save:
             _write(tensors, tmp, group, distributed, rank)
             _rank0_step(lambda: _storage.commit_directory(tmp, path, document), distributed, rank, group,
@@ -173,7 +180,7 @@ class Checkpoint:
 
         save_group = _storage.async_group() if distributed else None
         try:
-            response = dcp.async_save(tensors, storage_writer=dcp.FileSystemWriter(tmp),
+            response = dcp.async_save(tensors, storage_writer=_storage.DiagnosingWriter(tmp),
                                       process_group=save_group, no_dist=not distributed)
         except BaseException:
             if rank == 0:
@@ -213,30 +220,41 @@ class Checkpoint:
         tensors: dict[str, torch.Tensor] = {}
         entries: dict[str, dict[str, Any]] = {}
         own_per_rank: dict[str, Any] = {}
+        shared_crcs: dict[str, str] = {}
+        owners: dict[str, str] = {}
         for name, (target, per_rank) in self._trackables.items():
             kind = "tensor" if isinstance(target, torch.Tensor) else "stateful"
             state = target.detach() if kind == "tensor" else target.state_dict()
             prefix = f"{name}/rank{rank}" if per_rank else name
+            before = set(tensors)
             tree = _tree.encode(state, prefix, tensors, name)
             entries[name] = {"kind": kind, "per_rank": per_rank}
             if per_rank:
                 own_per_rank[name] = tree
             else:
                 entries[name]["state"] = tree
+                if distributed:
+                    added = [k for k in tensors if k not in before]
+                    shared_crcs.update(shared_tensor_checksums(target, added, tensors))
+                    owners.update(dict.fromkeys(added, name))
         world = dist.get_world_size(group) if distributed else 1
-        mine = json.dumps({"path": path, "trees": own_per_rank})
+        mine = json.dumps({"path": path, "trees": own_per_rank, "crcs": shared_crcs})
         gathered = [json.loads(t) for t in (_storage.all_gather_text(mine, group) if distributed else [mine])]
         paths = [g["path"] for g in gathered]
         if len(set(paths)) > 1:
             listing = ", ".join(f"rank {r}: {p!r}" for r, p in enumerate(paths))
             raise ValueError(f"Every rank must save a checkpoint to the same path; received {listing}. "
-                             "Pass one path (on a file system all workers share) on every rank.")
+                             "Pass one path (on a file system all workers share) on every rank: a meshfit "
+                             "checkpoint is collective, each worker writes its own shards into that one "
+                             "directory. Drop TensorFlow's per-worker temp dir (the tutorial's write_filepath "
+                             "and the rmtree of it on non-chief workers): save to checkpoint_dir everywhere.")
+        check_shared_tensors_agree([g["crcs"] for g in gathered], owners)
         for name in own_per_rank:
             entries[name]["ranks"] = [g["trees"][name] for g in gathered]
         document = {"format": _FORMAT, "version": _VERSION, "world_size": world, "trackables": entries}
         return tensors, document
 
-    def restore(self, path: str | os.PathLike) -> None:
+    def restore(self, path: str | os.PathLike | None) -> None:
         """Load the checkpoint at ``path`` into the tracked objects, in place (collective).
 
         Tracked names missing from the checkpoint are an error; names in the checkpoint that are
@@ -247,26 +265,33 @@ class Checkpoint:
         state) are created on the CPU.
 
         Args:
-            path: a checkpoint directory written by :meth:`save`.
+            path: a checkpoint directory written by :meth:`save`; None does nothing (TF's
+                ``ckpt.restore(latest_checkpoint(d))`` on a first run, when ``d`` is empty).
 
         Raises:
             FileNotFoundError: nothing at ``path``; the message lists complete checkpoints beside it.
-            ValueError: ``path`` is incomplete or corrupt, or does not match the tracked objects.
+            ValueError: ``path`` is incomplete or corrupt (a data file whose CRC-32C differs from the
+                one recorded at save time raises `ChecksumError` naming it, on every rank), or does
+                not match the tracked objects.
             RuntimeError: reading tensor data failed (on any rank; the message names each rank).
         """
-        path = os.path.abspath(os.fspath(path))
+        if path is None:  # TF's first-run idiom: ckpt.restore(latest_checkpoint(d)) on an empty d
+            return
+        path = os.path.abspath(path_like("path", path))
         _wait_for_pending_save()
-        document = _read_document(path)
+        document = _storage.read_document(path, _FORMAT, _VERSION)
         distributed = dist.is_available() and dist.is_initialized()
         if not distributed:
             _silence_single_process_warning()
         group = _storage.control_group() if distributed else None
         rank = dist.get_rank() if distributed else 0
+        _storage.verify_everywhere(path, document, distributed, group)
         reader = _storage.SafeFileSystemReader(path)
         try:
             stored = reader.read_metadata().state_dict_metadata
         except Exception as error:
-            raise ValueError(f"Checkpoint {path!r} has unreadable DCP metadata: {error}") from error
+            raise CorruptFileError(f"Checkpoint {path!r} has unreadable DCP metadata "
+                                   f"{os.path.join(path, _storage.DCP_METADATA)!r}: {error}") from error
         saved = document["trackables"]
         destinations: dict[str, torch.Tensor] = {}
         plans = []
@@ -307,16 +332,16 @@ def _entry_for(saved: dict, name: str, target: Any, per_rank: bool, path: str) -
             f"per_rank={entry.get('per_rank')!r}; it is tracked now as kind={kind!r}, per_rank={per_rank}. "
             "Track it the same way (wrap it in PerRank, or not) as when it was saved.")
     if per_rank and not (isinstance(entry.get("ranks"), list) and entry["ranks"]):
-        raise ValueError(f"Corrupt checkpoint {path!r}: per-rank entry {name!r} has no ranks.")
+        raise CorruptFileError(f"Corrupt checkpoint {path!r}: per-rank entry {name!r} has no ranks.")
     if not per_rank and "state" not in entry:
-        raise ValueError(f"Corrupt checkpoint {path!r}: entry {name!r} has no state.")
+        raise CorruptFileError(f"Corrupt checkpoint {path!r}: entry {name!r} has no state.")
     return entry
 
 
 def _destination(stored: Any, current: Any, key: str, path: str) -> torch.Tensor:
     """The tensor DCP loads ``key`` into: the current one if it fits (in place), else a new CPU one."""
     if not isinstance(stored, TensorStorageMetadata):
-        raise ValueError(f"Corrupt checkpoint {path!r}: tensor {key!r} is missing from its DCP metadata.")
+        raise CorruptFileError(f"Corrupt checkpoint {path!r}: tensor {key!r} is missing from its DCP metadata.")
     if (isinstance(current, torch.Tensor) and tuple(current.shape) == tuple(stored.size)
             and current.dtype == stored.properties.dtype):
         return current.detach()
@@ -334,7 +359,7 @@ def _write(tensors: dict[str, torch.Tensor], tmp: str, group: Any, distributed: 
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
         planner = DefaultSavePlanner(enable_plan_caching=True)
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), process_group=group,
+        dcp.save(tensors, storage_writer=_storage.DiagnosingWriter(tmp), process_group=group,
                  no_dist=not distributed, planner=planner)
     except BaseException as error:
         if rank == 0:
@@ -352,45 +377,8 @@ def _dcp_error(error: CheckpointException, action: str, path: str) -> RuntimeErr
 
 
 def _rank0_step(step: Callable[[], None], distributed: bool, rank: int, group: Any, what: str) -> None:
-    """Run ``step`` on rank 0 and make every rank raise if it failed."""
-    error: BaseException | None = None
-    if rank == 0:
-        try:
-            step()
-        except BaseException as caught:
-            error = caught
-    ok = _storage.broadcast_status(error is None, group) if distributed else error is None
-    if error is not None:
-        raise error
-    if not ok:
-        raise RuntimeError(f"Checkpoint save failed: rank 0 could not {what}; see rank 0's error.")
+    """Run ``step`` on rank 0 and make every rank raise if it failed (`meshfit._chief.chief_writes`)."""
+    def gather(text: str) -> list[str]:
+        return _storage.all_gather_text(text, group) if distributed else [text]
 
-
-def _read_document(path: str) -> dict:
-    """The JSON state of the complete checkpoint at ``path``, with clear errors otherwise."""
-    if not os.path.exists(path):
-        parent = os.path.dirname(path)
-        found = [os.path.basename(p) for p in _storage.complete_checkpoints(parent)]
-        raise FileNotFoundError(
-            f"No checkpoint at {path!r}. Complete checkpoints in {parent!r}: "
-            f"{found if found else 'none'}.")
-    if not _storage.is_complete(path):
-        missing = [n for n in (_storage.DCP_METADATA, _storage.STATE_FILE)
-                   if not os.path.isfile(os.path.join(path, n))]
-        raise ValueError(
-            f"{path!r} is not a complete meshfit checkpoint (missing: {missing or 'a final name'}); it "
-            "may be a save interrupted by a crash. Use meshfit.train.latest_checkpoint(directory) "
-            "to find the newest complete one.")
-    file = os.path.join(path, _storage.STATE_FILE)
-    try:
-        with open(file, encoding="utf-8") as f:
-            document = json.load(f)
-    except (OSError, ValueError) as error:
-        raise ValueError(f"Checkpoint {path!r} is corrupt: cannot read {file!r}: {error}") from error
-    if (not isinstance(document, dict) or document.get("format") != _FORMAT
-            or not isinstance(document.get("trackables"), dict)):
-        raise ValueError(f"Checkpoint {path!r} is corrupt: {file!r} is not a {_FORMAT} state file.")
-    if document.get("version") != _VERSION:
-        raise ValueError(f"Checkpoint {path!r} has format version {document.get('version')!r}; this "
-                         f"meshfit reads version {_VERSION}.")
-    return document
+    chief_writes(step, is_chief=rank == 0, gather=gather, what=f"save the checkpoint: rank 0 could not {what}")

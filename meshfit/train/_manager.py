@@ -203,7 +203,9 @@ class CheckpointManager:
         if rank != 0:
             return
         for old in doomed:
-            _best_effort(lambda old=old: _storage.remove_tree(old, background=True),
+            # In the foreground: a checkpoint is a few files (one per writing rank), so unlinking them
+            # is cheap, and a caller listing the folder after save() returns sees only kept checkpoints.
+            _best_effort(lambda old=old: _storage.remove_tree(old),
                          f"delete old checkpoint {old!r}")
         state = {"latest_checkpoint": os.path.basename(path),
                  "all_checkpoints": [os.path.basename(p) for p in kept]}

@@ -5,6 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
+
+from meshfit._checksum import tensor_crc32
 
 
 def is_trackable(value: Any) -> bool:
@@ -47,3 +50,44 @@ class PerRank:
 
     def __repr__(self) -> str:
         return f"PerRank({self.trackable!r:.80})"
+
+
+def shared_tensor_checksums(target: Any, keys: list[str], tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """CRC-32C of each plain (non-DTensor) tensor a shared trackable saves, to compare across ranks.
+
+    A module's buffers are left out: DDP broadcasts them from rank 0 at every forward, so rank 0's
+    copy is the one training uses (e.g. batch-norm statistics) and saving it drops nothing.
+    """
+    buffers: set[str] = set()
+    if isinstance(target, torch.nn.Module):
+        state_keys = set(target.state_dict(keep_vars=True))
+        buffers = {name for name, _ in target.named_buffers() if name in state_keys}
+    out = {}
+    for key in keys:
+        tensor = tensors[key]
+        if isinstance(tensor, DTensor) or key.split("/", 1)[-1] in buffers:
+            continue
+        out[key] = tensor_crc32(tensor.detach().cpu())
+    return out
+
+
+def check_shared_tensors_agree(gathered: list[dict[str, str]], owners: dict[str, str]) -> None:
+    """Refuse a save that would keep only rank 0's copy of a tensor that differs between ranks.
+
+    Args:
+        gathered: every rank's ``{dcp_key: crc32c}`` from `shared_tensor_checksums`, by rank.
+        owners: ``{dcp_key: trackable name}`` for the message.
+
+    Raises:
+        ValueError: naming the trackable, the key, each rank's checksum and the fix.
+    """
+    for key in sorted(gathered[0]):
+        values = [g.get(key) for g in gathered]
+        if len(set(values)) > 1:
+            name = owners.get(key, key.split("/", 1)[0])
+            per_rank = ", ".join(f"rank {r}: crc32c {v}" for r, v in enumerate(values))
+            raise ValueError(
+                f"Cannot checkpoint {name!r}: tensor {key!r} differs between ranks ({per_rank}), and a "
+                "Checkpoint stores one copy of a shared tensor, so the other ranks' values would be lost. "
+                f"Wrap it to save one copy per rank: Checkpoint({name}=meshfit.train.PerRank(...)); or make "
+                "the value equal on every rank (e.g. reduce it) before saving.")

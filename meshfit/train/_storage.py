@@ -1,105 +1,101 @@
-"""Files and process groups behind meshfit checkpoints: atomic publishes, completeness, safe DCP reads."""
+"""Files and process groups behind meshfit checkpoints: atomic publishes, checksums, completeness, safe DCP reads."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import pathlib
 import pickle
 import re
 import shutil
-import threading
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from meshfit._io import fsync_directory
+from meshfit import _atomic
+from meshfit._checksum import ChecksumError, CorruptFileError, file_crc32, verify_file
 
 STATE_FILE = "meshfit_state.json"  # written by rank 0, inside each checkpoint directory
 DCP_METADATA = ".metadata"  # DCP's commit marker, written last by its coordinator
-TMP_SUFFIX = ".tmp"
-_SCRATCH_SUFFIXES = (TMP_SUFFIX, ".old", ".deleting")
+TMP_SUFFIX = ".tmp"  # the scratch name every rank derives from the path (see meshfit._atomic)
+DCP_DATA = ".distcp"
 _NUMBERED = re.compile(r"^(?P<name>.+)-(?P<number>\d+)$")
 
 
 # --- files -------------------------------------------------------------------------------------
 
 def remove_tree(path: str, background: bool = False) -> None:
-    """Delete a checkpoint directory so that no crash leaves a half-deleted one that looks complete.
+    """Delete a checkpoint directory so that no crash leaves a half-deleted one that looks complete."""
+    _atomic.remove_tree(path, background=background)
 
-    The rename to ``<path>.deleting`` is the commit; with ``background`` the files are then removed
-    on a thread, off the training step's critical path (readers ignore ``.deleting`` folders).
-    """
-    if not os.path.lexists(path):
-        return
-    doomed = path + ".deleting"
-    if os.path.lexists(doomed):
-        shutil.rmtree(doomed, ignore_errors=True)
-    os.replace(path, doomed)
-    if background:
-        threading.Thread(target=shutil.rmtree, args=(doomed, True), name="meshfit-prune").start()
-    else:
-        shutil.rmtree(doomed, ignore_errors=True)
+
+def prepare_directory(tmp: str, final: str) -> None:
+    """Rank 0: recover ``final`` if a swap was interrupted, then start a save from an empty ``tmp``."""
+    _atomic.AtomicDirectory(final, scratch=tmp).create()
 
 
 def publish_directory(tmp: str, final: str) -> None:
-    """Rename the finished ``tmp`` directory to ``final``, replacing an older ``final`` if present.
-
-    Replacing keeps the old directory until the new one is in place (``final`` -> ``final.old``,
-    ``tmp`` -> ``final``, then ``final.old`` is deleted), so a crash leaves one complete copy.
-    """
-    parent = os.path.dirname(os.path.abspath(final))
-    old = final + ".old"
-    if os.path.lexists(final):
-        if os.path.lexists(old):
-            shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    try:
-        os.replace(tmp, final)
-    except OSError:
-        if os.path.lexists(old) and not os.path.lexists(final):
-            os.replace(old, final)  # put the previous checkpoint back
-        raise
-    fsync_directory(parent)
-    if os.path.lexists(old):
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def prepare_directory(tmp: str) -> None:
-    """Rank 0: start a save from an empty ``tmp`` (a crashed save may have left one)."""
-    if os.path.lexists(tmp):
-        shutil.rmtree(tmp)
-    os.makedirs(tmp)
+    """Rename the finished ``tmp`` directory to ``final`` (see `meshfit._atomic.AtomicDirectory.finalize`)."""
+    _atomic.AtomicDirectory(final, scratch=tmp).finalize()
 
 
 def commit_directory(tmp: str, final: str, document: Any) -> None:
-    """Rank 0: write ``document`` as the JSON state into ``tmp``, fsync, then publish ``tmp`` as ``final``.
+    """Rank 0: record the CRC-32C of every DCP data file, write ``document`` as the JSON state into
+    ``tmp``, then publish ``tmp`` as ``final``.
 
     On failure ``tmp`` is removed and the error re-raised; an older ``final`` is left as it was.
     """
     try:
+        document = {**document, "checksums": {name: file_crc32(os.path.join(tmp, name))
+                                              for name in sorted(os.listdir(tmp)) if name.endswith(DCP_DATA)}}
         with open(os.path.join(tmp, STATE_FILE), "w", encoding="utf-8") as f:
             json.dump(document, f)
             f.flush()
             os.fsync(f.fileno())
-        fsync_directory(tmp)
         publish_directory(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
+def verify_checksums(path: str, document: dict) -> None:
+    """Raise `ChecksumError` naming the first DCP data file of ``path`` that does not match its record."""
+    recorded = document.get("checksums")
+    if not isinstance(recorded, dict):
+        return  # written before checksums were recorded
+    for name, expected in sorted(recorded.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise ChecksumError(f"Corrupt checkpoint {path!r}: data file {file!r} is missing.")
+        verify_file(file, expected)
+
+
 def is_complete(path: str | os.PathLike) -> bool:
     """True when ``path`` is a finished checkpoint: final name, DCP ``.metadata`` and the JSON state."""
     path = os.fspath(path)
-    name = os.path.basename(os.path.normpath(path))
-    if name.endswith(_SCRATCH_SUFFIXES):
+    if _atomic.is_scratch_name(path):
         return False
     return (os.path.isdir(path) and os.path.isfile(os.path.join(path, DCP_METADATA))
             and os.path.isfile(os.path.join(path, STATE_FILE)))
+
+
+def _recover_legacy(directory: str) -> None:
+    """Put back ``X.old`` (the name meshfit < 0.2 moved a checkpoint aside to) when ``X`` is missing."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        final = os.path.join(directory, name.removesuffix(".old"))
+        if (name.endswith(".old") and not os.path.lexists(final) and checkpoint_number(os.path.basename(final))
+                is not None and os.path.isfile(os.path.join(directory, name, STATE_FILE))):
+            with contextlib.suppress(OSError):
+                os.rename(os.path.join(directory, name), final)
 
 
 def checkpoint_number(name: str, checkpoint_name: str | None = None) -> int | None:
@@ -118,6 +114,8 @@ def complete_checkpoints(directory: str | os.PathLike, checkpoint_name: str | No
     ones and by ``N``; ties (and unnumbered ones) are ordered by modification time.
     """
     directory = os.fspath(directory)
+    _atomic.clean_directory(directory)  # put back a copy left aside by a crashed swap; drop dead leftovers
+    _recover_legacy(directory)
     try:
         names = os.listdir(directory)
     except (FileNotFoundError, NotADirectoryError):
@@ -136,6 +134,98 @@ def complete_checkpoints(directory: str | os.PathLike, checkpoint_name: str | No
             continue
         ranked.append(((number is not None, number or 0, mtime, name), path))
     return [path for _, path in sorted(ranked)]
+
+
+def verify_everywhere(path: str, document: dict, distributed: bool, group: Any) -> None:
+    """Check the data files' CRC-32Cs on every rank; if any rank finds a bad file, every rank raises."""
+    problem = ""
+    try:
+        verify_checksums(path, document)
+    except (OSError, ValueError) as error:
+        problem = str(error)
+    problems = all_gather_text(problem, group) if distributed else [problem]
+    bad = next((p for p in problems if p), "")
+    if bad:
+        raise ChecksumError(bad)
+
+
+def read_document(path: str, format_name: str, version: int) -> dict:
+    """The JSON state of the complete checkpoint at ``path``, with clear errors otherwise."""
+    if not os.path.exists(path):
+        parent = os.path.dirname(path)
+        found = [os.path.basename(p) for p in complete_checkpoints(parent)]
+        raise FileNotFoundError(
+            f"No checkpoint at {path!r}. Complete checkpoints in {parent!r}: "
+            f"{found if found else 'none'}.")
+    if not is_complete(path):
+        missing = [n for n in (DCP_METADATA, STATE_FILE)
+                   if not os.path.isfile(os.path.join(path, n))]
+        raise ValueError(
+            f"{path!r} is not a complete meshfit checkpoint (missing: {missing or 'a final name'}); it "
+            "may be a save interrupted by a crash. Use meshfit.train.latest_checkpoint(directory) "
+            "to find the newest complete one.")
+    file = os.path.join(path, STATE_FILE)
+    try:
+        with open(file, encoding="utf-8") as f:
+            document = json.load(f)
+    except (OSError, ValueError) as error:
+        raise CorruptFileError(f"Checkpoint {path!r} is corrupt: cannot read {file!r}: {error}") from error
+    if (not isinstance(document, dict) or document.get("format") != format_name
+            or not isinstance(document.get("trackables"), dict)):
+        raise CorruptFileError(f"Checkpoint {path!r} is corrupt: {file!r} is not a {format_name} state file.")
+    if document.get("version") != version:
+        raise ValueError(f"Checkpoint {path!r} has format version {document.get('version')!r}; this "
+                         f"meshfit reads version {version}.")
+    return document
+
+
+# --- writing DCP data with errors that say what went wrong -------------------------------------
+
+class DiagnosingWriter(FileSystemWriter):
+    """DCP's ``FileSystemWriter`` whose failures say "No space left on device" / "Read-only file system".
+
+    When a disk fills up, torch's zip writer reports ``enforce fail ... unexpected pos``; the errno is
+    lost. On a failed write, this writer looks at the file system (before anything is cleaned up)
+    and raises an ``OSError`` with the errno and the path instead.
+    """
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        try:
+            future = super().write_data(plan, planner)
+            future.wait()
+        except Exception as error:
+            raise disk_error(os.fspath(self.path), error, _planned_bytes(plan)) from error
+        return future
+
+
+def _planned_bytes(plan: Any) -> int:
+    """About how many bytes this rank's DCP plan writes (tensor data only)."""
+    total = 0
+    for item in getattr(plan, "items", []):
+        data = getattr(item, "tensor_data", None)
+        if data is not None:
+            numel = 1
+            for size in data.chunk.sizes:
+                numel *= int(size)
+            total += numel * data.properties.dtype.itemsize
+    return total
+
+
+def disk_error(path: str, error: BaseException, needed: int) -> BaseException:
+    """``error`` explained by the state of the file system holding ``path``, when that explains it."""
+    try:
+        stat = os.statvfs(path if os.path.exists(path) else os.path.dirname(path))
+    except OSError:
+        return error
+    if stat.f_flag & os.ST_RDONLY:
+        return OSError(errno.EROFS, f"Read-only file system: cannot write checkpoint data into {path!r}")
+    free = stat.f_bavail * stat.f_frsize
+    if isinstance(error, OSError) and error.errno is not None:
+        return type(error)(error.errno, f"{error.strerror}: cannot write checkpoint data into {path!r}")
+    if free < needed:
+        return OSError(errno.ENOSPC, f"No space left on device: cannot write checkpoint data into {path!r} "
+                                     f"({free} bytes free, about {needed} needed)")
+    return error
 
 
 # --- DCP metadata without arbitrary unpickling ---------------------------------------------------
@@ -187,7 +277,7 @@ class SafeFileSystemReader(FileSystemReader):
         with open(os.path.join(os.fspath(self.path), name), "rb") as f:
             metadata = _MetadataUnpickler(f).load()
         if not isinstance(metadata, Metadata):
-            raise ValueError(f"{os.path.join(os.fspath(self.path), name)} does not hold DCP metadata.")
+            raise CorruptFileError(f"{os.path.join(os.fspath(self.path), name)} does not hold DCP metadata.")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
