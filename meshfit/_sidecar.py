@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from meshfit._atomic import clean_directory, is_scratch_name
+from meshfit._saving import load_weights
 
 _WEIGHT_SUFFIX = ".safetensors"
 
@@ -87,8 +88,6 @@ class SidecarEvaluator:
 
     def start(self) -> list[tuple[str, dict[str, float]]]:
         """Evaluate new checkpoints until ``max_evaluations`` or ``timeout``; returns (path, logs) pairs."""
-        from meshfit._saving import load_weights
-
         done: set[tuple[str, float]] = set()
         last_new = time.monotonic()
         while self.max_evaluations is None or len(self.results) < self.max_evaluations:
