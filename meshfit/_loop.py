@@ -170,7 +170,7 @@ class TrainingLoop:
             self._stop_for_preemption()
         # A stop asked for in on_train_batch_end reaches the other replicas with the next step's
         # reduction; stopping on it alone here would leave them waiting.
-        return logs, stop > 0 or (trainable.stop_training and strategy.num_replicas_in_sync == 1)
+        return logs, stop > 0 or (trainable.stop_training and strategy.num_processes == 1)
 
     def _end_epoch(self, epoch: int, logs: dict[str, float],
                    validate: Callable[[int], dict[str, float]] | None) -> dict[str, float]:

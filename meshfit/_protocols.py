@@ -61,6 +61,9 @@ class DistributionStrategy(Protocol):
     def replica_id(self) -> int: ...
 
     @property
+    def num_processes(self) -> int: ...
+
+    @property
     def is_chief(self) -> bool: ...
 
     @property

@@ -27,7 +27,9 @@ def reduce_logs(trainable: Trainable, flags: Sequence[float] = (), *,
     states = [m.state_tensors() for m in metrics]
     flags = [float(f) for f in flags]
     strategy = trainable.strategy
-    if strategy.num_replicas_in_sync > 1 and (states or flags):
+    # Every process takes part, also along a mesh's ``model`` axis: a stop or preemption flag raised
+    # on any process must reach all of them.
+    if strategy.num_processes > 1 and (states or flags):
         parts = [t.reshape(-1).to(torch.float64) for group in states for t in group]
         flat = torch.cat([*parts, torch.tensor(flags, dtype=torch.float64)])
         strategy.all_reduce_sum(flat)

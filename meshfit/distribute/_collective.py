@@ -113,6 +113,10 @@ class CollectiveStrategy(Strategy):
         return self._rank
 
     @property
+    def num_processes(self) -> int:
+        return self._world
+
+    @property
     def is_chief(self) -> bool:
         return self._chief
 

@@ -44,6 +44,11 @@ class Strategy:
         return 0
 
     @property
+    def num_processes(self) -> int:
+        """How many processes train together (more than the replicas when a mesh has a ``model`` axis)."""
+        return 1
+
+    @property
     def is_chief(self) -> bool:
         """Whether this process writes logs, progress and files."""
         return True

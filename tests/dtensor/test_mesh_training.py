@@ -212,3 +212,27 @@ def _bad_world(rank, world):
 def test_mesh_size_must_match_the_world_size():
     messages = run_distributed(_bad_world, world_size=2, timeout=120)
     assert all("it has 4 devices but 2 processes joined" in m and "--workers 4" in m for m in messages)
+
+
+def _stop_on_one_process(rank, world):
+    import meshfit as mf
+
+    mesh = mf.dtensor.create_mesh([("model", 2)])  # no batch axis: one replica, two processes
+
+    class StopOnRankZero(mf.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if rank == 0 and batch == 1:
+                self.model.stop_training = True
+
+    x, y = _data()
+    with _layouts(mf, mesh).scope():
+        model = mf.Model(_mlp())
+        model.compile(optimizer="sgd", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[StopOnRankZero()])
+    return model.loop_state.iterations
+
+
+def test_a_stop_raised_on_one_process_of_a_model_only_mesh_stops_both():
+    # The flags of a step go through every process, not only the data-parallel replicas: here there
+    # is one replica, and the process that did not ask must still stop at the same step.
+    assert run_distributed(_stop_on_one_process, world_size=2, timeout=240) == [3, 3]
