@@ -243,3 +243,20 @@ def test_keep_checkpoint_max_zero_keeps_all_and_a_users_saver_hook_replaces_the_
     assert listener.saved == [0, 3, 6]
     assert sorted(os.listdir(tmp_path / "mine")) == ["checkpoint", "model.ckpt-0", "model.ckpt-3", "model.ckpt-6"]
     assert not os.path.exists(tmp_path / "model") or _kept(tmp_path / "model") == []
+
+
+def test_seed_002_resume_with_the_seeds_unseeded_shuffle_is_exact(tmp_path):
+    """Each input_fn call draws a new shuffle seed; the resumed Estimator reads the order it saved."""
+    import json
+
+    from _procs import ROOT, child_env, finish, start
+
+    script = os.path.join(ROOT, "tests", "scripts", "estimator_seed002.py")
+    results, outputs = {}, {}
+    for mode in ("uninterrupted", "interrupted"):
+        code, out = finish(start([script, mode, str(tmp_path / mode)], child_env()), timeout=240)
+        assert code == 0, out
+        outputs[mode], results[mode] = out, json.loads(out.strip().splitlines()[-1])
+    assert "raised: Interruption" in outputs["interrupted"]
+    assert results["uninterrupted"]["global_step"] == results["interrupted"]["global_step"] == 10
+    assert results["uninterrupted"] == results["interrupted"]
