@@ -19,9 +19,10 @@ from meshfit import (
     optimizers,
     utils,
 )
+from meshfit._loading import load_model
 from meshfit._model import Model
-from meshfit._saving import load_model
 from meshfit._sidecar import SidecarEvaluator
+from meshfit._version import __version__ as __version__
 from meshfit.distribute import (
     CommunicationImplementation,
     CommunicationOptions,
@@ -33,8 +34,6 @@ from meshfit.distribute import (
     ReduceOp,
     get_strategy,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "CommunicationImplementation",

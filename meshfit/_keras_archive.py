@@ -9,10 +9,10 @@ file, never a pickle::
       model.safetensors        the module's state_dict
       optimizer.safetensors    the optimizer's tensors (when it was built)
 
-Saving stages the directory beside the target (``<name>.staging/``, removed afterwards) and zips it into ``<name>.tmp-<pid>``, fsynced
-and renamed over ``<name>``: a reader sees the old archive or the new one, never a partial one.
-Loading reads only these entry names (no path in the zip reaches the file system) into a temporary
-directory and loads that with the directory loader.
+`meshfit._saving` stages the directory beside the target (``<name>.staging/``, removed afterwards)
+and `pack` zips it into ``<name>.tmp-<pid>``, fsynced and renamed over ``<name>``: a reader sees the
+old archive or the new one, never a partial one. `unpack` copies only these entry names (no path in
+the zip reaches the file system) into a directory, which the directory loader then reads.
 """
 
 from __future__ import annotations
@@ -20,15 +20,10 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import shutil
-import tempfile
 import zipfile
-from typing import Any
 
-from torch import nn
-
-from meshfit import _saving
 from meshfit._io import fsync_directory
+from meshfit._version import __version__
 
 ARCHIVE_FORMAT = "meshfit.keras/1"
 SUFFIX = ".keras"
@@ -41,25 +36,8 @@ def is_archive_path(filepath: str | os.PathLike) -> bool:
     return os.fspath(filepath).endswith(SUFFIX)
 
 
-def save_archive(model: Any, filepath: str | os.PathLike) -> None:
-    """Save ``model`` as one ``.keras`` file. Every worker may call it: only the chief writes."""
-    path = os.path.abspath(os.fspath(filepath))
-    if any(isinstance(p, nn.parameter.UninitializedParameter) for p in model.module.parameters()):
-        raise ValueError(f"Cannot save {path!r}: the module still has lazy, uninitialised parameters. "
-                         "Call fit, evaluate or predict (or model.build(sample_x)) first.")
-    # Staged beside the target, at a path every worker computes alike (only the chief writes there).
-    staged = f"{path}.staging"
-    try:
-        _saving.save_model(model, staged)  # collective: the chief stages, every worker waits
-        _saving._chief_writes(model, lambda: _zip_directory(staged, path))
-    finally:
-        if model.strategy.is_chief:
-            shutil.rmtree(staged, ignore_errors=True)
-
-
-def _zip_directory(directory: str, path: str) -> None:
-    from meshfit import __version__
-
+def pack(directory: str, path: str) -> None:
+    """Zip the saved-model ``directory`` into the archive ``path``, atomically."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     metadata = {"format": ARCHIVE_FORMAT, "meshfit_version": __version__,
                 "date_saved": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
@@ -107,7 +85,7 @@ def _open_archive(path: str) -> zipfile.ZipFile:
     return archive
 
 
-def _extract(path: str, directory: str) -> None:
+def unpack(path: str, directory: str) -> None:
     """Copy the archive's known entries into ``directory`` (names fixed here, never from the zip)."""
     with _open_archive(path) as archive:
         present = set(archive.namelist())
@@ -120,19 +98,3 @@ def _extract(path: str, directory: str) -> None:
                 with archive.open(name) as source, open(os.path.join(directory, name), "wb") as target:
                     while chunk := source.read(1 << 20):
                         target.write(chunk)
-
-
-def load_archive(filepath: str | os.PathLike, module: nn.Module | None = None, compile: bool = True) -> Any:
-    """Load a model saved as ``.keras`` (arguments as `meshfit.load_model`)."""
-    path = os.fspath(filepath)
-    with tempfile.TemporaryDirectory(prefix="meshfit-keras-") as directory:
-        _extract(path, directory)
-        return _saving.load_model(directory, module=module, compile=compile)
-
-
-def load_archive_weights(model: Any, filepath: str | os.PathLike) -> None:
-    """Load only the module weights of a ``.keras`` archive into ``model``."""
-    path = os.fspath(filepath)
-    with tempfile.TemporaryDirectory(prefix="meshfit-keras-") as directory:
-        _extract(path, directory)
-        _saving.load_weights(model, directory)

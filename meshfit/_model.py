@@ -21,6 +21,7 @@ from meshfit._fit_arguments import (
     validates_after,
 )
 from meshfit._loop import TrainingLoop, resolve_verbose
+from meshfit._saving import load_weights, save_model, save_weights
 from meshfit._state import LoopState
 from meshfit._validation import check_bool, non_negative_int, positive_int
 from meshfit.callbacks._callback_list import CallbackList
@@ -357,20 +358,14 @@ class Model:
 
         Every worker may call it on the same path: only the chief writes; all wait for it.
         """
-        from meshfit._saving import save_model
-
         save_model(self, filepath)
 
     def save_weights(self, filepath: str) -> None:
         """Save the module's weights to a safetensors file (chief only; all wait for it)."""
-        from meshfit._saving import save_weights
-
         save_weights(self, filepath)
 
     def load_weights(self, filepath: str) -> None:
         """Load weights saved by ``save_weights`` or ``save``."""
-        from meshfit._saving import load_weights
-
         load_weights(self, filepath)
 
     def summary(self, line_length: int | None = None, print_fn: Any = None, expand_nested: bool = False,

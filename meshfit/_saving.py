@@ -20,25 +20,24 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
+import shutil
+import tempfile
 from typing import Any
 
 import torch
 from torch import nn
 
-from meshfit._architecture import module_from_config, module_to_config
+from meshfit._architecture import module_to_config
 from meshfit._atomic import recover
 from meshfit._chief import chief_writes
 from meshfit._io import atomic_directory, atomic_write_json
+from meshfit._keras_archive import is_archive_path, pack, unpack
 from meshfit._weights import (
     flatten_optimizer_state,
     load_state_dict_file,
     save_state_dict,
-    unflatten_optimizer_state,
 )
-from meshfit.losses import _resolve as _resolve_loss
 from meshfit.metrics import _metrics
-from meshfit.optimizers import _optimizers
 
 FORMAT = "meshfit.model/1"
 
@@ -65,25 +64,6 @@ def _metric_config(identifier: Any) -> Any:
         return {"class_name": cls.__name__, "config": None}  # not rebuildable without running code
     return {"class_name": cls.__name__,
             "config": {"name": identifier.name, **getattr(identifier, "_fn_kwargs", {})}}
-
-
-def _metrics_from_config(entries: list[Any], path: str) -> list[Any]:
-    """The metrics `_metric_config` described; ones that cannot be rebuilt are reported and skipped."""
-    out: list[Any] = []
-    for entry in entries:
-        if isinstance(entry, str):
-            out.append(entry)
-        elif isinstance(entry, dict) and isinstance(entry.get("config"), dict):
-            cls = _metrics._CLASSES.get(entry.get("class_name"))
-            if cls is None:
-                raise ValueError(f"unknown metric class_name={entry.get('class_name')!r}; expected one of "
-                                 f"{sorted(_metrics._CLASSES)}")
-            out.append(cls(**entry["config"]))
-        else:
-            name = entry.get("class_name") if isinstance(entry, dict) else entry
-            warnings.warn(f"load_model({path!r}): metric {name!r} is a custom object and was not restored; "
-                          "compile the loaded model again with it.", RuntimeWarning, stacklevel=3)
-    return out
 
 
 def _laid_out_like(value: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
@@ -113,12 +93,16 @@ def _gathered(value: Any) -> Any:
 
 
 def save_model(model: Any, filepath: str | os.PathLike) -> None:
-    path = os.fspath(filepath)
-    if path.endswith(".keras"):  # one zip file holding this directory's files (meshfit._keras_archive)
-        from meshfit._keras_archive import save_archive
-
-        return save_archive(model, path)
-    path = os.path.abspath(path)
+    path = os.path.abspath(os.fspath(filepath))
+    if is_archive_path(path):  # one zip file holding this directory's files (meshfit._keras_archive)
+        staged = f"{path}.staging"  # beside the target, at a path every worker computes alike
+        try:
+            save_model(model, staged)  # collective: the chief writes, every worker waits
+            _chief_writes(model, lambda: pack(staged, path), f"save the model to {path!r}")
+        finally:
+            if model.strategy.is_chief:
+                shutil.rmtree(staged, ignore_errors=True)
+        return
     module = model.module
     if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters()):
         raise ValueError(f"Cannot save {path!r}: the module still has lazy, uninitialised parameters. "
@@ -174,10 +158,10 @@ def save_weights(model: Any, filepath: str | os.PathLike) -> None:
 
 def load_weights(model: Any, filepath: str | os.PathLike) -> None:
     path = os.fspath(filepath)
-    if path.endswith(".keras") and not os.path.isdir(path):  # a directory saved before .keras meant a zip
-        from meshfit._keras_archive import load_archive_weights
-
-        return load_archive_weights(model, path)
+    if is_archive_path(path) and not os.path.isdir(path):  # a directory saved before .keras meant a zip
+        with tempfile.TemporaryDirectory(prefix="meshfit-keras-") as directory:
+            unpack(path, directory)
+            return load_weights(model, directory)
     recover(path)
     if os.path.isdir(path):
         path = os.path.join(path, "model.safetensors")
@@ -186,7 +170,7 @@ def load_weights(model: Any, filepath: str | os.PathLike) -> None:
     model.module.load_state_dict({k: _laid_out_like(v, current[k]) if k in current else v for k, v in state.items()})
 
 
-def _read_config(path: str) -> dict[str, Any]:
+def read_config(path: str) -> dict[str, Any]:
     recover(path)  # a save that crashed between its two renames left the previous copy aside
     if not os.path.exists(path):
         parent = os.path.dirname(os.path.abspath(path)) or "."
@@ -203,62 +187,3 @@ def _read_config(path: str) -> dict[str, Any]:
     if not isinstance(config, dict) or config.get("format") != FORMAT:
         raise ValueError(f"{path!r} is not a meshfit model (format {config.get('format')!r}, expected {FORMAT!r}).")
     return config
-
-
-def load_model(filepath: str | os.PathLike, module: nn.Module | None = None, compile: bool = True) -> Any:
-    """Load a model saved with ``Model.save``, in the current strategy's scope.
-
-    Args:
-        filepath: the directory ``Model.save`` wrote, or its ``.keras`` file.
-        module: the module to load the weights into. Needed when the module is not made of
-            standard ``torch.nn`` layers (its architecture cannot be rebuilt without running code).
-        compile: restore the compile config (optimizer, loss, metrics) and the optimizer state,
-            when they were saved.
-
-    Returns:
-        A `meshfit.Model`.
-
-    Raises:
-        FileNotFoundError: nothing at ``filepath``.
-        ValueError: an incomplete or corrupt save (the message names the file), or an architecture
-            that needs ``module=``.
-    """
-    from meshfit._model import Model
-
-    path = os.fspath(filepath)
-    if path.endswith(".keras") and not os.path.isdir(path):  # a directory saved before .keras meant a zip
-        from meshfit._keras_archive import load_archive
-
-        return load_archive(path, module=module, compile=compile)
-    config = _read_config(path)
-    config_path = os.path.join(path, "config.json")
-    if module is None:
-        if config.get("architecture") is None:
-            raise ValueError(f"The model at {path!r} is a custom module ({config.get('module_class')}) whose "
-                             "architecture meshfit cannot rebuild without running code. Build it yourself and "
-                             "pass it: mf.load_model(path, module=MyModule(...)).")
-        try:
-            module = module_from_config(config["architecture"])
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"Cannot rebuild the model from {config_path!r}: {error}") from error
-    module.load_state_dict(load_state_dict_file(os.path.join(path, "model.safetensors")))
-    model = Model(module, name=config.get("name"))
-    compile_config = config.get("compile")
-    if compile and compile_config and compile_config.get("optimizer") and compile_config.get("loss"):
-        try:
-            optimizer = _optimizers.deserialize(compile_config["optimizer"])
-            loss = _resolve_loss.deserialize(compile_config["loss"])
-            metrics = _metrics_from_config(compile_config.get("metrics") or [], path)
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"Cannot restore the compile config from {config_path!r}: {error}") from error
-        model.compile(optimizer=optimizer, loss=loss, metrics=metrics or None)
-        if config.get("optimizer_state") is not None:
-            model.build(None)  # place the module first (a mesh's layouts replace parameters), then the optimizer
-            optimizer_file = os.path.join(path, "optimizer.safetensors")
-            tensors = load_state_dict_file(optimizer_file)
-            try:
-                model.optimizer.load_state_dict(unflatten_optimizer_state(tensors, config["optimizer_state"]))
-            except (KeyError, TypeError, ValueError) as error:
-                raise ValueError(f"Cannot restore the optimizer state from {optimizer_file!r} and "
-                                 f"{config_path!r}: {error}") from error
-    return model

@@ -1,0 +1,95 @@
+"""`load_model`: a `Model` rebuilt from what ``Model.save`` wrote (a directory or a ``.keras`` file)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from typing import Any
+
+from torch import nn
+
+from meshfit._architecture import module_from_config
+from meshfit._keras_archive import is_archive_path, unpack
+from meshfit._model import Model
+from meshfit._saving import read_config
+from meshfit._weights import load_state_dict_file, unflatten_optimizer_state
+from meshfit.losses import _resolve as _resolve_loss
+from meshfit.metrics import _metrics
+from meshfit.optimizers import _optimizers
+
+
+def _metrics_from_config(entries: list[Any], path: str) -> list[Any]:
+    """The metrics `_metric_config` described; ones that cannot be rebuilt are reported and skipped."""
+    out: list[Any] = []
+    for entry in entries:
+        if isinstance(entry, str):
+            out.append(entry)
+        elif isinstance(entry, dict) and isinstance(entry.get("config"), dict):
+            cls = _metrics._CLASSES.get(entry.get("class_name"))
+            if cls is None:
+                raise ValueError(f"unknown metric class_name={entry.get('class_name')!r}; expected one of "
+                                 f"{sorted(_metrics._CLASSES)}")
+            out.append(cls(**entry["config"]))
+        else:
+            name = entry.get("class_name") if isinstance(entry, dict) else entry
+            warnings.warn(f"load_model({path!r}): metric {name!r} is a custom object and was not restored; "
+                          "compile the loaded model again with it.", RuntimeWarning, stacklevel=3)
+    return out
+
+
+def load_model(filepath: str | os.PathLike, module: nn.Module | None = None, compile: bool = True) -> Model:
+    """Load a model saved with ``Model.save``, in the current strategy's scope.
+
+    Args:
+        filepath: the directory ``Model.save`` wrote, or its ``.keras`` file.
+        module: the module to load the weights into. Needed when the module is not made of
+            standard ``torch.nn`` layers (its architecture cannot be rebuilt without running code).
+        compile: restore the compile config (optimizer, loss, metrics) and the optimizer state,
+            when they were saved.
+
+    Returns:
+        A `meshfit.Model`.
+
+    Raises:
+        FileNotFoundError: nothing at ``filepath``.
+        ValueError: an incomplete or corrupt save (the message names the file), or an architecture
+            that needs ``module=``.
+    """
+    path = os.fspath(filepath)
+    if is_archive_path(path) and not os.path.isdir(path):  # a directory saved before .keras meant a zip
+        with tempfile.TemporaryDirectory(prefix="meshfit-keras-") as directory:
+            unpack(path, directory)
+            return load_model(directory, module=module, compile=compile)
+    config = read_config(path)
+    config_path = os.path.join(path, "config.json")
+    if module is None:
+        if config.get("architecture") is None:
+            raise ValueError(f"The model at {path!r} is a custom module ({config.get('module_class')}) whose "
+                             "architecture meshfit cannot rebuild without running code. Build it yourself and "
+                             "pass it: mf.load_model(path, module=MyModule(...)).")
+        try:
+            module = module_from_config(config["architecture"])
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"Cannot rebuild the model from {config_path!r}: {error}") from error
+    module.load_state_dict(load_state_dict_file(os.path.join(path, "model.safetensors")))
+    model = Model(module, name=config.get("name"))
+    compile_config = config.get("compile")
+    if compile and compile_config and compile_config.get("optimizer") and compile_config.get("loss"):
+        try:
+            optimizer = _optimizers.deserialize(compile_config["optimizer"])
+            loss = _resolve_loss.deserialize(compile_config["loss"])
+            metrics = _metrics_from_config(compile_config.get("metrics") or [], path)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"Cannot restore the compile config from {config_path!r}: {error}") from error
+        model.compile(optimizer=optimizer, loss=loss, metrics=metrics or None)
+        if config.get("optimizer_state") is not None:
+            model.build(None)  # place the module first (a mesh's layouts replace parameters), then the optimizer
+            optimizer_file = os.path.join(path, "optimizer.safetensors")
+            tensors = load_state_dict_file(optimizer_file)
+            try:
+                model.optimizer.load_state_dict(unflatten_optimizer_state(tensors, config["optimizer_state"]))
+            except (KeyError, TypeError, ValueError) as error:
+                raise ValueError(f"Cannot restore the optimizer state from {optimizer_file!r} and "
+                                 f"{config_path!r}: {error}") from error
+    return model
