@@ -143,12 +143,18 @@ def test_training_without_limits_ends_with_the_input_and_continues_on_the_next_p
     assert _kept(every_4) == ["model.ckpt-0", "model.ckpt-4", "model.ckpt-6", "model.ckpt-8", "model.ckpt-9"]
 
 
-def test_max_steps_below_the_global_step_returns_at_once(tmp_path, capfd):
+def _logged(capfd, caplog) -> str:
+    """The estimator's INFO lines: on stderr, or in logging when a handler is set up (pytest sets one)."""
+    return capfd.readouterr().err + caplog.text
+
+
+def test_max_steps_below_the_global_step_returns_at_once(tmp_path, capfd, caplog):
+    caplog.set_level("INFO", logger="meshfit.estimator")
     _estimator(tmp_path, save_checkpoints_steps=5).train(input_fn, max_steps=10)
     estimator = _estimator(tmp_path, save_checkpoints_steps=5)
     record = RecordSteps()
     estimator.train(input_fn, max_steps=4, hooks=[record])
-    assert "Skipping training since max_steps has already saved" in capfd.readouterr().err
+    assert "Skipping training since max_steps has already saved" in _logged(capfd, caplog)
     assert record.steps == [] and estimator.latest_checkpoint().endswith("model.ckpt-10")
     with pytest.raises(ValueError, match="give one of them"):
         estimator.train(input_fn, steps=1, max_steps=20)
@@ -156,7 +162,8 @@ def test_max_steps_below_the_global_step_returns_at_once(tmp_path, capfd):
         estimator.train(input_fn, steps=0)
 
 
-def test_stop_at_step_hook_log_lines_and_summaries(tmp_path, capfd):
+def test_stop_at_step_hook_log_lines_and_summaries(tmp_path, capfd, caplog):
+    caplog.set_level("INFO", logger="meshfit.estimator")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     estimator = _estimator(tmp_path, save_checkpoints_steps=100, log_step_count_steps=2, save_summary_steps=3)
@@ -166,7 +173,7 @@ def test_stop_at_step_hook_log_lines_and_summaries(tmp_path, capfd):
     events.Reload()
     assert [e.step for e in events.Scalars("loss")] == [3, 6]
     assert [e.step for e in events.Scalars("global_step/sec")] == [3, 6]
-    err = capfd.readouterr().err
+    err = _logged(capfd, caplog)
     assert "loss = " in err and ", step = 0" in err and ", step = 6 (" in err and "global_step/sec: " in err
     assert "Saving checkpoints for 0 into" in err and "Saving checkpoints for 7 into" in err
     assert "Loss for final step: " in err
