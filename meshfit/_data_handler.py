@@ -19,6 +19,7 @@ from meshfit.data._options import AutoShardPolicy
 from meshfit.data._prefetch import Prefetcher
 from meshfit.data._sources import TorchMapDataset
 from meshfit.data._structure import batch_size_of, leaves, slice_rows, to_tensor
+from meshfit.data._transforms import Shuffle
 from meshfit.distribute._distributed_dataset import DistributedDataset
 from meshfit.distribute._values import InputContext
 
@@ -239,8 +240,6 @@ class DataHandler:
     def _shuffle_chains(self) -> list[list[Any]]:
         """The shuffle nodes, in pipeline order, of the dataset and of the replica's view of it
         (rebatching a view clones the nodes above its batch, so each chain gets the seeds)."""
-        from meshfit.data._transforms import Shuffle
-
         chains, seen = [], set()
         for dataset in (getattr(self.source, "dataset", None), getattr(self.source, "view", None)):
             if isinstance(dataset, Dataset) and id(dataset) not in seen:

@@ -15,7 +15,7 @@ from meshfit._model import Model
 from meshfit._saving import read_config
 from meshfit._weights import load_state_dict_file, unflatten_optimizer_state
 from meshfit.losses import _resolve as _resolve_loss
-from meshfit.metrics import _metrics
+from meshfit.metrics import _resolve as _resolve_metric
 from meshfit.optimizers import _optimizers
 
 
@@ -26,10 +26,10 @@ def _metrics_from_config(entries: list[Any], path: str) -> list[Any]:
         if isinstance(entry, str):
             out.append(entry)
         elif isinstance(entry, dict) and isinstance(entry.get("config"), dict):
-            cls = _metrics._CLASSES.get(entry.get("class_name"))
+            cls = _resolve_metric.CLASSES.get(entry.get("class_name"))
             if cls is None:
                 raise ValueError(f"unknown metric class_name={entry.get('class_name')!r}; expected one of "
-                                 f"{sorted(_metrics._CLASSES)}")
+                                 f"{sorted(_resolve_metric.CLASSES)}")
             out.append(cls(**entry["config"]))
         else:
             name = entry.get("class_name") if isinstance(entry, dict) else entry

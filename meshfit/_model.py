@@ -28,9 +28,11 @@ from meshfit.callbacks._callback_list import CallbackList
 from meshfit.callbacks._progbar import announce_quiet_worker
 from meshfit.data._structure import batch_size_of, unpack_batch
 from meshfit.distribute._replication import adopt, check_training_strategy
-from meshfit.distribute._strategy import current_scope_strategy, get_strategy
+from meshfit.distribute._scope import current_scope_strategy
+from meshfit.distribute._strategy import get_strategy
 from meshfit.losses import _resolve as _resolve_loss
 from meshfit.metrics import _metrics
+from meshfit.metrics import _resolve as _resolve_metric
 from meshfit.optimizers import _optimizers
 
 
@@ -104,7 +106,7 @@ class Model:
         resolved_loss = _resolve_loss.get(loss) if loss is not None else None
         if metrics is not None and not isinstance(metrics, (list, tuple)):
             raise TypeError(f"Invalid `metrics`: expected a list such as ['accuracy'], received metrics={metrics!r}.")
-        compiled_metrics = [_metrics.get(m, loss=resolved_loss) for m in metrics or []]
+        compiled_metrics = [_resolve_metric.get(m, loss=resolved_loss) for m in metrics or []]
         self.optimizer, self.loss, self.jit_compile = resolved_optimizer, resolved_loss, jit_compile
         self.steps_per_execution = steps_per_execution
         self._metric_identifiers, self._compiled_metrics = list(metrics or []), compiled_metrics

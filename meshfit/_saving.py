@@ -37,7 +37,7 @@ from meshfit._weights import (
     load_state_dict_file,
     save_state_dict,
 )
-from meshfit.metrics import _metrics
+from meshfit.metrics import _resolve as _resolve_metric
 
 FORMAT = "meshfit.model/1"
 
@@ -60,7 +60,7 @@ def _metric_config(identifier: Any) -> Any:
     if isinstance(identifier, str):
         return identifier
     cls = type(identifier)
-    if _metrics._CLASSES.get(cls.__name__) is not cls:
+    if _resolve_metric.CLASSES.get(cls.__name__) is not cls:
         return {"class_name": cls.__name__, "config": None}  # not rebuildable without running code
     return {"class_name": cls.__name__,
             "config": {"name": identifier.name, **getattr(identifier, "_fn_kwargs", {})}}

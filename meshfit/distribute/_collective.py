@@ -21,7 +21,8 @@ from torch.nn.parallel import DistributedDataParallel
 from meshfit.distribute._failure import FailureState
 from meshfit.distribute._gradient_weight import GradientWeight, weighted_allreduce_hook
 from meshfit.distribute._heartbeat import Heartbeat
-from meshfit.distribute._strategy import Strategy, compiled, register_running
+from meshfit.distribute._scope import register_running
+from meshfit.distribute._strategy import Strategy, compiled
 from meshfit.distribute._values import CommunicationImplementation, CommunicationOptions
 
 _COMMUNICATION_HINTS = ("gloo", "nccl", "connection", "closed by peer", "timed out", "timeout",

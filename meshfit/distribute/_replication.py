@@ -36,6 +36,12 @@ import torch
 from torch.nn.parameter import is_lazy
 from torch.utils.weak import WeakIdKeyDictionary
 
+from meshfit.distribute._scope import (
+    current_scope_strategy,
+    is_default_strategy,
+    running_multi_replica_strategy,
+)
+
 # tensor -> strategy that created it (weak on both sides, keyed by identity: tensors' == is elementwise)
 _OWNER = WeakIdKeyDictionary()
 # parameters whose gradients DDP (or another reducer) reduces in the current step
@@ -55,8 +61,6 @@ def _record(tensor: torch.Tensor | None, strategy: Any) -> None:
 
 
 def _on_registration(module: torch.nn.Module, name: str, tensor: Any) -> None:
-    from meshfit.distribute._strategy import current_scope_strategy
-
     strategy = current_scope_strategy()
     if strategy is not None and isinstance(tensor, torch.Tensor):
         _record(tensor, strategy)
@@ -172,8 +176,6 @@ def synchronize_gradients(params: Iterable[torch.Tensor]) -> None:
 
 
 def _refuse_if_unreplicated(param: torch.Tensor) -> None:
-    from meshfit.distribute._strategy import running_multi_replica_strategy
-
     strategy = running_multi_replica_strategy()
     if strategy is not None:
         raise ValueError(
@@ -231,12 +233,6 @@ def check_training_strategy(model: Any, what: str) -> None:
     created in; meshfit does too, and also when ``fit`` would train a model created outside every
     scope while a multi-replica strategy runs in this process (each worker would train alone).
     """
-    from meshfit.distribute._strategy import (
-        current_scope_strategy,
-        is_default_strategy,
-        running_multi_replica_strategy,
-    )
-
     active = current_scope_strategy()
     if active is not None and active is not model.strategy:
         raise ValueError(

@@ -7,7 +7,6 @@ values are reduced. ``Model.fit`` is written once, against this small interface.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,12 +15,9 @@ import torch
 from meshfit.data._structure import map_structure
 from meshfit.distribute._distributed_dataset import DistributedDataset, agree_on_shuffle_seeds
 from meshfit.distribute._failure import FailureState
+from meshfit.distribute._replication import tracking_scope
+from meshfit.distribute._scope import _DEFAULT, _SCOPE_STACK
 from meshfit.distribute._values import InputContext, PerReplica, ReduceOp, local_results, regroup
-
-_SCOPE_STACK: list[Strategy] = []
-_DEFAULT: list[Strategy] = []
-# multi-replica strategies whose process group is up (to refuse training a model made outside them)
-_RUNNING: weakref.WeakSet = weakref.WeakSet()
 
 
 class Strategy:
@@ -72,8 +68,6 @@ class Strategy:
         broadcast when the scope exits) and their gradients summed by meshfit optimizers in custom
         loops; see `meshfit.distribute._replication`.
         """
-        from meshfit.distribute._replication import tracking_scope
-
         _SCOPE_STACK.append(self)
         try:
             with tracking_scope(self):
@@ -228,33 +222,6 @@ class OneDeviceStrategy(Strategy):
         >>> OneDeviceStrategy("cpu").num_replicas_in_sync
         1
     """
-
-
-def current_scope_strategy() -> Strategy | None:
-    """The strategy whose scope we are in, or None outside every scope."""
-    return _SCOPE_STACK[-1] if _SCOPE_STACK else None
-
-
-def is_default_strategy(strategy: Strategy) -> bool:
-    """Whether ``strategy`` is the default one (what code outside every scope gets)."""
-    return bool(_DEFAULT) and strategy is _DEFAULT[0]
-
-
-def register_running(strategy: Strategy) -> None:
-    """Called by a multi-replica strategy once its process group is up."""
-    _RUNNING.add(strategy)
-
-
-def running_multi_replica_strategy() -> Strategy | None:
-    """A strategy with several replicas in sync whose group is still up in this process, if any."""
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
-        return None
-    for strategy in list(_RUNNING):
-        if strategy.num_replicas_in_sync > 1:
-            return strategy
-    return None
 
 
 def get_strategy() -> Strategy:

@@ -7,6 +7,10 @@ from typing import Any
 
 import torch.distributed as dist
 
+from meshfit._supervisor import replica_identity
+from meshfit.cluster import resolve_cluster
+from meshfit.distribute._mirrored import MirroredStrategy
+from meshfit.distribute._multi_worker import MultiWorkerMirroredStrategy
 from meshfit.distribute._values import CommunicationOptions
 from meshfit.dtensor._mesh import Mesh
 
@@ -64,11 +68,6 @@ def _mesh_value(mesh_dims: Any, devices: Sequence[str] | None) -> Mesh:
 
 
 def _form_group(value: Mesh, devices: Sequence[str] | None, options: CommunicationOptions | None) -> Any:
-    from meshfit._supervisor import replica_identity
-    from meshfit.cluster import resolve_cluster
-    from meshfit.distribute._mirrored import MirroredStrategy
-    from meshfit.distribute._multi_worker import MultiWorkerMirroredStrategy
-
     if replica_identity() is not None:  # a replica a plain-script mesh started
         return MirroredStrategy(devices=list(devices or []) or None, communication_options=options)
     if dist.is_initialized() or resolve_cluster() is not None:

@@ -30,6 +30,7 @@ from torch import nn
 from meshfit.data._structure import map_structure
 from meshfit.distribute._collective import CollectiveStrategy
 from meshfit.distribute._gradient_weight import GradientWeight, weighted_allreduce_hook
+from meshfit.distribute._replication import mark_ddp_synchronized
 from meshfit.distribute._strategy import compiled
 from meshfit.distribute._values import InputContext
 from meshfit.dtensor._apply import apply_layouts, attach_layout, resolve_layouts
@@ -155,8 +156,6 @@ class MeshStrategy(CollectiveStrategy):
         wrapped = DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True,
                                           process_group=self._group_of(self._batch))
         wrapped.register_comm_hook(self._gradient_weight, weighted_allreduce_hook)
-        from meshfit.distribute._replication import mark_ddp_synchronized
-
         mark_ddp_synchronized(wrapped)  # a meshfit optimizer must not reduce these gradients again
         return wrapped
 

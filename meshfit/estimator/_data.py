@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from meshfit._data_handler import DataHandler
+from meshfit.data import Dataset
 from meshfit.estimator._hooks import log
 from meshfit.estimator._model_fn import accepts_input_context, call_input_fn
 
@@ -50,8 +51,6 @@ def _finite(source: Any) -> bool:
     length = getattr(source, "length", None)
     if callable(length):
         return length() is not None
-    from meshfit.data import Dataset
-
     if isinstance(source, Dataset):
         return source._length() is not None
     try:

@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from meshfit._validation import _fail, is_int
+from meshfit.cluster import resolve_cluster
 
 _USE_DEFAULT: Any = type("_UseDefault", (), {"__repr__": lambda self: "<default>"})()
 _DEFAULT_SAVE_SECS = 600
@@ -116,8 +117,6 @@ class RunConfig:
         resolver = getattr(self.train_distribute, "cluster_resolver", None)
         if resolver is not None:
             return resolver
-        from meshfit.cluster import resolve_cluster
-
         return resolve_cluster()
 
     @property

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from meshfit._validation import _fail
+from meshfit.distribute._replication import mark_gradients_synchronized
 
 
 class TrainOp:
@@ -89,8 +90,6 @@ def run_train_op(train_op: Any, loss: torch.Tensor, params: list[torch.Tensor], 
     optimizer.zero_grad(set_to_none=True)  # a parameter the loss does not use keeps no gradient (not zeros)
     loss.backward()
     average_gradients(params, strategy)
-    from meshfit.distribute._replication import mark_gradients_synchronized
-
     mark_gradients_synchronized(params)  # a meshfit optimizer must not sum them again
     optimizer.step()
 

@@ -12,8 +12,8 @@ from meshfit.metrics._metrics import (
     SparseCategoricalAccuracy,
     SparseTopKCategoricalAccuracy,
     Sum,
-    get,
 )
+from meshfit.metrics._resolve import get
 from meshfit.metrics._torchmetrics import TorchMetricsMetric
 
 __all__ = [

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
+from meshfit.distribute._strategy import get_strategy
+
 
 def _num_replicas() -> int:
-    from meshfit.distribute._strategy import get_strategy
-
     return get_strategy().num_replicas_in_sync
 
 

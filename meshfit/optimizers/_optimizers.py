@@ -10,6 +10,7 @@ import torch
 from torch.nn.parameter import is_lazy
 
 from meshfit._serialization import describe, rebuild
+from meshfit.distribute._replication import broadcast_initial_values, owner_of, synchronize_gradients
 from meshfit.optimizers.schedules import _schedules
 
 
@@ -149,8 +150,6 @@ class Optimizer:
         Under a multi-replica strategy, the gradients of parameters created in its scope are
         summed across replicas first (not those DDP reduced already).
         """
-        from meshfit.distribute._replication import synchronize_gradients
-
         optimizer = self._require_built("step()")
         loss = None
         if closure is not None:  # evaluated once here, so that its gradients can be synchronised
@@ -495,8 +494,6 @@ def _place_state_like_params(optimizer: torch.optim.Optimizer) -> None:
 
 def _broadcast_lazy_params(params: list[torch.Tensor]) -> None:
     """Rank 0's values of parameters created in a multi-replica scope that were lazy at its exit."""
-    from meshfit.distribute._replication import broadcast_initial_values, owner_of
-
     by_strategy: dict[int, tuple[Any, list[torch.Tensor]]] = {}
     for p in params:
         strategy = owner_of(p)
