@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import re
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -20,21 +21,24 @@ from torch.nn.parallel import DistributedDataParallel
 
 from meshfit.distribute._failure import FailureState
 from meshfit.distribute._gradient_weight import GradientWeight, weighted_allreduce_hook
-from meshfit.distribute._heartbeat import Heartbeat
+from meshfit.distribute._heartbeat import Heartbeat, PeerFailureError
+from meshfit.distribute._rendezvous import client_for, form_rendezvous, set_group_timeout, store_host_rank
 from meshfit.distribute._scope import register_running
 from meshfit.distribute._strategy import Strategy, compiled
 from meshfit.distribute._values import CommunicationImplementation, CommunicationOptions
 
-_COMMUNICATION_HINTS = ("gloo", "nccl", "connection", "closed by peer", "timed out", "timeout",
-                        "socket", "store", "broken pipe")
+# gloo's C++ errors reach Python as plain RuntimeError (DDP's hooks wrap them in another); their text
+# carries the gloo source location that raised them: ``[.../gloo/transport/tcp/pair.cc:553] ...``.
+_GLOO_ORIGIN = re.compile(r"\[[^\]\s]*/gloo/[^\]\s]*\.(?:cc|cpp|h):\d+\]")
 
 
-def _is_communication_error(error: BaseException) -> bool:
-    """A failed collective (worth asking the heartbeat which peer died), not a user error."""
-    if isinstance(error, dist.DistBackendError):
-        return True
-    text = str(error).lower()
-    return any(hint in text for hint in _COMMUNICATION_HINTS)
+def is_communication_error(error: BaseException) -> bool:
+    """A broken collective or store (worth asking the heartbeat which peer died), not a user error.
+
+    Decided by type (torch's ``DistError`` family: backend, store and network errors) or by origin
+    (raised inside gloo), never by words such as "timeout" that a user's message may contain.
+    """
+    return isinstance(error, dist.DistError) or bool(_GLOO_ORIGIN.search(str(error)))
 
 
 def choose_backend(options: CommunicationOptions) -> str:
@@ -63,6 +67,8 @@ class CollectiveStrategy(Strategy):
         self._rank, self._world, self._chief = 0, 1, True
         self._owns_group = False
         self._heartbeat: Heartbeat | None = None
+        self._hosts_store = False
+        self._names: list[str] = ["rank 0"]
         self.failure = FailureState()
         self._gradient_weight = GradientWeight()
         self.mesh: Any = None
@@ -70,18 +76,27 @@ class CollectiveStrategy(Strategy):
         self.cluster_resolver: Any = None
 
     # ---- forming the group ----------------------------------------------------------------
-    def _join(self, rank: int, world_size: int, init_method: str | None, local_rank: int = 0) -> None:
+    def _join(self, rank: int, world_size: int, master: tuple[str, int] | None, local_rank: int = 0,
+              names: list[str] | None = None, own_host: str | None = None,
+              settings: dict[str, Any] | None = None) -> None:
+        """Form (or join) the group; ``master`` is rank 0's rendezvous ``(host, port)``."""
         backend = choose_backend(self.communication_options)
         timeout = timedelta(seconds=float(self.communication_options.timeout_seconds))
+        hosting = False
         if dist.is_initialized():
             rank, world_size = dist.get_rank(), dist.get_world_size()
             backend = dist.get_backend()
         elif world_size > 1:
-            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                    timeout=timeout)
+            if master is None:
+                raise ValueError("Invalid cluster: several workers but no rendezvous address for rank 0.")
+            names = names or [f"rank {r}" for r in range(world_size)]
+            store, hosting = form_rendezvous(rank, world_size, master, own_host, backend, timeout, names,
+                                             {**self._agreed_settings(backend), **(settings or {})})
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
             self._owns_group = True
-            atexit.register(self._shutdown)
+        set_group_timeout(timeout)
         self._rank, self._world = rank, world_size
+        self._names = names or [f"rank {r}" for r in range(world_size)]
         if backend == "nccl":
             self._device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
             torch.cuda.set_device(self._device)
@@ -90,14 +105,33 @@ class CollectiveStrategy(Strategy):
 
             self.mesh = init_device_mesh(self._device.type, (world_size,), mesh_dim_names=("batch",))
             register_running(self)
-            hb = self.communication_options.heartbeat_timeout_seconds
-            store = dist.distributed_c10d._get_default_store()
-            if hb is not None:
-                self._heartbeat = Heartbeat(store, rank, world_size, hb, self.failure)
+            atexit.register(self._shutdown)
+            self._start_heartbeat(hosting)
+
+    def _agreed_settings(self, backend: str) -> dict[str, Any]:
+        options = self.communication_options
+        return {"backend": backend, "timeout_seconds": float(options.timeout_seconds),
+                "heartbeat_timeout_seconds": options.heartbeat_timeout_seconds}
+
+    def _start_heartbeat(self, hosting: bool) -> None:
+        seconds = self.communication_options.heartbeat_timeout_seconds
+        if seconds is None:
+            return
+        secret = torch.zeros(16, dtype=torch.uint8, device=self._device)
+        if self._rank == 0:
+            secret.copy_(torch.frombuffer(bytearray(os.urandom(16)), dtype=torch.uint8))
+        dist.broadcast(secret, src=0)  # over the group, never through the store anyone may read
+        default_store = dist.distributed_c10d._get_default_store()
+        probe = timedelta(seconds=max(1.0, seconds / 2))
+        store_host = store_host_rank(default_store, hosting)
+        self._hosts_store = store_host == self._rank
+        self._heartbeat = Heartbeat(lambda: client_for(default_store, probe), self._rank, self._world, seconds,
+                                    self.failure, bytes(secret.cpu().tolist()), self._names, store_host)
 
     def _shutdown(self) -> None:
         if self._heartbeat is not None:
-            self._heartbeat.stop()
+            wait = float(self.communication_options.timeout_seconds) if self._hosts_store else 0.0
+            self._heartbeat.stop(wait_for_peers=wait)
             self._heartbeat = None
         if self._owns_group and dist.is_initialized():
             with contextlib.suppress(Exception):
@@ -125,46 +159,51 @@ class CollectiveStrategy(Strategy):
     def _distributed(self) -> bool:
         return self._world > 1
 
-    # ---- collectives ---------------------------------------------------------------------
+    # ---- collectives: each watched, a broken one turned into an error naming the failed peer --------
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         if not self._distributed:
             return tensor
-        if self._device.type != "cpu":
-            moved = tensor.to(self._device)
-            dist.all_reduce(moved)
-            tensor.copy_(moved.to(tensor.device))
-        else:
-            dist.all_reduce(tensor)
+        with self.guard():
+            if self._device.type != "cpu":
+                moved = tensor.to(self._device)
+                dist.all_reduce(moved)
+                tensor.copy_(moved.to(tensor.device))
+            else:
+                dist.all_reduce(tensor)
         return tensor
 
     def broadcast_object(self, obj: Any) -> Any:
         if not self._distributed:
             return obj
         holder = [obj]
-        dist.broadcast_object_list(holder, src=0)
+        with self.guard():
+            dist.broadcast_object_list(holder, src=0)
         return holder[0]
 
     def broadcast_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         if not self._distributed:
             return tensor
-        if self._device.type != "cpu":
-            moved = tensor.to(self._device)
-            dist.broadcast(moved, src=0)
-            tensor.copy_(moved.to(tensor.device))
-        else:
-            dist.broadcast(tensor, src=0)
+        with self.guard():
+            if self._device.type != "cpu":
+                moved = tensor.to(self._device)
+                dist.broadcast(moved, src=0)
+                tensor.copy_(moved.to(tensor.device))
+            else:
+                dist.broadcast(tensor, src=0)
         return tensor
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         if not self._distributed:
             return [obj]
         out: list[Any] = [None] * self._world
-        dist.all_gather_object(out, obj)
+        with self.guard():
+            dist.all_gather_object(out, obj)
         return out
 
     def barrier(self) -> None:
         if self._distributed:
-            dist.barrier()
+            with self.guard():
+                dist.barrier()
 
     # ---- placement ---------------------------------------------------------------------------
     def setup_module(self, module: torch.nn.Module, jit_compile: bool = False) -> torch.nn.Module:
@@ -196,20 +235,26 @@ class CollectiveStrategy(Strategy):
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
-        """Watch peers while inside; turn a broken collective into an error naming the dead peer."""
-        if self._heartbeat is None:
+        """Watch peers while inside; turn a broken collective into an error naming the failed peer.
+
+        Regions nest (``fit`` guards its loop, and each collective guards itself). A failure the
+        watchdog found earlier is raised on entry; one it finds while the main thread is blocked in
+        a collective here ends the process with the message (`PEER_FAILURE_EXIT_CODE`).
+        """
+        heartbeat = self._heartbeat
+        if heartbeat is None:
             yield
             return
-        with self._heartbeat.watching():
+        heartbeat.check()
+        with heartbeat.watching():
             try:
                 yield
-            except (RuntimeError, dist.DistBackendError) as error:
-                from meshfit.distribute._heartbeat import PeerFailureError
-
+            except Exception as error:
                 if (isinstance(error, PeerFailureError) or self.failure.terminating
-                        or not _is_communication_error(error)):
+                        or not is_communication_error(error)):
                     raise
-                failure = self._heartbeat.wait_for_failure(self.communication_options.heartbeat_timeout_seconds + 2)
+                seconds = float(self.communication_options.heartbeat_timeout_seconds or 0) + 2
+                failure = heartbeat.wait_for_failure(seconds)
                 if failure is not None:
                     raise failure from error
                 raise

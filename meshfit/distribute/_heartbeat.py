@@ -1,21 +1,37 @@
 """Dead-peer detection: every worker beats through the rendezvous store; silence means death.
 
-Each process bumps a counter under ``meshfit/hb/<rank>`` every ``interval`` seconds from a daemon
-thread (so a long step does not look like death), and watches the others' counters. A peer whose
-counter has not moved for ``timeout`` seconds, or a store that stopped answering (its host, rank 0,
-is gone), is a dead peer. The training loop sees it at the next step boundary and raises
-`PeerFailureError`; if the main thread is stuck inside a collective instead, the watchdog prints the
-same message and ends the process with `PEER_FAILURE_EXIT_CODE` so that nothing ever hangs.
+Each process publishes a beat every ``interval`` seconds from a daemon thread (so a long step does
+not look like death) and watches the others'. A peer whose beats stop for ``timeout`` seconds is
+dead, frozen or cut off; a store that stops answering for ``timeout`` seconds means its host, rank 0,
+is (the store runs inside rank 0, so a frozen chief freezes it too). The watchdog talks to the store
+over its own connection, with its own short timeout, so neither a frozen store nor a rendezvous
+blocked in another thread can block it.
+
+Beats cannot be forged or replayed by someone who can reach the store: beat ``n`` of rank ``r`` is
+the key ``meshfit/hb/<r>/<n>.<mac>``, where ``mac`` is an HMAC of ``r/n`` under a secret that rank 0
+drew and sent to the others over the process group (never through the store); a watcher accepts only
+keys it can recompute, and only increasing ``n``. ``meshfit/hb/<r>`` holds ``n`` as an unsigned hint.
+
+Outside the main thread's reach the watchdog acts alone: the loop sees a failure at the next step
+boundary (`Heartbeat.check`) or when a collective breaks (`Heartbeat.wait_for_failure`); if the main
+thread has not picked it up ``_GRACE_SECONDS`` later (it is blocked in a collective), the watchdog
+prints the message and ends the process with `PEER_FAILURE_EXIT_CODE`, so that nothing ever hangs.
+A worker that ends cleanly posts a signed "left" key, and rank 0 keeps the store up until every
+peer has left or is known dead.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
+import hmac
 import os
+import queue
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from meshfit._exit_codes import PEER_FAILURE_EXIT_CODE
@@ -24,92 +40,178 @@ from meshfit.distribute._failure import FailureState
 __all__ = ["PEER_FAILURE_EXIT_CODE", "Heartbeat", "PeerFailureError"]
 
 _GRACE_SECONDS = 3.0
+_KEPT_BEATS = 64  # beats kept in the store per rank, so a lagging watcher still finds the next one
+_PREFIX = "meshfit/hb"
 
 
 class PeerFailureError(RuntimeError):
-    """A worker of the group stopped (killed, crashed or unreachable)."""
+    """A worker of the group stopped (killed, crashed, frozen or unreachable)."""
 
     def __init__(self, message: str, rank: int | None = None) -> None:
         super().__init__(message)
         self.rank = rank
 
 
-class Heartbeat:
-    """Publishes this rank's heartbeat and watches the others' (see the module docstring)."""
+class _Peer:
+    """What a watcher knows of one peer."""
 
-    def __init__(self, store: Any, rank: int, world_size: int, timeout: float,
-                 failure_state: FailureState, interval: float | None = None) -> None:
-        self._store, self._rank, self._world = store, rank, world_size
+    def __init__(self, now: float) -> None:
+        self.count = 0
+        self.step = "?"
+        self.seen = now
+        self.left = False
+
+
+class Heartbeat:
+    """Publishes this rank's heartbeat and watches the others' (see the module docstring).
+
+    Args:
+        connect: opens the watchdog's own connection to the rendezvous store.
+        rank: this worker's rank.
+        world_size: the number of workers.
+        timeout: seconds of silence after which a peer is declared dead.
+        failure_state: this worker's step and backup, for messages.
+        secret: the job's shared secret (the same bytes on every rank).
+        names: a description of each rank for messages (default ``"rank r"``).
+        store_host: the rank whose process hosts the store (``None``: an outside process does).
+        interval: seconds between beats (default ``timeout / 5`` within 0.2–1 s).
+    """
+
+    def __init__(self, connect: Callable[[], Any], rank: int, world_size: int, timeout: float,
+                 failure_state: FailureState, secret: bytes, names: Sequence[str] | None = None,
+                 store_host: int | None = 0, interval: float | None = None) -> None:
+        self._connect, self._rank, self._world = connect, rank, world_size
         self._timeout = float(timeout)
         self._interval = interval or max(0.2, min(1.0, self._timeout / 5))
+        self._request_timeout = max(1.0, self._timeout / 2)
+        self._store = _BoundedStore(connect, self._request_timeout)
         self._state = failure_state
+        self._secret = secret
+        self._names = list(names) if names is not None else [f"rank {r}" for r in range(world_size)]
+        self._store_host = store_host
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.failure: PeerFailureError | None = None
         self.handled = False
+        self._count = 0
         self._watching = 0
+        now = time.monotonic()
+        self._peers = {p: _Peer(now) for p in range(world_size) if p != rank}
         self._thread = threading.Thread(target=self._run, daemon=True, name="meshfit-heartbeat")
         self._thread.start()
 
-    def _beat(self, count: int) -> None:
-        step = "?" if self._state.step is None else self._state.step
-        self._store.set(f"meshfit/hb/{self._rank}", f"{count}:{step}")
+    # ---- keys ---------------------------------------------------------------------------------
+    def _mac(self, rank: int, what: str) -> str:
+        return hmac.new(self._secret, f"{rank}/{what}".encode(), hashlib.sha256).hexdigest()[:20]
+
+    def _beat_key(self, rank: int, count: int) -> str:
+        return f"{_PREFIX}/{rank}/{count}.{self._mac(rank, str(count))}"
+
+    def _left_key(self, rank: int) -> str:
+        return f"{_PREFIX}/{rank}/left.{self._mac(rank, 'left')}"
+
+    # ---- the watchdog thread -----------------------------------------------------------------------
+    def _beat(self, store: Any) -> None:
+        self._count += 1
+        step = "?" if self._state.step is None else str(self._state.step)
+        store.set(self._beat_key(self._rank, self._count), step)
+        store.set(f"{_PREFIX}/{self._rank}", str(self._count))
+        if self._count > _KEPT_BEATS:
+            store.delete_key(self._beat_key(self._rank, self._count - _KEPT_BEATS))
+
+    def _round(self, store: Any, looking: bool) -> None:
+        """One round trip's work: beat, then look at every peer still running."""
+        self._beat(store)
+        if looking:
+            now = time.monotonic()
+            for rank, peer in self._peers.items():
+                if not peer.left:
+                    self._look(store, rank, peer, now)
+
+    def _have_left(self, ranks: list[int], store: Any) -> list[int]:
+        return [r for r in ranks if store.check([self._left_key(r)])]
+
+    def _look(self, store: Any, rank: int, peer: _Peer, now: float) -> None:
+        """Advance ``peer`` to its newest genuine beat, if it beat since we last looked."""
+        candidates = []
+        try:
+            hint = int(store.get(f"{_PREFIX}/{rank}")) if store.check([f"{_PREFIX}/{rank}"]) else 0
+        except ValueError:
+            hint = 0  # not a number: not written by meshfit
+        if hint > peer.count + 1:
+            candidates.append(hint)  # the newest beat, if genuine
+        candidates.append(peer.count + 1)
+        for count in candidates:
+            key = self._beat_key(rank, count)
+            if store.check([key]):
+                peer.count, peer.seen = count, now
+                peer.step = store.get(key).decode(errors="replace")[:20] or "?"
+                return
+        if now - peer.seen > self._timeout / 2 and store.check([self._left_key(rank)]):
+            peer.left = True
 
     def _run(self) -> None:
-        count = 0
-        seen: dict[int, tuple[bytes, float]] = {}
         started = time.monotonic()
+        last_answer = started
+        declared_at: float | None = None
         while not self._stop.wait(self._interval):
-            count += 1
             now = time.monotonic()
+            if declared_at is not None and now - declared_at > _GRACE_SECONDS:
+                self._end_if_blocked()
             try:
-                self._beat(count)
-                for peer in range(self._world):
-                    if peer == self._rank:
-                        continue
-                    key = f"meshfit/hb/{peer}"
-                    value = self._store.get(key) if self._store.check([key]) else b""
-                    last = seen.get(peer)
-                    if last is None or last[0] != value:
-                        seen[peer] = (value, now)
-                    elif not self._watching:
-                        seen[peer] = (value, now)
-                    elif now - last[1] > self._timeout and now - started > self._timeout:
-                        self._declare(peer, value, f"sent no heartbeat for {now - last[1]:.1f}s")
-                        return
-            except Exception as error:  # the store is hosted by rank 0: it is unreachable
-                if self._stop.is_set() or not self._watching:
+                # Keep beating after a failure, so that no peer blames this worker.
+                self._store.call(functools.partial(self._round, looking=declared_at is None))
+                last_answer = now = time.monotonic()
+                if declared_at is not None:
                     continue
-                self._declare(0, b"", f"its rendezvous store stopped answering ({type(error).__name__})")
-                return
+                for rank, peer in self._peers.items():
+                    silent = now - peer.seen
+                    if not peer.left and silent > self._timeout and now - started > self._timeout:
+                        self._declare(rank, peer.step, f"sent no heartbeat for {silent:.1f} s: it is "
+                                                       "dead, frozen or unreachable")
+                        declared_at = now
+                        break
+            except Exception as error:  # the store did not answer, or not in time
+                self._store = _BoundedStore(self._connect, self._request_timeout)  # a fresh connection
+                silent = time.monotonic() - last_answer
+                if self._stop.is_set() or declared_at is not None or silent < self._timeout:
+                    continue
+                host = self._store_host
+                step = self._peers[host].step if host in self._peers else "?"
+                who = "The rendezvous store stopped" if host is None else None
+                self._declare(host, step, f"its rendezvous store did not answer for {silent:.1f} s "
+                                          f"({type(error).__name__}): it is dead, frozen or unreachable", who)
+                declared_at = time.monotonic()
 
-    def _declare(self, peer: int, value: bytes, why: str) -> None:
-        last_step = value.decode(errors="replace").partition(":")[2] or "?"
+    def _declare(self, peer: int | None, last_step: str, why: str, who: str | None = None) -> None:
         where = self._state.where_to_resume()
         step = "?" if self._state.step is None else self._state.step
-        message = (f"Worker {peer} stopped: {why} (its last reported step: {last_step}; this worker, rank "
-                   f"{self._rank}, is at step {step}). {where}")
+        if who is None and peer is not None:
+            who = f"Worker {peer} stopped ({self._names[peer]})"
+        message = (f"{who}: {why} (its last reported step: {last_step}; this worker, "
+                   f"{self._names[self._rank]}, is at step {step}). {where}")
         with self._lock:
             self.failure = PeerFailureError(message, rank=peer)
-        if self._stop.wait(_GRACE_SECONDS) or self.handled:
+
+    def _end_if_blocked(self) -> None:
+        """The main thread did not pick the failure up while in a watched region: it is blocked in a
+        collective. Never hang: print the message and end the process."""
+        if self.handled or not self._watching or self.failure is None:
             return
-        # The main thread did not pick the failure up: it is blocked in a collective. Never hang.
-        print(f"meshfit: {message}", file=sys.stderr, flush=True)
+        print(f"meshfit: {self.failure}", file=sys.stderr, flush=True)
         os._exit(PEER_FAILURE_EXIT_CODE)
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
-        """Declare silent peers dead only inside this region (training, evaluation, saving).
-
-        Outside it, peers may legitimately be gone (a worker that finished and exited, taking the
-        store with it when it is rank 0).
-        """
+        """A region (training, a collective, a save) in which a detected failure that the main thread
+        does not pick up within the grace period ends the process instead of waiting."""
         self._watching += 1
         try:
             yield
         finally:
             self._watching -= 1
 
+    # ---- the main thread's side ------------------------------------------------------------------
     def check(self) -> None:
         """Raise the peer failure, if one was detected."""
         with self._lock:
@@ -126,9 +228,82 @@ class Heartbeat:
                 if self.failure is not None:
                     self.handled = True
                     return self.failure
+            if not self._thread.is_alive():
+                return None
             time.sleep(0.05)
         return None
 
-    def stop(self) -> None:
+    def stop(self, wait_for_peers: float = 0.0) -> None:
+        """Stop beating and say this worker left cleanly.
+
+        Args:
+            wait_for_peers: on the store's host, how long to keep the store up for peers still running
+                (until each has left or fallen silent for the timeout).
+        """
+        if self._stop.is_set():
+            return
+        if wait_for_peers > 0 and self.failure is None:
+            self._wait_for_peers(wait_for_peers)
         self._stop.set()
         self._thread.join(timeout=5)
+        if self.failure is None:
+            with contextlib.suppress(Exception):  # the store may be gone already: nothing to tell
+                self._store.call(lambda store: store.set(self._left_key(self._rank), "1"))
+
+    def _wait_for_peers(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        last_message = time.monotonic()
+        while time.monotonic() < deadline and self.failure is None and self._thread.is_alive():
+            running = [r for r, p in self._peers.items() if not p.left]
+            if not running:
+                return
+            try:
+                left = self._store.call(functools.partial(self._have_left, running))
+            except Exception:
+                return
+            for rank in left:
+                self._peers[rank].left = True
+            if time.monotonic() - last_message > 10:
+                last_message = time.monotonic()
+                names = ", ".join(self._names[r] for r in running)
+                print(f"meshfit: {self._names[self._rank]} hosts the rendezvous store and waits for {names} "
+                      "to finish", file=sys.stderr, flush=True)
+            time.sleep(0.1)
+
+
+class _BoundedStore:
+    """A store connection whose every request returns within ``seconds`` or raises `TimeoutError`.
+
+    torch's store clients bound only waits for keys: a request to a frozen server blocks forever. Here
+    requests run on a daemon thread of their own; a caller that times out abandons that thread and
+    the connection (the caller opens a fresh `_BoundedStore`, so a late answer never reaches it).
+    """
+
+    def __init__(self, connect: Callable[[], Any], seconds: float) -> None:
+        self._connect, self._seconds = connect, seconds
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, daemon=True, name="meshfit-heartbeat-store").start()
+
+    def _serve(self) -> None:
+        store = None
+        while True:
+            job, box, done = self._jobs.get()
+            try:
+                if store is None:
+                    store = self._connect()
+                box.append((True, job(store)))
+            except BaseException as error:  # handed to the caller, which decides
+                box.append((False, error))
+            done.set()
+
+    def call(self, job: Callable[[Any], Any]) -> Any:
+        """``job(store)``'s result within the bound; raises what it raised, or `TimeoutError`."""
+        box: list[tuple[bool, Any]] = []
+        done = threading.Event()
+        self._jobs.put((job, box, done))
+        if not done.wait(self._seconds):
+            raise TimeoutError(f"no answer within {self._seconds:g} s")
+        ok, value = box[0]
+        if ok:
+            return value
+        raise value

@@ -66,7 +66,9 @@ class MirroredStrategy(CollectiveStrategy):
         else:
             rank, address = identity
             watch_parent()
-        self._join(rank, world, f"tcp://{address}", local_rank=rank)
+        host, _, port = address.rpartition(":")
+        self._join(rank, world, (host, int(port)), local_rank=rank,
+                   names=[f"replica {r} ({devices[r]})" for r in range(world)])
         self._device = devices[rank]
         if self._device.type == "cuda":
             torch.cuda.set_device(self._device)

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from meshfit.cluster._base import parse_address
 from meshfit.distribute._collective import CollectiveStrategy
 from meshfit.distribute._values import CommunicationOptions
 
@@ -50,11 +51,22 @@ class MultiWorkerMirroredStrategy(CollectiveStrategy):
             # The evaluator is not part of the training group: it evaluates checkpoints on its own.
             self._chief = False
             return
-        init_method = f"tcp://{_host(cluster_resolver.master_addr)}:{cluster_resolver.master_port}"
-        self._join(cluster_resolver.rank, cluster_resolver.world_size, init_method,
-                   local_rank=getattr(cluster_resolver, "local_rank", None) or 0)
+        names, own_host, training = _describe(cluster_resolver)
+        self._join(cluster_resolver.rank, cluster_resolver.world_size,
+                   (cluster_resolver.master_addr, cluster_resolver.master_port),
+                   local_rank=getattr(cluster_resolver, "local_rank", None) or 0, names=names,
+                   own_host=own_host, settings={"training_tasks": training})
         self._chief = bool(cluster_resolver.is_chief)
 
 
-def _host(address: str) -> str:
-    return f"[{address}]" if ":" in address and not address.startswith("[") else address
+def _describe(resolver: Any) -> tuple[list[str], str | None, list[str | None]]:
+    """Each rank's description ("worker 1 at 10.0.0.2:2222"), this worker's host, the training tasks."""
+    spec = resolver.cluster_spec()
+    spec = spec.as_dict() if hasattr(spec, "as_dict") else spec
+    tasks = [(job, i, address) for job in ("chief", "worker") for i, address in enumerate(spec.get(job, []))]
+    if len(tasks) != resolver.world_size:
+        tasks = [("rank", r, None) for r in range(resolver.world_size)]
+    names = [f"{job} {i} at {address}" if address else f"{job} {i}" for job, i, address in tasks]
+    own = tasks[resolver.rank][2]
+    own_host = parse_address(own, "task", "cluster")[0] if own else None
+    return names, own_host, [address for _, _, address in tasks]

@@ -19,8 +19,8 @@ from torch import nn
 import meshfit as mf
 
 
-def build_module() -> nn.Module:
-    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 10))
+def build_module(dropout: float = 0.1) -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 10))
 
 
 class Chaos(mf.callbacks.Callback):
@@ -39,6 +39,13 @@ class Chaos(mf.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
         if self.first_round and self.args.term_rank == self.rank and step == self.args.term_at:
             os.kill(os.getpid(), signal.SIGTERM)
+        if self.first_round and self.rank == 0 and step == self.args.mark_at:
+            with open(os.path.join(self.args.out, "reached.txt"), "w") as f:
+                f.write(repr(time.time()))
+        if self.first_round and self.args.freeze_rank == self.rank and step == self.args.freeze_at:
+            with open(os.path.join(self.args.out, "frozen-at.txt"), "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGSTOP)  # frozen: alive but silent, as a hung host
 
     def on_train_batch_end(self, batch, logs=None):
         if self.args.sleep:
@@ -86,6 +93,10 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--term-rank", type=int, default=-1)
     parser.add_argument("--term-at", type=int, default=-1)
+    parser.add_argument("--mark-at", type=int, default=-1, help="rank 0 writes reached.txt at this step")
+    parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--freeze-rank", type=int, default=-1)
+    parser.add_argument("--freeze-at", type=int, default=-1)
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--heartbeat", type=float, default=4.0)
     parser.add_argument("--checkpoint-dir", default=None)
@@ -111,7 +122,7 @@ def main() -> None:
                .repeat().batch(args.global_batch).prefetch(2))
     steps = args.steps or len(x) // args.global_batch
     with strategy.scope():
-        model = RecordingModel(build_module())
+        model = RecordingModel(build_module(args.dropout))
         model.compile(mf.optimizers.SGD(learning_rate=0.1, momentum=0.9),
                       mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     if args.record:

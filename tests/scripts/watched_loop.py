@@ -1,0 +1,65 @@
+"""A tiny custom training loop under MultiWorkerMirroredStrategy (`strategy.run` / `reduce`), for liveness tests.
+
+Gradients are summed with `strategy.all_reduce_sum` inside `strategy.run`, as a hand-written TF
+step does with ``apply_gradients``. Test hooks freeze (SIGSTOP) or kill (SIGKILL) a rank at a step,
+writing the time to ``<out>/frozen-at.txt`` / ``<out>/killed-at.txt`` first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+
+import torch
+from torch import nn
+
+import meshfit as mf
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--freeze-rank", type=int, default=-1)
+    parser.add_argument("--kill-rank", type=int, default=-1)
+    parser.add_argument("--at", type=int, default=5)
+    parser.add_argument("--heartbeat", type=float, default=4.0)
+    parser.add_argument("--sleep", type=float, default=0.05)
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(0)
+    strategy = mf.MultiWorkerMirroredStrategy(
+        communication_options=mf.CommunicationOptions(heartbeat_timeout_seconds=args.heartbeat))
+    rank, world = strategy.replica_id, strategy.num_replicas_in_sync
+    with strategy.scope():
+        module = nn.Linear(8, 2)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
+    x, y = torch.randn(16, 8), torch.randn(16, 2)
+
+    def step_fn(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = ((module(xb) - yb) ** 2).mean()
+        loss.backward()
+        for p in module.parameters():
+            strategy.all_reduce_sum(p.grad).div_(world)
+        optimizer.step()
+        return loss.detach()
+
+    for step in range(1, args.steps + 1):
+        for kind, who, sig in (("frozen", args.freeze_rank, signal.SIGSTOP), ("killed", args.kill_rank, signal.SIGKILL)):
+            if who == rank and step == args.at:
+                with open(os.path.join(args.out, f"{kind}-at.txt"), "w") as f:
+                    f.write(repr(time.time()))
+                os.kill(os.getpid(), sig)
+        per_replica = strategy.run(step_fn, args=(x, y))
+        total = strategy.reduce(mf.distribute.ReduceOp.SUM, per_replica)
+        if rank == 0 and step % 50 == 0:
+            print(f"step {step}: loss {float(total):.4f}", flush=True)
+        time.sleep(args.sleep)
+    print(f"rank {rank} done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""Liveness: a frozen or dead peer — the chief included — is named within 15 s, in fit and in custom
+loops; a spoofed heartbeat cannot kill a healthy job; user errors are not delayed.
+
+Real worker processes on localhost (gloo); SIGSTOP freezes a worker (alive, silent), SIGKILL kills it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+from _multiproc import run_distributed
+from _procs import child_env, finish, free_ports, kill_group, start, tf_config
+from torch import nn
+
+import meshfit as mf
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
+FIT = os.path.join(SCRIPTS, "train_digits.py")
+CUSTOM = os.path.join(SCRIPTS, "watched_loop.py")
+FIT_ARGS = ["--examples", "256", "--global-batch", "32", "--epochs", "50", "--sleep", "0.05", "--heartbeat", "4"]
+
+
+def _pair(args: list[str], tmp_path) -> tuple[list[subprocess.Popen], str]:
+    ports = free_ports(2)
+    out = str(tmp_path / "out")
+    procs = [start([*args, "--out", out], child_env(TF_CONFIG=tf_config(ports, rank))) for rank in (0, 1)]
+    return procs, out
+
+
+def _survivor_detects(args: list[str], tmp_path, victim: int, event: str) -> tuple[float, str]:
+    """Run 2 workers; rank ``victim`` freezes or dies; return (seconds to the survivor's exit, its output)."""
+    procs, out = _pair(args, tmp_path)
+    survivor = procs[1 - victim]
+    try:
+        code, output = finish(survivor, timeout=120)
+        ended = time.time()
+    finally:
+        kill_group(procs[victim])  # SIGKILL also ends a stopped process
+        finish(procs[victim], timeout=30)
+    at = float(open(os.path.join(out, f"{event}-at.txt")).read())
+    assert code != 0, output
+    return ended - at, output
+
+
+def _check_named(seconds: float, output: str, victim: int) -> None:
+    assert seconds <= 15.0, (seconds, output)
+    assert f"Worker {victim} stopped (worker {victim} at 127.0.0.1:" in output, output
+    assert "dead, frozen or unreachable" in output, output
+
+
+def test_frozen_chief_is_named_within_15_s_in_fit(tmp_path):
+    # Rank 0 hosts the rendezvous store: freezing it freezes the store too.
+    seconds, output = _survivor_detects([FIT, *FIT_ARGS, "--backup-dir", str(tmp_path / "backup"),
+                                         "--save-freq", "4", "--freeze-rank", "0", "--freeze-at", "6"],
+                                        tmp_path, victim=0, event="frozen")
+    _check_named(seconds, output, victim=0)
+    assert "rendezvous store did not answer" in output, output
+    assert str(tmp_path / "backup") in output, output  # says where the last backup is
+
+
+@pytest.mark.slow
+def test_frozen_worker_is_named_within_15_s_in_fit(tmp_path):
+    seconds, output = _survivor_detects([FIT, *FIT_ARGS, "--freeze-rank", "1", "--freeze-at", "6"],
+                                        tmp_path, victim=1, event="frozen")
+    _check_named(seconds, output, victim=1)
+
+
+def test_dead_peer_in_a_custom_loop_is_named(tmp_path):
+    seconds, output = _survivor_detects([CUSTOM, "--kill-rank", "1"], tmp_path, victim=1, event="killed")
+    _check_named(seconds, output, victim=1)
+    assert "PeerFailureError" in output, output  # raised from strategy.run / reduce, not a raw gloo error
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [0, 1], ids=["chief", "worker"])
+def test_frozen_peer_in_a_custom_loop_is_named(tmp_path, victim):
+    seconds, output = _survivor_detects([CUSTOM, "--freeze-rank", str(victim)], tmp_path, victim=victim,
+                                        event="frozen")
+    _check_named(seconds, output, victim=victim)
+
+
+_SPOOFER = r"""
+import sys, time, datetime, torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), None, False, datetime.timedelta(seconds=30))
+deadline = time.monotonic() + float(sys.argv[2])
+writes = 0
+try:
+    while time.monotonic() < deadline:
+        for key in store.list_keys():
+            if key.startswith("meshfit/hb"):
+                # a stale value, a garbage value and a huge hint: none may count as (or hide) a beat
+                store.set(key, "1" if key.count("/") == 2 else "0")
+                writes += 1
+        for rank in (0, 1):
+            store.set(f"meshfit/hb/{rank}", "999999")
+        time.sleep(0.003)
+except Exception:
+    pass  # the job ended and took its store with it
+print("spoofed", writes, flush=True)
+"""
+
+
+def test_a_spoofed_heartbeat_cannot_kill_a_healthy_job(tmp_path):
+    ports = free_ports(2)
+    out = str(tmp_path / "out")
+    args = [CUSTOM, "--out", out, "--steps", "150", "--heartbeat", "2"]
+    procs = [start(args, child_env(TF_CONFIG=tf_config(ports, rank))) for rank in (0, 1)]
+    spoofer = start(["-c", _SPOOFER, str(ports[0]), "25"], child_env())
+    try:
+        results = [finish(p, timeout=180) for p in procs]
+    finally:
+        spoof_code, spoof_out = finish(spoofer, timeout=60)
+    for code, output in results:
+        assert code == 0, output
+    match = re.search(r"spoofed (\d+)", spoof_out)
+    assert match and int(match.group(1)) > 100, spoof_out  # it did rewrite the keys while the job ran
+
+
+def _worker_user_timeout_error(rank: int, world: int) -> float:
+    strategy = mf.MultiWorkerMirroredStrategy()  # joins the test's group; heartbeat on (6 s)
+    (x, y), _ = mf.datasets.load_digits()
+
+    class Fails(mf.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                self.raised = time.monotonic()
+                raise RuntimeError("reading shard 3 hit a timeout in my data service")
+
+    with strategy.scope():
+        model = mf.Model(nn.Sequential(nn.Flatten(), nn.Linear(64, 10)))
+        model.compile("sgd", mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    callback = Fails()
+    with pytest.raises(RuntimeError, match="hit a timeout"):
+        model.fit(x[:128], y[:128], batch_size=32, epochs=1, verbose=0, callbacks=[callback])
+    return time.monotonic() - callback.raised
+
+
+def test_a_user_error_mentioning_timeout_surfaces_in_under_a_second():
+    delays = run_distributed(_worker_user_timeout_error, world_size=2, timeout=180)
+    assert max(delays) < 1.0, delays
+
+
+@pytest.mark.parametrize(("error", "expected"), [
+    (RuntimeError("the data service timed out: timeout"), False),
+    (RuntimeError("socket closed by peer in my code"), False),
+    (RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+                  "by peer [127.0.0.1]:5"), True),
+    (RuntimeError("Got the following error when running the callback: RuntimeError: [/x/gloo/transport/tcp/"
+                  "unbound_buffer.cc:78] Timed out waiting 30000ms for recv operation to complete"), True),
+])
+def test_communication_errors_are_classified_by_type_and_origin(error, expected):
+    from meshfit.distribute._collective import is_communication_error
+
+    assert is_communication_error(error) is expected
+
+
+def test_dist_errors_are_communication_errors():
+    import torch.distributed as dist
+
+    from meshfit.distribute._collective import is_communication_error
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=1), wait_for_workers=False)
+    with pytest.raises(dist.DistError) as caught:
+        store.get("missing")
+    assert is_communication_error(caught.value)
+
+
+def test_watchdog_store_requests_are_bounded_even_when_the_server_is_frozen():
+    """torch's store client blocks forever on a frozen server; the watchdog's connection does not."""
+    from meshfit.distribute._heartbeat import _BoundedStore
+
+    release = threading.Event()
+
+    class Frozen:
+        def check(self, keys):
+            release.wait(30)
+            return True
+
+    bounded = _BoundedStore(lambda: Frozen(), 0.5)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        bounded.call(lambda store: store.check(["k"]))
+    assert time.monotonic() - started < 2
+    release.set()
