@@ -71,6 +71,15 @@ def test_frozen_worker_is_named_within_15_s_in_fit(tmp_path):
     _check_named(seconds, output, victim=1)
 
 
+def test_a_peer_killed_as_the_first_async_backup_forms_its_group_is_named(tmp_path):
+    # Rank 1 dies after step 4's collectives; rank 0 goes on into the first async save, which creates
+    # its process group: bounded by meshfit's timeout, and the watchdog is not blocked behind it.
+    seconds, output = _survivor_detects([FIT, *FIT_ARGS, "--backup-dir", str(tmp_path / "backup"),
+                                         "--save-freq", "4", "--async-save", "--kill-end-rank", "1",
+                                         "--kill-end-at", "4"], tmp_path, victim=1, event="killed")
+    _check_named(seconds, output, victim=1)
+
+
 def test_dead_peer_in_a_custom_loop_is_named(tmp_path):
     seconds, output = _survivor_detects([CUSTOM, "--kill-rank", "1"], tmp_path, victim=1, event="killed")
     _check_named(seconds, output, victim=1)

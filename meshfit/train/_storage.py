@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from meshfit import _atomic
 from meshfit._checksum import ChecksumError, CorruptFileError, file_crc32, verify_file
+from meshfit.distribute._rendezvous import new_group
 
 STATE_FILE = "meshfit_state.json"  # written by rank 0, inside each checkpoint directory
 DCP_METADATA = ".metadata"  # DCP's commit marker, written last by its coordinator
@@ -294,7 +295,7 @@ def _cached_gloo_group(purpose: str) -> Any:
     cached = _GROUPS.get(purpose)
     if cached is not None and cached[0] is world:
         return cached[1]
-    group = dist.new_group(backend="gloo")
+    group = new_group(backend="gloo")  # with meshfit's timeout, not torch's 30 minutes
     _GROUPS[purpose] = (world, group)
     return group
 

@@ -48,6 +48,11 @@ class Chaos(mf.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGSTOP)  # frozen: alive but silent, as a hung host
 
     def on_train_batch_end(self, batch, logs=None):
+        step = self.model.loop_state.iterations
+        if self.first_round and self.args.kill_end_rank == self.rank and step == self.args.kill_end_at:
+            with open(os.path.join(self.args.out, "killed-at.txt"), "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)  # after the step's collectives, before the backup's
         if self.args.sleep:
             time.sleep(self.args.sleep)
 
@@ -93,6 +98,9 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--term-rank", type=int, default=-1)
     parser.add_argument("--term-at", type=int, default=-1)
+    parser.add_argument("--kill-end-rank", type=int, default=-1, help="SIGKILL at the end of a step, "
+                        "before BackupAndRestore saves it")
+    parser.add_argument("--kill-end-at", type=int, default=-1)
     parser.add_argument("--mark-at", type=int, default=-1, help="rank 0 writes reached.txt at this step")
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--freeze-rank", type=int, default=-1)
@@ -131,7 +139,7 @@ def main() -> None:
     callbacks = [Chaos(args, rank)]
     if args.backup_dir:
         save_freq = args.save_freq if args.save_freq == "epoch" else int(args.save_freq)
-        callbacks.insert(0, mf.callbacks.BackupAndRestore(args.backup_dir, save_freq=save_freq,
+        callbacks.insert(1 if args.kill_end_rank >= 0 else 0, mf.callbacks.BackupAndRestore(args.backup_dir, save_freq=save_freq,
                                                           delete_checkpoint=not args.keep_backup,
                                                           async_save=args.async_save))
     if args.checkpoint_dir:
