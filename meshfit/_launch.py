@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from meshfit._exit_codes import PREEMPTED_EXIT_CODE
+from meshfit._exit_codes import PEER_FAILURE_EXIT_CODE, PREEMPTED_EXIT_CODE
 from meshfit._supervisor import TERMINATE_TIMEOUT_S, Child, ChildGroup, Output, free_ports
 
 __all__ = ["build_parser", "free_ports", "main"]
@@ -138,7 +138,7 @@ def _run(command: list[str], args: argparse.Namespace, output: Output) -> int:
         while signals.received is None:
             group = ChildGroup(output)
             signals.group = group
-            grace = 0.0
+            grace, kill = 0.0, False
             try:
                 _start_round(group, command, args, round_)
                 failed = _supervise(group, args, signals)
@@ -159,8 +159,11 @@ def _run(command: list[str], args: argparse.Namespace, output: Output) -> int:
                 output.message(message)
                 if failed.proc.returncode == PREEMPTED_EXIT_CODE:
                     grace = TERMINATE_TIMEOUT_S  # the others are saving at the same step: let them finish
+                # A worker saw a peer die, freeze or fall off the network: the group is broken and a
+                # frozen process cannot act on SIGTERM, so end the rest at once (backups are atomic).
+                kill = failed.proc.returncode == PEER_FAILURE_EXIT_CODE
             finally:
-                group.stop(grace)
+                group.stop(grace, kill=kill)
                 signals.group = None
             round_ += 1
     return 128 + signals.received

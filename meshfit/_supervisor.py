@@ -188,17 +188,21 @@ class ChildGroup:
             time.sleep(0.05)
         return True
 
-    def stop(self, grace: float = 0.0) -> None:
-        """Let children exit by themselves for ``grace`` s, then SIGTERM, then SIGKILL; reap everything."""
+    def stop(self, grace: float = 0.0, kill: bool = False) -> None:
+        """Let children exit by themselves for ``grace`` s, then SIGTERM, then SIGKILL; reap everything.
+
+        With ``kill``, SIGKILL at once (a frozen process cannot act on SIGTERM).
+        """
         self.wait(self.children, grace)
-        for child in self.children:
-            if child.proc.poll() is None and not child.signalled:
-                child.signalled = True
-                child.send(signal.SIGTERM)
-        if not self.wait(self.children, TERMINATE_TIMEOUT_S):
-            stuck = [c.name for c in self.children if c.proc.poll() is None]
-            self.output.message(f"{', '.join(stuck)} still running {TERMINATE_TIMEOUT_S:.0f} s after SIGTERM; "
-                                "sending SIGKILL")
+        if not kill:
+            for child in self.children:
+                if child.proc.poll() is None and not child.signalled:
+                    child.signalled = True
+                    child.send(signal.SIGTERM)
+            if not self.wait(self.children, TERMINATE_TIMEOUT_S):
+                stuck = [c.name for c in self.children if c.proc.poll() is None]
+                self.output.message(f"{', '.join(stuck)} still running {TERMINATE_TIMEOUT_S:.0f} s after "
+                                    "SIGTERM; sending SIGKILL")
         for child in self.children:
             child.send(signal.SIGKILL)  # also reaps leftovers of groups whose leader already exited
             child.proc.wait()

@@ -67,6 +67,21 @@ def test_sigkill_chaos_trials(tmp_path, uninterrupted, rank, step, save_freq):
     _kill_and_resume(tmp_path, uninterrupted, rank, step, save_freq)
 
 
+@pytest.mark.parametrize("rank", [0, 1], ids=["chief", "worker"])
+def test_a_frozen_worker_under_launch_is_replaced_and_the_job_ends_bitwise_within_30_s(tmp_path, uninterrupted,
+                                                                                        rank):
+    out = str(tmp_path / "out")
+    code, output = _launch(out, "--backup-dir", str(tmp_path / "backup"), "--save-freq", "5",
+                           "--freeze-rank", str(rank), "--freeze-at", "12")
+    ended = time.time()
+    assert code == 0, output
+    assert f"Worker {rank} stopped" in output and "restarting the group" in output, output
+    frozen = float(open(os.path.join(out, "frozen-at.txt")).read())
+    assert ended - frozen <= 30.0, (ended - frozen, output)
+    for a, b in zip(_weights(out, 0), uninterrupted, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_async_backups_survive_a_kill(tmp_path, uninterrupted):
     _kill_and_resume(tmp_path, uninterrupted, 1, 14, "4", "--async-save")
 

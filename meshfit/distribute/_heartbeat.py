@@ -39,7 +39,7 @@ from meshfit.distribute._failure import FailureState
 
 __all__ = ["PEER_FAILURE_EXIT_CODE", "Heartbeat", "PeerFailureError"]
 
-_GRACE_SECONDS = 3.0
+_GRACE_SECONDS = 1.5
 _KEPT_BEATS = 64  # beats kept in the store per rank, so a lagging watcher still finds the next one
 _PREFIX = "meshfit/hb"
 
