@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import threading
 import time
 
@@ -171,15 +172,19 @@ def test_the_tutorial_main_py_on_two_hosts(namespace_hosts, tmp_path):
 
 @pytest.mark.slow
 def test_two_hosts_under_torchrun_multi_node_equal_one_process(namespace_hosts, tmp_path):
-    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(os.sys.executable), "torchrun")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if not os.path.exists(torchrun):
+        torchrun = shutil.which("torchrun")
     hosts = namespace_hosts(2)
     out = str(tmp_path / "torchrun")
     argv = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"{hosts.ip(0)}:{PORT}", "--rdzv-id", "meshfit-test", "--max-restarts", "0",
             SCRIPT, "--out", out, *SMALL, "--epochs", "2"]
     env = child_env()
-    procs = [hosts.start(i, ["--local-addr", hosts.ip(i), *argv] if i else argv, env, program=torchrun)
-             for i in range(2)]
+    # Namespaces share the machine's host name, so each agent is told its address and host0 that it
+    # hosts the rendezvous (torchrun would otherwise guess both from the host name).
+    procs = [hosts.start(i, ["--local-addr", hosts.ip(i), "--rdzv-conf", f"is_host={int(i == 0)}", *argv], env,
+                         program=torchrun) for i in range(2)]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     for p, output in zip(procs, outputs, strict=True):
         assert p.returncode == 0, output
