@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--freeze-rank", type=int, default=-1)
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--at", type=int, default=5)
+    parser.add_argument("--mark-at", type=int, default=-1, help="rank 0 writes reached.txt at this step")
     parser.add_argument("--heartbeat", type=float, default=4.0)
     parser.add_argument("--sleep", type=float, default=0.05)
     args = parser.parse_args()
@@ -48,6 +49,9 @@ def main() -> None:
         return loss.detach()
 
     for step in range(1, args.steps + 1):
+        if rank == 0 and step == args.mark_at:
+            with open(os.path.join(args.out, "reached.txt"), "w") as f:
+                f.write(repr(time.time()))
         for kind, who, sig in (("frozen", args.freeze_rank, signal.SIGSTOP), ("killed", args.kill_rank, signal.SIGKILL)):
             if who == rank and step == args.at:
                 with open(os.path.join(args.out, f"{kind}-at.txt"), "w") as f:
