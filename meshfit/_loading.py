@@ -16,7 +16,7 @@ from meshfit._saving import read_config
 from meshfit._weights import load_state_dict_file, unflatten_optimizer_state
 from meshfit.losses import _resolve as _resolve_loss
 from meshfit.metrics import _resolve as _resolve_metric
-from meshfit.optimizers import _optimizers
+from meshfit.optimizers import _resolve as _resolve_optimizer
 
 
 def _metrics_from_config(entries: list[Any], path: str) -> list[Any]:
@@ -77,7 +77,7 @@ def load_model(filepath: str | os.PathLike, module: nn.Module | None = None, com
     compile_config = config.get("compile")
     if compile and compile_config and compile_config.get("optimizer") and compile_config.get("loss"):
         try:
-            optimizer = _optimizers.deserialize(compile_config["optimizer"])
+            optimizer = _resolve_optimizer.deserialize(compile_config["optimizer"])
             loss = _resolve_loss.deserialize(compile_config["loss"])
             metrics = _metrics_from_config(compile_config.get("metrics") or [], path)
         except (TypeError, ValueError) as error:

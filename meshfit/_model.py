@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -21,7 +20,7 @@ from meshfit._fit_arguments import (
     validates_after,
 )
 from meshfit._loop import TrainingLoop, resolve_verbose
-from meshfit._saving import load_weights, save_model, save_weights
+from meshfit._model_weights import WeightsMixin
 from meshfit._state import LoopState
 from meshfit._validation import check_bool, non_negative_int, positive_int
 from meshfit.callbacks._callback_list import CallbackList
@@ -34,6 +33,7 @@ from meshfit.losses import _resolve as _resolve_loss
 from meshfit.metrics import _metrics
 from meshfit.metrics import _resolve as _resolve_metric
 from meshfit.optimizers import _optimizers
+from meshfit.optimizers import _resolve as _resolve_optimizer
 
 
 def _validation_parts(validation_data: Any) -> tuple[Any, Any, Any] | None:
@@ -49,7 +49,7 @@ def _validation_parts(validation_data: Any) -> tuple[Any, Any, Any] | None:
     return validation_data, None, None
 
 
-class Model:
+class Model(WeightsMixin):
     """A ``torch.nn.Module`` trained the Keras way, on whatever strategy it was created under.
 
     Args:
@@ -57,7 +57,7 @@ class Model:
         name: a display name (default: the module's class name).
 
     Example:
-        >>> import meshfit as mf
+        >>> import meshfit as mf, numpy as np
         >>> model = mf.Model(nn.Linear(4, 2))
         >>> model.compile(optimizer="sgd", loss="mse")
         >>> history = model.fit(np.zeros((8, 4), "float32"), np.zeros((8, 2), "float32"), verbose=0)
@@ -102,7 +102,7 @@ class Model:
         # Resolve everything first: a failed compile leaves the model as it was.
         steps_per_execution = positive_int("steps_per_execution", steps_per_execution)
         check_training_strategy(self, "compile")
-        resolved_optimizer = _optimizers.get(optimizer)
+        resolved_optimizer = _resolve_optimizer.get(optimizer)
         resolved_loss = _resolve_loss.get(loss) if loss is not None else None
         if metrics is not None and not isinstance(metrics, (list, tuple)):
             raise TypeError(f"Invalid `metrics`: expected a list such as ['accuracy'], received metrics={metrics!r}.")
@@ -111,7 +111,7 @@ class Model:
         self.steps_per_execution = steps_per_execution
         self._metric_identifiers, self._compiled_metrics = list(metrics or []), compiled_metrics
         self._compile_config = {
-            "optimizer": _optimizers.serialize(self.optimizer),
+            "optimizer": _resolve_optimizer.serialize(self.optimizer),
             "loss": _resolve_loss.serialize(self.loss) if self.loss is not None else None,
             "metrics": [m for m in self._metric_identifiers if isinstance(m, str)],
         }
@@ -325,106 +325,5 @@ class Model:
             return self._train_module(*args, **kwargs)
         return self.module(*args, **kwargs)
 
-    # ---- weights ---------------------------------------------------------------------------
-    def get_weights(self) -> list[np.ndarray]:
-        """The module's ``state_dict`` values (parameters, then buffers, per submodule) as numpy.
-
-        Sharded (DTensor) weights are gathered: every process gets the full arrays (a collective).
-        """
-        return [_full(t).detach().cpu().numpy().copy() for t in self.module.state_dict().values()]
-
-    def set_weights(self, weights: list[Any]) -> None:
-        """Set the values ``get_weights`` returns, in the same order; shapes must match."""
-        state = self.module.state_dict()
-        if len(weights) != len(state):
-            raise ValueError(f"Invalid `weights`: the module has {len(state)} weight tensors, received "
-                             f"{len(weights)}.")
-        new_state = {}
-        for (key, current), value in zip(state.items(), weights, strict=True):
-            tensor = torch.as_tensor(np.asarray(value))
-            if tuple(tensor.shape) != tuple(current.shape):
-                raise ValueError(f"Invalid `weights`: {key!r} has shape {tuple(current.shape)}, received "
-                                 f"shape {tuple(tensor.shape)}.")
-            new_state[key] = _laid_out_like(tensor.to(current.dtype), current)
-        self.module.load_state_dict(new_state)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The module's weights (Stateful, for `meshfit.train.Checkpoint`)."""
-        return self.module.state_dict()
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.module.load_state_dict(state)
-
-    def save(self, filepath: str) -> None:
-        """Save architecture (when rebuildable), weights, compile config and optimizer state.
-
-        Every worker may call it on the same path: only the chief writes; all wait for it.
-        """
-        save_model(self, filepath)
-
-    def save_weights(self, filepath: str) -> None:
-        """Save the module's weights to a safetensors file (chief only; all wait for it)."""
-        save_weights(self, filepath)
-
-    def load_weights(self, filepath: str) -> None:
-        """Load weights saved by ``save_weights`` or ``save``."""
-        load_weights(self, filepath)
-
-    def summary(self, line_length: int | None = None, print_fn: Any = None, expand_nested: bool = False,
-                show_trainable: bool = False) -> None:
-        """Print Keras's table: each layer, its output shape and parameter count, then the totals.
-
-        Output shapes appear once the model was built on data (fit, evaluate, predict or
-        ``build(sample_x)``). Arguments as in Keras; ``print_fn`` receives the table line by line.
-
-        Raises:
-            ValueError: If lazy layers have not been materialised yet.
-        """
-        text = _summary.summary_text(self.module, self.name, self._input_example, line_length=line_length,
-                                     expand_nested=expand_nested, show_trainable=show_trainable)
-        _summary.print_summary(text, print_fn)
-
-    def count_params(self) -> int:
-        """The number of weights, trainable and not (Keras's ``count_params``)."""
-        return _summary.count_params(self.module)
-
-    @property
-    def layers(self) -> list[nn.Module]:
-        """The module's direct children (the module itself when it has none)."""
-        return _summary.layers(self.module)
-
-    @property
-    def trainable_weights(self) -> list[nn.Parameter]:
-        """Parameters the optimizer updates (``requires_grad``)."""
-        return _summary.trainable_weights(self.module)
-
-    trainable_variables = trainable_weights
-
-    @property
-    def non_trainable_weights(self) -> list[torch.Tensor]:
-        """Frozen parameters, then saved floating-point buffers (e.g. batch-norm running statistics)."""
-        return _summary.non_trainable_weights(self.module)
-
-    @property
-    def weights(self) -> list[torch.Tensor]:
-        """``trainable_weights + non_trainable_weights``, as in Keras."""
-        return [*self.trainable_weights, *self.non_trainable_weights]
-
     def __repr__(self) -> str:
         return f"<meshfit.Model {self.name!r} on {self.strategy!r}>"
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's full value (gathered from its shards), else ``tensor``."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def _laid_out_like(value: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
-    """The full ``value`` split like the DTensor ``current`` (every process holds ``value``), else ``value``."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if not isinstance(current, DTensor):
-        return value
-    return distribute_tensor(value, current.device_mesh, current.placements, src_data_rank=None)

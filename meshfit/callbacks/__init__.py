@@ -10,7 +10,8 @@ from meshfit.callbacks._history import History
 from meshfit.callbacks._lambda_callback import LambdaCallback
 from meshfit.callbacks._learning_rate_scheduler import LearningRateScheduler
 from meshfit.callbacks._model_checkpoint import ModelCheckpoint
-from meshfit.callbacks._progbar import Progbar, ProgbarLogger
+from meshfit.callbacks._progbar import Progbar
+from meshfit.callbacks._progbar_logger import ProgbarLogger
 from meshfit.callbacks._reduce_lr_on_plateau import ReduceLROnPlateau
 from meshfit.callbacks._tensorboard import TensorBoard
 from meshfit.callbacks._terminate_on_nan import TerminateOnNaN

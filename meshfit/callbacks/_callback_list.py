@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshfit.callbacks._callback import Callback
 from meshfit.callbacks._history import History
-from meshfit.callbacks._progbar import ProgbarLogger
+from meshfit.callbacks._progbar_logger import ProgbarLogger
 
 if TYPE_CHECKING:  # annotations only: the model and the loop import the callbacks
     from meshfit._loop import TrainingLoop

@@ -1,0 +1,110 @@
+"""`WeightsMixin`: Keras's weight API on a `Model` — get/set, save/load, summary and the weight lists."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from meshfit import _summary
+from meshfit._saving import _laid_out_like, load_weights, save_model, save_weights
+
+
+class WeightsMixin:
+    """The weight side of `meshfit.Model`: needs ``self.module``, ``self.name`` and ``self._input_example``."""
+
+    module: nn.Module
+    name: str
+    _input_example: Any
+
+    def get_weights(self) -> list[np.ndarray]:
+        """The module's ``state_dict`` values (parameters, then buffers, per submodule) as numpy.
+
+        Sharded (DTensor) weights are gathered: every process gets the full arrays (a collective).
+        """
+        return [_full(t).detach().cpu().numpy().copy() for t in self.module.state_dict().values()]
+
+    def set_weights(self, weights: list[Any]) -> None:
+        """Set the values ``get_weights`` returns, in the same order; shapes must match."""
+        state = self.module.state_dict()
+        if len(weights) != len(state):
+            raise ValueError(f"Invalid `weights`: the module has {len(state)} weight tensors, received "
+                             f"{len(weights)}.")
+        new_state = {}
+        for (key, current), value in zip(state.items(), weights, strict=True):
+            tensor = torch.as_tensor(np.asarray(value))
+            if tuple(tensor.shape) != tuple(current.shape):
+                raise ValueError(f"Invalid `weights`: {key!r} has shape {tuple(current.shape)}, received "
+                                 f"shape {tuple(tensor.shape)}.")
+            new_state[key] = _laid_out_like(tensor.to(current.dtype), current)
+        self.module.load_state_dict(new_state)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's weights (Stateful, for `meshfit.train.Checkpoint`)."""
+        return self.module.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.module.load_state_dict(state)
+
+    def save(self, filepath: str) -> None:
+        """Save architecture (when rebuildable), weights, compile config and optimizer state.
+
+        Every worker may call it on the same path: only the chief writes; all wait for it.
+        """
+        save_model(self, filepath)
+
+    def save_weights(self, filepath: str) -> None:
+        """Save the module's weights to a safetensors file (chief only; all wait for it)."""
+        save_weights(self, filepath)
+
+    def load_weights(self, filepath: str) -> None:
+        """Load weights saved by ``save_weights`` or ``save``."""
+        load_weights(self, filepath)
+
+    def summary(self, line_length: int | None = None, print_fn: Any = None, expand_nested: bool = False,
+                show_trainable: bool = False) -> None:
+        """Print Keras's table: each layer, its output shape and parameter count, then the totals.
+
+        Output shapes appear once the model was built on data (fit, evaluate, predict or
+        ``build(sample_x)``). Arguments as in Keras; ``print_fn`` receives the table line by line.
+
+        Raises:
+            ValueError: If lazy layers have not been materialised yet.
+        """
+        text = _summary.summary_text(self.module, self.name, self._input_example, line_length=line_length,
+                                     expand_nested=expand_nested, show_trainable=show_trainable)
+        _summary.print_summary(text, print_fn)
+
+    def count_params(self) -> int:
+        """The number of weights, trainable and not (Keras's ``count_params``)."""
+        return _summary.count_params(self.module)
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        """The module's direct children (the module itself when it has none)."""
+        return _summary.layers(self.module)
+
+    @property
+    def trainable_weights(self) -> list[nn.Parameter]:
+        """Parameters the optimizer updates (``requires_grad``)."""
+        return _summary.trainable_weights(self.module)
+
+    trainable_variables = trainable_weights
+
+    @property
+    def non_trainable_weights(self) -> list[torch.Tensor]:
+        """Frozen parameters, then saved floating-point buffers (e.g. batch-norm running statistics)."""
+        return _summary.non_trainable_weights(self.module)
+
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        """``trainable_weights + non_trainable_weights``, as in Keras."""
+        return [*self.trainable_weights, *self.non_trainable_weights]
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (gathered from its shards), else ``tensor``."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

@@ -1,0 +1,211 @@
+"""The built-in optimizers with Keras's names and defaults, each building its `torch.optim` class."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from meshfit.optimizers._optimizers import (
+    _NON_NEGATIVE,
+    _POSITIVE,
+    _UNIT,
+    Optimizer,
+    _check_bool,
+    _check_mesh,
+    _check_number,
+    _check_weight_decay,
+)
+
+
+class SGD(Optimizer):
+    """Stochastic gradient descent; builds `torch.optim.SGD`.
+
+    Args:
+        learning_rate: Positive step size.
+        momentum: Momentum in `[0, 1)`.
+        nesterov: Whether to use Nesterov momentum (needs `momentum > 0`).
+        weight_decay: L2 penalty, or `None`.
+        mesh: a `meshfit.dtensor.Mesh`, as DTensor Keras optimizers take (the state of a DTensor
+            parameter has its layout either way).
+    """
+
+    torch_class = torch.optim.SGD
+    config_keys = ("momentum", "nesterov", "weight_decay")
+
+    def __init__(
+        self,
+        learning_rate: float = 0.01,
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        weight_decay: float | None = None,
+        *,
+        mesh: Any = None,
+    ) -> None:
+        super().__init__(learning_rate)
+        self.mesh = _check_mesh(mesh)
+        self.momentum = _check_number("momentum", momentum, _UNIT)
+        self.nesterov = _check_bool("nesterov", nesterov)
+        if nesterov and momentum == 0:
+            raise ValueError(f"Invalid `nesterov`: needs momentum > 0, received momentum={momentum!r}.")
+        self.weight_decay = _check_weight_decay(weight_decay)
+
+
+class Adam(Optimizer):
+    """Adam; builds `torch.optim.Adam` with Keras's defaults.
+
+    Args:
+        learning_rate: Positive step size.
+        beta_1: Decay of the first-moment estimate, in `[0, 1)`.
+        beta_2: Decay of the second-moment estimate, in `[0, 1)`.
+        epsilon: Positive constant for numerical stability.
+        amsgrad: Whether to use the AMSGrad variant.
+        weight_decay: L2 penalty, or `None`.
+        mesh: a `meshfit.dtensor.Mesh`, as DTensor Keras optimizers take (the state of a DTensor
+            parameter has its layout either way).
+    """
+
+    torch_class: type[torch.optim.Optimizer] = torch.optim.Adam
+    config_keys = ("beta_1", "beta_2", "epsilon", "amsgrad", "weight_decay")
+
+    def __init__(
+        self,
+        learning_rate: float = 0.001,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-7,
+        amsgrad: bool = False,
+        weight_decay: float | None = None,
+        *,
+        mesh: Any = None,
+    ) -> None:
+        super().__init__(learning_rate)
+        self.mesh = _check_mesh(mesh)
+        self.beta_1 = _check_number("beta_1", beta_1, _UNIT)
+        self.beta_2 = _check_number("beta_2", beta_2, _UNIT)
+        self.epsilon = _check_number("epsilon", epsilon, _POSITIVE)
+        self.amsgrad = _check_bool("amsgrad", amsgrad)
+        self.weight_decay = _check_weight_decay(weight_decay)
+
+    def _torch_kwargs(self) -> dict[str, Any]:
+        kwargs = super()._torch_kwargs()
+        kwargs["betas"] = (kwargs.pop("beta_1"), kwargs.pop("beta_2"))
+        return kwargs
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay; builds `torch.optim.AdamW` with Keras's defaults.
+
+    Args:
+        learning_rate: Positive step size.
+        weight_decay: Decoupled weight decay (non-negative).
+        beta_1: Decay of the first-moment estimate, in `[0, 1)`.
+        beta_2: Decay of the second-moment estimate, in `[0, 1)`.
+        epsilon: Positive constant for numerical stability.
+        amsgrad: Whether to use the AMSGrad variant.
+    """
+
+    torch_class = torch.optim.AdamW
+
+    def __init__(
+        self,
+        learning_rate: float = 0.001,
+        weight_decay: float = 0.004,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-7,
+        amsgrad: bool = False,
+    ) -> None:
+        _check_number("weight_decay", weight_decay, _NON_NEGATIVE)
+        super().__init__(learning_rate, beta_1, beta_2, epsilon, amsgrad, weight_decay)
+
+
+class RMSprop(Optimizer):
+    """RMSprop; builds `torch.optim.RMSprop` (`rho` is torch's `alpha`).
+
+    Args:
+        learning_rate: Positive step size.
+        rho: Decay of the squared-gradient average, in `[0, 1)`.
+        momentum: Momentum in `[0, 1)`.
+        epsilon: Positive constant for numerical stability.
+        centered: Whether to normalise by the gradient's estimated variance.
+        weight_decay: L2 penalty, or `None`.
+    """
+
+    torch_class = torch.optim.RMSprop
+    config_keys = ("rho", "momentum", "epsilon", "centered", "weight_decay")
+
+    def __init__(
+        self,
+        learning_rate: float = 0.001,
+        rho: float = 0.9,
+        momentum: float = 0.0,
+        epsilon: float = 1e-7,
+        centered: bool = False,
+        weight_decay: float | None = None,
+    ) -> None:
+        super().__init__(learning_rate)
+        self.rho = _check_number("rho", rho, _UNIT)
+        self.momentum = _check_number("momentum", momentum, _UNIT)
+        self.epsilon = _check_number("epsilon", epsilon, _POSITIVE)
+        self.centered = _check_bool("centered", centered)
+        self.weight_decay = _check_weight_decay(weight_decay)
+
+
+class Adagrad(Optimizer):
+    """Adagrad; builds `torch.optim.Adagrad` with Keras's defaults.
+
+    Args:
+        learning_rate: Positive step size.
+        initial_accumulator_value: Non-negative starting value of the accumulators.
+        epsilon: Positive constant for numerical stability.
+        weight_decay: L2 penalty, or `None`.
+    """
+
+    torch_class = torch.optim.Adagrad
+    config_keys = ("initial_accumulator_value", "epsilon", "weight_decay")
+
+    def __init__(
+        self,
+        learning_rate: float = 0.001,
+        initial_accumulator_value: float = 0.1,
+        epsilon: float = 1e-7,
+        weight_decay: float | None = None,
+    ) -> None:
+        super().__init__(learning_rate)
+        self.initial_accumulator_value = _check_number(
+            "initial_accumulator_value", initial_accumulator_value, _NON_NEGATIVE
+        )
+        self.epsilon = _check_number("epsilon", epsilon, _POSITIVE)
+        self.weight_decay = _check_weight_decay(weight_decay)
+
+
+class TorchOptimizer(Optimizer):
+    """Wraps an already-built `torch.optim.Optimizer` (`built` is True; `build` is a no-op).
+
+    Args:
+        optimizer: The torch optimizer.
+
+    Raises:
+        TypeError: If `optimizer` is not a `torch.optim.Optimizer`.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"Invalid `optimizer`: expected a torch.optim.Optimizer, received optimizer={optimizer!r}."
+            )
+        super().__init__(float(optimizer.param_groups[0]["lr"]))
+        self._torch_optimizer = optimizer
+        self.torch_class = type(optimizer)
+
+    def build(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]]) -> None:
+        """No-op: the wrapped optimizer already holds its parameters."""
+
+    def __repr__(self) -> str:
+        return f"TorchOptimizer({type(self._torch_optimizer).__name__})"
+
+
+_CLASSES: dict[str, type[Optimizer]] = {cls.__name__: cls for cls in (SGD, Adam, AdamW, RMSprop, Adagrad)}
+_LOOKUP: dict[str, type[Optimizer]] = {name.lower(): cls for name, cls in _CLASSES.items()}
