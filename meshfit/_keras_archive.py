@@ -9,7 +9,7 @@ file, never a pickle::
       model.safetensors        the module's state_dict
       optimizer.safetensors    the optimizer's tensors (when it was built)
 
-`meshfit._saving` stages the directory beside the target (``<name>.staging/``, removed afterwards)
+`meshfit._saving` stages the directory beside the target (``<name>.tmp/``, a scratch name readers skip; removed afterwards)
 and `pack` zips it into ``<name>.tmp-<pid>``, fsynced and renamed over ``<name>``: a reader sees the
 old archive or the new one, never a partial one. `unpack` copies only these entry names (no path in
 the zip reaches the file system) into a directory, which the directory loader then reads.

@@ -95,7 +95,9 @@ def _gathered(value: Any) -> Any:
 def save_model(model: Any, filepath: str | os.PathLike) -> None:
     path = os.path.abspath(os.fspath(filepath))
     if is_archive_path(path):  # one zip file holding this directory's files (meshfit._keras_archive)
-        staged = f"{path}.staging"  # beside the target, at a path every worker computes alike
+        # Beside the target, at a path every worker computes alike, under a scratch name that readers
+        # (latest_checkpoint, SidecarEvaluator) skip as incomplete.
+        staged = f"{path}.tmp"
         try:
             save_model(model, staged)  # collective: the chief writes, every worker waits
             _chief_writes(model, lambda: pack(staged, path), f"save the model to {path!r}")
