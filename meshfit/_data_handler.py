@@ -1,6 +1,6 @@
 """`DataHandler`: user input (Dataset, arrays, torch data) as this replica's batches, with a position.
 
-The position is ``(iteration, index)``: the pass over the data and the global batch within it. It
+The position is ``(pass, index)``: the pass over the data and the global batch within it. It
 is all the state a resume needs, because every batch can be computed from it directly.
 """
 
@@ -53,22 +53,22 @@ class _StreamSource:
         except TypeError:
             return None
 
-    def replica_batch(self, index: int, iteration: int) -> tuple[Any, int]:
-        if self._last is not None and self._last[0] == (iteration, index):
+    def replica_batch(self, index: int, pass_index: int) -> tuple[Any, int]:
+        if self._last is not None and self._last[0] == (pass_index, index):
             return self._last[1]  # peeked (to build the model): a one-shot iterable can't replay it
-        result = self._read(index, iteration)
-        self._last = ((iteration, index), result)
+        result = self._read(index, pass_index)
+        self._last = ((pass_index, index), result)
         return result
 
-    def _read(self, index: int, iteration: int) -> tuple[Any, int]:
-        if self._iterator is None or self._at != (iteration, index):
+    def _read(self, index: int, pass_index: int) -> tuple[Any, int]:
+        if self._iterator is None or self._at != (pass_index, index):
             self._iterator, skip = iter(self.loader), index
             for _ in range(skip):
                 next(self._iterator)
         element = to_tensor(next(self._iterator))
         if isinstance(element, list):
             element = tuple(element)
-        self._at = (iteration, index + 1)
+        self._at = (pass_index, index + 1)
         size = batch_size_of(element)
         n, r = self.num_replicas, self.replica_id
         if n == 1:
@@ -109,7 +109,7 @@ class DataHandler:
             raise ValueError("The input data is empty: it yields no batch.")
         self.steps = steps if steps is not None else length
         self._length = length
-        self.iteration, self.index = (self._origin._start_pass() if self._origin is not None else 0), 0
+        self.pass_index, self.index = (self._origin._start_pass() if self._origin is not None else 0), 0
         self._check_same_length_everywhere(length, steps, argument)
         self._prefetcher: Prefetcher | None = None
         self._prefetch_from: tuple[int, int] | None = None
@@ -174,62 +174,62 @@ class DataHandler:
                              f"so they would not take the same steps. Pass `{argument}` (and .repeat() the "
                              "data), or balance the files across workers.")
 
-    # ---- iteration -----------------------------------------------------------------------
+    # ---- iterating ------------------------------------------------------------------------
     def _normalized(self) -> tuple[int, int]:
         if self._length is not None and self.index >= self._length:
-            return self.iteration + 1, 0
-        return self.iteration, self.index
+            return self.pass_index + 1, 0
+        return self.pass_index, self.index
 
     def _produce(self, offset: int) -> tuple[Any, int]:
-        iteration, index = self._prefetch_from
+        pass_index, index = self._prefetch_from
         if self._length is not None:
-            iteration, index = iteration + (index + offset) // self._length, (index + offset) % self._length
+            pass_index, index = pass_index + (index + offset) // self._length, (index + offset) % self._length
         else:
             index += offset
-        return self.source.replica_batch(index, iteration)
+        return self.source.replica_batch(index, pass_index)
 
     def next_batch(self) -> tuple[Any, int]:
         """This replica's next batch and the global batch size; advances the position."""
-        self.iteration, self.index = self._normalized()
+        self.pass_index, self.index = self._normalized()
         size = self.source.prefetch_size()
         if size:
             if self._prefetcher is None:
-                self._prefetch_from = (self.iteration, self.index)
+                self._prefetch_from = (self.pass_index, self.index)
                 self._prefetcher = Prefetcher(self._produce, 0, size)
             batch = self._prefetcher.get()
         else:
-            batch = self.source.replica_batch(self.index, self.iteration)
+            batch = self.source.replica_batch(self.index, self.pass_index)
         self.index += 1
         return batch
 
     def peek(self) -> Any:
         """The next batch, without moving (used to build lazy modules)."""
-        iteration, index = self._normalized()
-        return self.source.replica_batch(index, iteration)[0]
+        pass_index, index = self._normalized()
+        return self.source.replica_batch(index, pass_index)[0]
 
     def end_epoch(self) -> None:
         """Close the pass when an epoch is the whole data (no ``steps_per_epoch``)."""
         if self._length is not None and self.steps == self._length:
-            self.iteration, self.index = self._normalized()
+            self.pass_index, self.index = self._normalized()
 
     def close(self) -> None:
         if self._origin is not None:
-            self._origin._next_pass = max(self._origin._next_pass, self.iteration + 1)
+            self._origin._next_pass = max(self._origin._next_pass, self.pass_index + 1)
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None
 
     # ---- Stateful ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The data position: ``{"iteration": pass, "index": global batches read in it,
+        """The data position: ``{"pass": pass, "index": global batches read in it,
         "shuffle_seeds": the pipeline's shuffle seeds}`` (a resume reads the order it saved)."""
         chains = self._shuffle_chains()
-        return {"iteration": self.iteration, "index": self.index,
+        return {"pass": self.pass_index, "index": self.index,
                 "shuffle_seeds": [node.seed for node in chains[0]] if chains else []}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.close()
-        self.iteration, self.index = int(state["iteration"]), int(state["index"])
+        self.pass_index, self.index = int(state["pass"]), int(state["index"])
         seeds = [int(seed) for seed in state.get("shuffle_seeds") or []]
         for chain in self._shuffle_chains():
             if len(chain) == len(seeds):

@@ -412,7 +412,7 @@ def test_state_dict_round_trip_on_an_infinite_pipeline(batch_size, k, buffer):
     for _ in range(k):
         next(reference)
     state = reference.state_dict()
-    assert set(state) == {"iteration", "index"}
+    assert set(state) == {"pass", "index"}
     expected = [next(reference) for _ in range(6)]
 
     restored = iter(_pipeline(batch_size, None, buffer))  # a new pipeline object, same code
@@ -453,20 +453,20 @@ def test_load_state_dict_moves_a_running_prefetching_iterator():
     it = iter(_pipeline(3, 2))
     next(it)
     next(it)  # the prefetch thread is running ahead now
-    it.load_state_dict({"iteration": 0, "index": 5})
+    it.load_state_dict({"pass": 0, "index": 5})
     _assert_same_batches(full[5:], list(it))
-    it.load_state_dict({"iteration": 0, "index": 1})  # and backwards
+    it.load_state_dict({"pass": 0, "index": 1})  # and backwards
     _assert_same_batches(full[1:], list(it))
 
 
-def test_iteration_selects_the_pass_of_a_finite_pipeline():
+def test_pass_index_selects_the_pass_of_a_finite_pipeline():
     ds = Dataset.range(8).shuffle(8, seed=3).batch(4)
-    first = [b.tolist() for b in DatasetIterator(ds, iteration=0)]
-    second = [b.tolist() for b in DatasetIterator(ds, iteration=1)]
+    first = [b.tolist() for b in DatasetIterator(ds, pass_index=0)]
+    second = [b.tolist() for b in DatasetIterator(ds, pass_index=1)]
     assert first == [b.tolist() for b in ds]
     assert second != first and sorted(sum(second, [])) == list(range(8))
     it = DatasetIterator(ds)
-    it.load_state_dict({"iteration": 1, "index": 1})
+    it.load_state_dict({"pass": 1, "index": 1})
     assert [b.tolist() for b in it] == second[1:]
 
 

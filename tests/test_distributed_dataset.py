@@ -80,14 +80,14 @@ PIPELINES = {
 
 @pytest.mark.parametrize("pipeline", sorted(PIPELINES))
 @pytest.mark.parametrize("n", [1, 2, 4])
-@pytest.mark.parametrize("iteration", [0, 1])
-def test_data_replicas_together_read_exactly_the_global_batch(pipeline, n, iteration):
+@pytest.mark.parametrize("pass_index", [0, 1])
+def test_data_replicas_together_read_exactly_the_global_batch(pipeline, n, pass_index):
     ds = PIPELINES[pipeline]()
-    global_batches = list(DatasetIterator(ds, iteration=iteration))
+    global_batches = list(DatasetIterator(ds, pass_index=pass_index))
     replicas = _replicas(ds, n, _options(AutoShardPolicy.DATA))
     assert all(r.length() == len(global_batches) for r in replicas)
     for step, expected in enumerate(global_batches):
-        parts = [r.replica_batch(step, iteration) for r in replicas]
+        parts = [r.replica_batch(step, pass_index) for r in replicas]
         size = len(expected[1])
         assert [global_size for _, global_size in parts] == [size] * n
         assert [len(rows[1]) for rows, _ in parts] == [size // n] * n

@@ -1,7 +1,7 @@
 """`Dataset`: a deterministic, random-access input pipeline with an exact, saveable position.
 
-Every node can compute its element ``i`` of iteration ``t`` directly (``_get(i, t)``). The order of
-examples is therefore a pure function of (seeds, iteration), and an iterator's whole state is two
+Every node can compute its element ``i`` of pass ``t`` directly (``_get(i, t)``). The order of
+examples is therefore a pure function of (seeds, pass), and an iterator's whole state is two
 integers: which pass over the data it is in and how many elements of that pass it has produced.
 Restoring that position continues at the very next example, prefetch or not. Replicas never change
 the global order: a distributed dataset only decides which rows of each global batch a replica reads.
@@ -66,7 +66,7 @@ class Dataset:
                 reshuffle_each_iteration: bool = True) -> Dataset:
         """Shuffle with a ``buffer_size`` buffer, as ``tf.data`` does, but reproducibly.
 
-        The order is a function of ``seed`` and the iteration. With ``seed=None`` the seed derives
+        The order is a function of ``seed`` and the pass. With ``seed=None`` the seed derives
         from ``torch.initial_seed()`` (so ``torch.manual_seed`` makes it reproducible) without
         drawing from torch's generator; distributed datasets make every replica use rank 0's seed.
         """
@@ -119,7 +119,7 @@ class Dataset:
         """The options set on this dataset or the nearest one it was built from."""
         return self._node.options()
 
-    # ---- iteration -----------------------------------------------------------------------
+    # ---- iterating ------------------------------------------------------------------------
     def cardinality(self) -> int:
         """The number of elements, or ``INFINITE`` (-1)."""
         n = self._length()
@@ -133,7 +133,7 @@ class Dataset:
 
     def __iter__(self) -> DatasetIterator:
         # Like a new tf.data iterator, each one starts the next pass (reshuffled when shuffling).
-        return DatasetIterator(self, iteration=self._start_pass())
+        return DatasetIterator(self, pass_index=self._start_pass())
 
     def _start_pass(self) -> int:
         """The pass a new iterator (or ``fit``) over this object starts at; later ones get the next."""
@@ -150,11 +150,11 @@ class Dataset:
     def _length(self) -> int | None:
         return self._node._length()
 
-    def _get(self, index: int, iteration: int) -> Any:
-        return self._node._get(index, iteration)
+    def _get(self, index: int, pass_index: int) -> Any:
+        return self._node._get(index, pass_index)
 
-    def _gather(self, indices: np.ndarray, iteration: int) -> Any:
-        return self._node._gather(indices, iteration)
+    def _gather(self, indices: np.ndarray, pass_index: int) -> Any:
+        return self._node._gather(indices, pass_index)
 
     def _prefetch_size(self) -> int:
         return self._node._prefetch_size()
@@ -173,10 +173,10 @@ class Dataset:
 class DatasetIterator:
     """Iterates a `Dataset`; ``state_dict()`` is its exact position, ``load_state_dict`` moves it there."""
 
-    def __init__(self, dataset: Dataset, iteration: int = 0, index: int = 0) -> None:
+    def __init__(self, dataset: Dataset, pass_index: int = 0, index: int = 0) -> None:
         self._prefetcher: Prefetcher | None = None  # first: ``__del__`` runs even if the rest raises
         self._dataset = dataset
-        self._iteration = iteration
+        self._pass_index = pass_index
         self._index = index
         self._length = dataset._length()
 
@@ -187,12 +187,12 @@ class DatasetIterator:
         keep the iterator alive too, ``__del__`` would never stop the thread, and an abandoned
         iterator over an infinite dataset would leak a thread for the life of the process.
         """
-        dataset, iteration, length = self._dataset, self._iteration, self._length
+        dataset, pass_index, length = self._dataset, self._pass_index, self._length
 
         def produce(index: int) -> Any:
             if length is not None and index >= length:
                 raise StopIteration
-            return dataset._get(index, iteration)
+            return dataset._get(index, pass_index)
 
         return produce
 
@@ -211,13 +211,13 @@ class DatasetIterator:
         return element
 
     def state_dict(self) -> dict[str, int]:
-        """The position: ``{"iteration": pass number, "index": elements produced in this pass}``."""
-        return {"iteration": self._iteration, "index": self._index}
+        """The position: ``{"pass": pass number, "index": elements produced in this pass}``."""
+        return {"pass": self._pass_index, "index": self._index}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Move to a position taken by ``state_dict``."""
         self.close()
-        self._iteration, self._index = int(state["iteration"]), int(state["index"])
+        self._pass_index, self._index = int(state["pass"]), int(state["index"])
 
     def close(self) -> None:
         if self._prefetcher is not None:

@@ -28,13 +28,13 @@ class Node:
         """Number of elements per pass; ``None`` when infinite."""
         raise NotImplementedError
 
-    def _get(self, index: int, iteration: int) -> Any:
-        """Element ``index`` of pass ``iteration``."""
+    def _get(self, index: int, pass_index: int) -> Any:
+        """Element ``index`` of pass ``pass_index``."""
         raise NotImplementedError
 
-    def _gather(self, indices: np.ndarray, iteration: int) -> Any:
-        """Elements ``indices`` of pass ``iteration``, stacked."""
-        return stack([self._get(int(i), iteration) for i in indices])
+    def _gather(self, indices: np.ndarray, pass_index: int) -> Any:
+        """Elements ``indices`` of pass ``pass_index``, stacked."""
+        return stack([self._get(int(i), pass_index) for i in indices])
 
     def _prefetch_size(self) -> int:
         return 0 if self._inner is None else self._inner._prefetch_size()

@@ -27,12 +27,12 @@ class TensorSlices(Node):
     def _length(self) -> int:
         return self._n
 
-    def _get(self, index: int, iteration: int) -> Any:
+    def _get(self, index: int, pass_index: int) -> Any:
         if not 0 <= index < self._n:
             raise IndexError(index)
         return map_structure(lambda leaf: leaf[index], self.tensors)
 
-    def _gather(self, indices: np.ndarray, iteration: int) -> Any:
+    def _gather(self, indices: np.ndarray, pass_index: int) -> Any:
         return gather_rows(self.tensors, indices)
 
 
@@ -43,10 +43,10 @@ class Range(Node):
     def _length(self) -> int:
         return len(self._range)
 
-    def _get(self, index: int, iteration: int) -> torch.Tensor:
+    def _get(self, index: int, pass_index: int) -> torch.Tensor:
         return torch.tensor(self._range[index])
 
-    def _gather(self, indices: np.ndarray, iteration: int) -> torch.Tensor:
+    def _gather(self, indices: np.ndarray, pass_index: int) -> torch.Tensor:
         start, step = self._range.start, self._range.step
         return torch.from_numpy(start + indices * step)
 
@@ -97,11 +97,11 @@ class Files(Node):
     def _length(self) -> int:
         return self._table()._length()
 
-    def _get(self, index: int, iteration: int) -> Any:
-        return self._table()._get(index, iteration)
+    def _get(self, index: int, pass_index: int) -> Any:
+        return self._table()._get(index, pass_index)
 
-    def _gather(self, indices: np.ndarray, iteration: int) -> Any:
-        return self._table()._gather(indices, iteration)
+    def _gather(self, indices: np.ndarray, pass_index: int) -> Any:
+        return self._table()._gather(indices, pass_index)
 
 
 class TorchMapDataset(Node):
@@ -113,8 +113,8 @@ class TorchMapDataset(Node):
     def _length(self) -> int:
         return len(self.dataset)
 
-    def _get(self, index: int, iteration: int) -> Any:
+    def _get(self, index: int, pass_index: int) -> Any:
         return to_tensor(self.dataset[index])
 
-    def _gather(self, indices: np.ndarray, iteration: int) -> Any:
-        return stack([self._get(int(i), iteration) for i in indices])
+    def _gather(self, indices: np.ndarray, pass_index: int) -> Any:
+        return stack([self._get(int(i), pass_index) for i in indices])

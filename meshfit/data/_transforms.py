@@ -19,7 +19,7 @@ def _check_positive_int(name: str, value: Any, allow: tuple = ()) -> None:
 
 
 class Shuffle(Node):
-    """Emulates ``tf.data``'s buffer shuffle with a generator seeded by (seed, iteration)."""
+    """Emulates ``tf.data``'s buffer shuffle with a generator seeded by (seed, pass_index)."""
 
     def __init__(self, inner: Node, buffer_size: int, seed: int | None, reshuffle: bool) -> None:
         _check_positive_int("buffer_size", buffer_size)
@@ -36,8 +36,8 @@ class Shuffle(Node):
         clone._cache = None  # the permutation was drawn for the old input's length
         return clone
 
-    def _permutation(self, iteration: int) -> np.ndarray:
-        it = iteration if self.reshuffle else 0
+    def _permutation(self, pass_index: int) -> np.ndarray:
+        it = pass_index if self.reshuffle else 0
         cached = self._cache  # read once: a prefetch thread may replace it concurrently
         if cached is None or cached[0] != it:
             n = self._length()
@@ -46,23 +46,23 @@ class Shuffle(Node):
             self._cache = cached
         return cached[1]
 
-    def _source_index(self, index: int, iteration: int) -> int:
+    def _source_index(self, index: int, pass_index: int) -> int:
         if self._length() is None:  # infinite input: shuffle within consecutive windows
             window, offset = divmod(index, self.buffer_size)
-            it = iteration if self.reshuffle else 0
+            it = pass_index if self.reshuffle else 0
             perm = np.random.default_rng([self.seed, it, window]).permutation(self.buffer_size)
             return window * self.buffer_size + int(perm[offset])
-        return int(self._permutation(iteration)[index])
+        return int(self._permutation(pass_index)[index])
 
-    def _get(self, index: int, iteration: int) -> Any:
-        return self._inner._get(self._source_index(index, iteration), iteration)
+    def _get(self, index: int, pass_index: int) -> Any:
+        return self._inner._get(self._source_index(index, pass_index), pass_index)
 
-    def _gather(self, indices: np.ndarray, iteration: int) -> Any:
+    def _gather(self, indices: np.ndarray, pass_index: int) -> Any:
         if self._length() is None:
-            source = np.array([self._source_index(int(i), iteration) for i in indices], dtype=np.int64)
+            source = np.array([self._source_index(int(i), pass_index) for i in indices], dtype=np.int64)
         else:
-            source = self._permutation(iteration)[indices]
-        return self._inner._gather(source, iteration)
+            source = self._permutation(pass_index)[indices]
+        return self._inner._gather(source, pass_index)
 
 
 _UNSEEDED = [0]
@@ -108,28 +108,28 @@ class Repeat(Node):
             return None
         return n * self.count
 
-    def _locate(self, index: int, iteration: int) -> tuple[int, int]:
+    def _locate(self, index: int, pass_index: int) -> tuple[int, int]:
         n = self._inner._length()
         if n is None:
-            return index, iteration
+            return index, pass_index
         if n == 0:
             raise StopIteration
-        # Pass ``iteration`` of a finite repeat covers inner passes ``[iteration*count, ...)``; passes
+        # Pass ``pass_index`` of a finite repeat covers inner passes ``[pass_index*count, ...)``; passes
         # of an infinite one are kept apart by a large stride.
-        passes = iteration * (2**32 if self.count is None else self.count)
+        passes = pass_index * (2**32 if self.count is None else self.count)
         return index % n, passes + index // n
 
-    def _get(self, index: int, iteration: int) -> Any:
-        return self._inner._get(*self._locate(index, iteration))
+    def _get(self, index: int, pass_index: int) -> Any:
+        return self._inner._get(*self._locate(index, pass_index))
 
-    def _gather(self, indices: np.ndarray, iteration: int) -> Any:
+    def _gather(self, indices: np.ndarray, pass_index: int) -> Any:
         n = self._inner._length()
         if n is None:
-            return self._inner._gather(indices, iteration)
+            return self._inner._gather(indices, pass_index)
         if n == 0:
             raise StopIteration
         indices = np.asarray(indices, dtype=np.int64)
-        passes = iteration * (2**32 if self.count is None else self.count) + indices // n
+        passes = pass_index * (2**32 if self.count is None else self.count) + indices // n
         if (passes == passes[0]).all():  # the usual case: the whole batch lies in one inner pass
             return self._inner._gather(indices % n, int(passes[0]))
         return stack([self._inner._get(int(i), int(t)) for i, t in zip(indices % n, passes, strict=True)])
@@ -153,18 +153,18 @@ class Batch(Node):
         stop = start + self.batch_size if n is None else min(start + self.batch_size, n)
         return start, stop
 
-    def _get(self, index: int, iteration: int) -> Any:
+    def _get(self, index: int, pass_index: int) -> Any:
         length = self._length()
         if length is not None and index >= length:
             raise IndexError(index)
         start, stop = self.rows(index)
-        return self._inner._gather(np.arange(start, stop, dtype=np.int64), iteration)
+        return self._inner._gather(np.arange(start, stop, dtype=np.int64), pass_index)
 
-    def get_rows(self, index: int, iteration: int, start: int, stop: int) -> Any:
+    def get_rows(self, index: int, pass_index: int, start: int, stop: int) -> Any:
         """Rows ``[start, stop)`` (relative) of batch ``index``, computing only those."""
         first, last = self.rows(index)
         lo, hi = min(first + start, last), min(first + stop, last)
-        return self._inner._gather(np.arange(lo, hi, dtype=np.int64), iteration)
+        return self._inner._gather(np.arange(lo, hi, dtype=np.int64), pass_index)
 
 
 class Map(Node):
@@ -176,8 +176,8 @@ class Map(Node):
     def _length(self) -> int | None:
         return self._inner._length()
 
-    def _get(self, index: int, iteration: int) -> Any:
-        element = self._inner._get(index, iteration)
+    def _get(self, index: int, pass_index: int) -> Any:
+        element = self._inner._get(index, pass_index)
         return self.fn(*element) if isinstance(element, tuple) else self.fn(element)
 
 
@@ -193,7 +193,7 @@ class Cache(Node):
     def _length(self) -> int | None:
         return self._inner._length()
 
-    def _get(self, index: int, iteration: int) -> Any:
+    def _get(self, index: int, pass_index: int) -> Any:
         if index not in self._store:
             self._store[index] = self._inner._get(index, 0)
         return self._store[index]
@@ -207,11 +207,11 @@ class Prefetch(Node):
     def _length(self) -> int | None:
         return self._inner._length()
 
-    def _get(self, index: int, iteration: int) -> Any:
-        return self._inner._get(index, iteration)
+    def _get(self, index: int, pass_index: int) -> Any:
+        return self._inner._get(index, pass_index)
 
-    def _gather(self, indices: np.ndarray, iteration: int) -> Any:
-        return self._inner._gather(indices, iteration)
+    def _gather(self, indices: np.ndarray, pass_index: int) -> Any:
+        return self._inner._gather(indices, pass_index)
 
     def _prefetch_size(self) -> int:
         return max(self.buffer_size, self._inner._prefetch_size())
@@ -229,11 +229,11 @@ class Shard(Node):
         n = self._inner._length()
         return None if n is None else max(0, -(-(n - self.index) // self.num_shards))
 
-    def _get(self, index: int, iteration: int) -> Any:
-        return self._inner._get(self.index + index * self.num_shards, iteration)
+    def _get(self, index: int, pass_index: int) -> Any:
+        return self._inner._get(self.index + index * self.num_shards, pass_index)
 
-    def _gather(self, indices: np.ndarray, iteration: int) -> Any:
-        return self._inner._gather(self.index + indices * self.num_shards, iteration)
+    def _gather(self, indices: np.ndarray, pass_index: int) -> Any:
+        return self._inner._gather(self.index + indices * self.num_shards, pass_index)
 
 
 class Take(Node):
@@ -248,11 +248,11 @@ class Take(Node):
             return n
         return self.count if n is None else min(n, self.count)
 
-    def _get(self, index: int, iteration: int) -> Any:
-        return self._inner._get(index, iteration)
+    def _get(self, index: int, pass_index: int) -> Any:
+        return self._inner._get(index, pass_index)
 
-    def _gather(self, indices: np.ndarray, iteration: int) -> Any:
-        return self._inner._gather(indices, iteration)
+    def _gather(self, indices: np.ndarray, pass_index: int) -> Any:
+        return self._inner._gather(indices, pass_index)
 
 
 class Skip(Node):
@@ -265,8 +265,8 @@ class Skip(Node):
         n = self._inner._length()
         return None if n is None else max(0, n - self.count)
 
-    def _get(self, index: int, iteration: int) -> Any:
-        return self._inner._get(index + self.count, iteration)
+    def _get(self, index: int, pass_index: int) -> Any:
+        return self._inner._get(index + self.count, pass_index)
 
-    def _gather(self, indices: np.ndarray, iteration: int) -> Any:
-        return self._inner._gather(indices + self.count, iteration)
+    def _gather(self, indices: np.ndarray, pass_index: int) -> Any:
+        return self._inner._gather(indices + self.count, pass_index)

@@ -107,13 +107,13 @@ class DistributedDataset:
         """Number of steps (global batches) per pass, ``None`` when infinite."""
         return self.view._length()
 
-    def replica_batch(self, index: int, iteration: int) -> tuple[Any, int]:
-        """This replica's batch ``index`` of pass ``iteration``, and the global batch's size."""
+    def replica_batch(self, index: int, pass_index: int) -> tuple[Any, int]:
+        """This replica's batch ``index`` of pass ``pass_index``, and the global batch's size."""
         if self.num_replicas == 1:
-            element = self.view._get(index, iteration)
+            element = self.view._get(index, pass_index)
             return element, batch_size_of(element)
         if self.policy is not AutoShardPolicy.DATA:
-            element = self.view._get(index, iteration)
+            element = self.view._get(index, pass_index)
             return element, batch_size_of(element) * self.num_replicas
         n, r = self.num_replicas, self.replica_id
         located = self._locate_batch(index)
@@ -121,9 +121,9 @@ class DistributedDataset:
             batch, batch_index = located
             start, stop = batch.rows(batch_index)
             size = stop - start
-            element = batch.get_rows(batch_index, iteration, r * size // n, (r + 1) * size // n)
+            element = batch.get_rows(batch_index, pass_index, r * size // n, (r + 1) * size // n)
             return element, size
-        element = self.view._get(index, iteration)
+        element = self.view._get(index, pass_index)
         size = batch_size_of(element)
         return slice_rows(element, r * size // n, (r + 1) * size // n), size
 
@@ -167,9 +167,9 @@ class DistributedDataset:
 
     def __iter__(self) -> Iterator[Any]:
         """This replica's batches of the next pass (for custom training loops)."""
-        length, index, iteration = self.length(), 0, self._start_pass()
+        length, index, pass_index = self.length(), 0, self._start_pass()
         while length is None or index < length:
-            yield self.replica_batch(index, iteration)[0]
+            yield self.replica_batch(index, pass_index)[0]
             index += 1
 
     def __repr__(self) -> str:

@@ -13,9 +13,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from meshfit._evaluation import evaluate as evaluation_loop
+from meshfit._loop import TrainingLoop
 from meshfit.callbacks import CallbackList
 from meshfit.distribute import OneDeviceStrategy, get_strategy
-from meshfit.estimator._compat import TrainingLoop, evaluation_loop
 from meshfit.estimator._data import input_data, is_finite, restore_for_inference
 from meshfit.estimator._hooks import LoggingTensorHook, SessionRunHook, StepCounterHook, StopAtStepHook, log
 from meshfit.estimator._model_fn import ModelFnCaller, verify_model_fn
