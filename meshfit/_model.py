@@ -24,8 +24,10 @@ from meshfit._model_weights import WeightsMixin
 from meshfit._state import LoopState
 from meshfit._validation import check_bool, non_negative_int, positive_int
 from meshfit.callbacks._callback_list import CallbackList
+from meshfit.callbacks._checkpoint_saver import CheckpointSaver
 from meshfit.callbacks._progbar import announce_quiet_worker
 from meshfit.data._structure import batch_size_of, unpack_batch
+from meshfit.distribute._rendezvous import agree_on_settings
 from meshfit.distribute._replication import adopt, check_training_strategy
 from meshfit.distribute._scope import current_scope_strategy
 from meshfit.distribute._strategy import get_strategy
@@ -264,6 +266,11 @@ class Model(WeightsMixin):
                 self.build(unpack_batch(data.peek())[0])
                 cbs = CallbackList(callbacks, add_history=True, add_progbar=verbose != 0, model=self,
                                    verbose=verbose, epochs=epochs, steps=data.steps)
+                # Settings that must match on every worker fail here at once, naming each worker's
+                # value, instead of as a hang or a raw collective error several steps later.
+                agree_on_settings(self.strategy, {
+                    "steps_per_epoch": data.steps, "epochs": epochs, "initial_epoch": initial_epoch,
+                    "checkpoint policies": [repr(c.policy) for c in cbs if isinstance(c, CheckpointSaver)]}, "fit")
                 loop = TrainingLoop(self, data, cbs, counters=self.loop_state)
                 loop.run(epochs=epochs, initial_epoch=initial_epoch, validate=validate)
             finally:

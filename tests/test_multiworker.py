@@ -354,3 +354,29 @@ def test_a_mid_epoch_resume_on_two_workers_logs_the_uninterrupted_epoch_metrics(
     assert resumed0 == resumed1
     for name in ("loss", "accuracy"):
         assert len(resumed0[name]) == 3 and resumed0[name] == full0[name], name
+
+
+def _worker_different_steps(rank: int, world: int, save_freq: int):
+    import time
+
+    strategy = mf.MultiWorkerMirroredStrategy()
+    (x, y), _ = mf.datasets.load_digits()
+    data = mf.data.Dataset.from_tensor_slices((x[:256], y[:256])).repeat().batch(32)
+    with strategy.scope():
+        model = mf.Model(_mlp())
+        model.compile("sgd", mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    started = time.monotonic()
+    try:
+        model.fit(data, epochs=1, steps_per_epoch=3 + rank, verbose=0,
+                  callbacks=[mf.callbacks.BackupAndRestore(f"/tmp/unused-{os.getpid()}", save_freq=save_freq + rank)])
+    except ValueError as error:
+        return str(error), time.monotonic() - started
+    return None, time.monotonic() - started
+
+
+def test_settings_that_differ_between_workers_fail_at_once_naming_each_value():
+    results = run_distributed(_worker_different_steps, world_size=2, args=(5,), timeout=120)
+    for message, seconds in results:
+        assert message is not None and seconds < 5, (message, seconds)
+        assert "steps_per_epoch: worker 0 has 3, worker 1 has 4" in message, message
+        assert "every_steps=5" in message and "every_steps=6" in message, message

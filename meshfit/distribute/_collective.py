@@ -23,6 +23,7 @@ from meshfit.distribute._failure import FailureState
 from meshfit.distribute._gradient_weight import GradientWeight, weighted_allreduce_hook
 from meshfit.distribute._heartbeat import Heartbeat, PeerFailureError
 from meshfit.distribute._rendezvous import client_for, form_rendezvous, set_group_timeout, store_host_rank
+from meshfit.distribute._replication import mark_ddp_synchronized
 from meshfit.distribute._scope import register_running
 from meshfit.distribute._strategy import Strategy, compiled
 from meshfit.distribute._values import CommunicationImplementation, CommunicationOptions
@@ -212,8 +213,6 @@ class CollectiveStrategy(Strategy):
         module = compiled(module.to(self._device), jit_compile)
         if not self._distributed or not any(p.requires_grad for p in module.parameters()):
             return module
-        from meshfit.distribute._replication import mark_ddp_synchronized
-
         device_ids = [self._device.index] if self._device.type == "cuda" else None
         wrapped = DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True)
         wrapped.register_comm_hook(self._gradient_weight, weighted_allreduce_hook)

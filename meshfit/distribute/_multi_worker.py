@@ -7,6 +7,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from meshfit.cluster import resolve_cluster
 from meshfit.cluster._base import parse_address
 from meshfit.distribute._collective import CollectiveStrategy
 from meshfit.distribute._values import CommunicationOptions
@@ -34,8 +35,6 @@ class MultiWorkerMirroredStrategy(CollectiveStrategy):
     def __init__(self, communication_options: CommunicationOptions | None = None,
                  cluster_resolver: Any = None) -> None:
         super().__init__(communication_options)
-        from meshfit.cluster import resolve_cluster
-
         if cluster_resolver is None and not dist.is_initialized():
             cluster_resolver = resolve_cluster()
         self.cluster_resolver = cluster_resolver
