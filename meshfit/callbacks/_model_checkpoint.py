@@ -80,6 +80,11 @@ class ModelCheckpoint(Callback):
         self._batches_since_save = 0
         self._last_batch_seen = -1
 
+    @property
+    def reads_batch_logs(self) -> bool:
+        """Only batch-level saves look at a step's logs."""
+        return self.save_freq != "epoch"
+
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         """Remembers the epoch, for ``{epoch}`` in batch-level saves."""
         self._current_epoch = epoch
