@@ -21,7 +21,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check meshfit tests bench examples
 
 test: lint
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 test-quick: lint
 	$(BIN)/python -m pytest -q -m "not slow" tests

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 
 import numpy as np
@@ -11,6 +13,8 @@ from torch import nn
 
 import meshfit as mf
 from meshfit.utils._plot import draw_history
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _history():
@@ -31,7 +35,12 @@ def test_plot_history_writes_a_png_of_every_metric_with_validation(tmp_path):
     image = matplotlib.image.imread(path)
     assert image.shape[0] == 360 and image.shape[1] == 960  # two panels side by side, 4.8 x 3.6 in each
     assert image[..., :3].std() > 0.05  # not blank
-    assert "matplotlib.pyplot" not in sys.modules  # no global pyplot state, no display
+    # No global pyplot state, no display: checked in a fresh process (another test may import pyplot).
+    code = ("import sys, meshfit as mf; h = {'loss': [1.0, 0.5], 'val_loss': [1.2, 0.7]}; "
+            f"mf.utils.plot_history(h, {str(tmp_path / 'fresh.png')!r}); print('matplotlib.pyplot' in sys.modules)")
+    fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": ROOT})
+    assert fresh.returncode == 0 and fresh.stdout.strip() == "False", fresh.stderr
 
     figure = draw_history(history)
     axes = figure.get_axes()

@@ -60,7 +60,10 @@ def test_spec_names_exist():
 def test_import_has_no_side_effects():
     code = ("import os, logging; before = dict(os.environ); import meshfit, torch.distributed as d; "
             "assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items()); "
-            "assert not d.is_initialized(); assert not logging.getLogger().handlers; print('clean')")
+            "assert not d.is_initialized(); assert not logging.getLogger().handlers; import sys; "
+            # heavy imports stay lazy (torchmetrics alone pulls in matplotlib.pyplot)
+            "heavy = {'torchmetrics', 'matplotlib.pyplot', 'torch.distributed.checkpoint'} & set(sys.modules); "
+            "assert not heavy, heavy; print('clean')")
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0 and "clean" in out.stdout, out.stderr

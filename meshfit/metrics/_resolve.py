@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
-import torchmetrics
 from torch import nn
 
 from meshfit.losses import _losses
@@ -104,7 +104,10 @@ def get(identifier: Any, loss: Any = None) -> Metric:
             valid = sorted({"accuracy", "acc", *_ALIASES})
             raise ValueError(f"Invalid `metric`: expected one of {valid}, received metric={identifier!r}.")
         return cls(name=identifier)
-    if isinstance(identifier, torchmetrics.Metric):
+    # A torchmetrics metric exists only if torchmetrics was imported: importing it here would cost
+    # every `import meshfit` (torchmetrics imports matplotlib.pyplot when matplotlib is present).
+    torchmetrics = sys.modules.get("torchmetrics")
+    if torchmetrics is not None and isinstance(identifier, torchmetrics.Metric):
         return TorchMetricsMetric(identifier)
     if callable(identifier):
         return MeanMetricWrapper(identifier)
