@@ -33,6 +33,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.nn.parameter import is_lazy
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -150,6 +151,8 @@ def synchronize_gradients(params: Iterable[torch.Tensor]) -> None:
         ValueError: a parameter created outside ``strategy.scope()`` is trained while a
             multi-replica strategy is running in this process (it would train alone on each worker).
     """
+    if not dist.is_available() or not dist.is_initialized():
+        return  # one process, no group: no replica, DDP or DTensor to reduce with (the common fast path)
     by_strategy: dict[int, tuple[Any, list[torch.Tensor]]] = {}
     for p in params:
         if p.grad is None:
