@@ -87,8 +87,10 @@ def main() -> None:
         if distributed:
             with strategy.scope():
                 model = mf.Model(copy.deepcopy(base))
-        else:
-            model = mf.Model(copy.deepcopy(base))  # outside the scope: the default one-device strategy
+        else:  # one process alone: say so with a one-device scope (a model made outside every scope is
+            # refused while a multi-replica strategy runs in the process)
+            with mf.OneDeviceStrategy("cpu").scope():
+                model = mf.Model(copy.deepcopy(base))
         C.compile_seed(model)
         return model
 
