@@ -89,7 +89,10 @@ def test_launch_into_a_log_file_writes_lines_with_step_rate_and_eta(tmp_path):
             kill_group(proc)
     text = log.read_text()
     assert "\r" not in text
-    lines = [line for line in text.splitlines() if line.startswith("[worker 0] ")]
+    # meshfit's lines only: torch's native log lines ("[W1123 18:48:12.2 socket.cpp:469] ...") may
+    # interleave when a store poll is slow under load.
+    lines = [line for line in text.splitlines() if line.startswith("[worker 0] ")
+             and not re.match(r"\[worker 0\] \[[WEI]\d{4} ", line)]
     assert lines[0] == "[worker 0] Epoch 1/2"
     progress = [line for line in lines if re.fullmatch(
         r"\[worker 0\] [1-7]/8 \[[=>.]+\] - ETA: \d+s - \d+ms/step - loss: \S+", line)]
