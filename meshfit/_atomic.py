@@ -45,10 +45,10 @@ def is_scratch_name(name: str) -> bool:
     return _SCRATCH.match(os.path.basename(os.path.normpath(name))) is not None
 
 
-def _fsync_directory(path: str) -> None:
+def fsync_directory(path: str | os.PathLike[str]) -> None:
     """Fsyncs a directory so renames and new entries inside it are durable."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(os.fspath(path), os.O_RDONLY)
     except OSError:  # platforms that cannot open directories: nothing to sync
         return
     try:
@@ -68,7 +68,7 @@ def _fsync_tree(root: str) -> None:
                 continue
             with open(file_path, "rb") as f:
                 os.fsync(f.fileno())
-        _fsync_directory(dirpath)
+        fsync_directory(dirpath)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -154,7 +154,7 @@ def recover(path: str | os.PathLike) -> bool:
         os.rename(newest, path)
     except OSError:  # the writer finished after all, or another reader recovered it first
         return False
-    _fsync_directory(os.path.dirname(path))
+    fsync_directory(os.path.dirname(path))
     return True
 
 
@@ -265,7 +265,7 @@ class AtomicDirectory:
                     os.replace(old, self.path)
                 self.discard()
                 raise
-        _fsync_directory(self.parent)
+        fsync_directory(self.parent)
         if had_old:
             with contextlib.suppress(OSError):
                 remove_tree(old)

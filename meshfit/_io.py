@@ -14,7 +14,7 @@ import shutil
 from collections.abc import Iterator
 from typing import Any
 
-from meshfit._atomic import AtomicDirectory
+from meshfit._atomic import AtomicDirectory, fsync_directory
 
 __all__ = [
     "atomic_directory",
@@ -23,20 +23,6 @@ __all__ = [
     "atomic_write_text",
     "fsync_directory",
 ]
-
-
-def fsync_directory(path: str | os.PathLike[str]) -> None:
-    """Fsyncs a directory so renames and new entries inside it are durable."""
-    try:
-        fd = os.open(os.fspath(path), os.O_RDONLY)
-    except OSError:  # platforms (Windows) that cannot open directories: nothing to sync
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _parent(path: str) -> str:
