@@ -32,7 +32,8 @@ import time
 from collections.abc import Iterator
 
 __all__ = [
-    "AtomicDirectory", "clean_directory", "clean_siblings", "is_scratch_name", "recover", "remove_tree",
+    "AtomicDirectory", "clean_directory", "clean_siblings", "is_scratch_name", "mark_writer", "recover",
+    "remove_tree",
 ]
 
 _WRITER_ATTRIBUTE = "user.meshfit.writer"
@@ -81,6 +82,14 @@ def _pid_alive(pid: int) -> bool:
     except OSError:
         return True
     return True
+
+
+def mark_writer(scratch: str) -> None:
+    """Records this process as ``scratch``'s writer (a scratch file or directory), so that a later
+    `clean_siblings` can tell a dead writer's leftover from a live one's work in progress."""
+    owner = json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode()
+    with contextlib.suppress(AttributeError, OSError):  # no xattrs here: the scratch stays unowned
+        os.setxattr(scratch, _WRITER_ATTRIBUTE, owner)
 
 
 def _writer_dead(scratch: str) -> bool:
@@ -232,9 +241,7 @@ class AtomicDirectory:
         if os.path.lexists(self.scratch):  # our own name: left over by a crashed earlier attempt
             shutil.rmtree(self.scratch)
         os.makedirs(self.scratch)
-        owner = json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode()
-        with contextlib.suppress(AttributeError, OSError):  # no xattrs here: the scratch stays unowned
-            os.setxattr(self.scratch, _WRITER_ATTRIBUTE, owner)
+        mark_writer(self.scratch)
         return self.scratch
 
     def finalize(self) -> None:

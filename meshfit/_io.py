@@ -2,7 +2,9 @@
 
 A reader never sees a half-written file or directory: data goes to a temporary sibling
 (``<name>.tmp-<pid>``), is flushed and fsynced, then renamed over the target with ``os.replace``,
-and the parent directory is fsynced so the rename itself survives a power loss.
+and the parent directory is fsynced so the rename itself survives a power loss. The temporary file
+records its writer (see `meshfit._atomic.mark_writer`), and each successful write removes the
+temporary files that dead writers of the same target left behind.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import shutil
 from collections.abc import Iterator
 from typing import Any
 
-from meshfit._atomic import AtomicDirectory, fsync_directory
+from meshfit._atomic import AtomicDirectory, clean_siblings, fsync_directory, mark_writer
 
 __all__ = [
     "atomic_directory",
@@ -64,6 +66,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
+            mark_writer(tmp)
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -77,6 +80,8 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
         _remove(tmp)
         raise
     fsync_directory(parent)
+    with contextlib.suppress(OSError):  # housekeeping: the new content is already in place
+        clean_siblings(path)
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str, encoding: str = "utf-8") -> None:

@@ -52,11 +52,11 @@ def _save_model_twice_and_crash(path: str) -> None:
 
 def _save_checkpoint_twice_and_crash(directory: str) -> None:
     position = _Position(1)
-    manager = CheckpointManager(Checkpoint(p=position, w=torch.ones(2)), directory)
-    manager.save(checkpoint_number=1)
+    checkpoint = Checkpoint(p=position, w=torch.ones(2))
+    checkpoint.save(os.path.join(directory, "ckpt-1"))
     position.value = 2
     _crash_between_renames()
-    manager.save(checkpoint_number=1)  # an overwrite: the old ckpt-1 is moved aside first
+    checkpoint.save(os.path.join(directory, "ckpt-1"))  # a replacing save: the old ckpt-1 is moved aside first
 
 
 def _run(target, *args) -> None:
@@ -103,13 +103,14 @@ def test_checkpoint_crash_between_the_two_renames_is_recovered_by_latest_checkpo
     manager = CheckpointManager(Checkpoint(p=position, w=torch.zeros(2)), tmp_path)
     manager.save()
     assert sorted(os.listdir(tmp_path)) == ["checkpoint", "ckpt-1", "ckpt-2"]  # dead leftovers cleaned
+    assert manager.checkpoints == [str(tmp_path / "ckpt-1"), str(tmp_path / "ckpt-2")]
 
 
 def test_checkpoint_crash_is_recovered_by_the_next_save_of_the_same_path(tmp_path):
     _run(_save_checkpoint_twice_and_crash, str(tmp_path))
     position = _Position(5)
     Checkpoint(p=position, w=torch.zeros(2)).save(tmp_path / "ckpt-1")
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint", "ckpt-1"]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-1"]
     position.value = 0
     Checkpoint(p=position, w=torch.zeros(2)).restore(tmp_path / "ckpt-1")
     assert position.value == 5

@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from meshfit._io import atomic_write_json
 from meshfit.train import _storage
-from meshfit.train._checkpoint import Checkpoint
+from meshfit.train._backup import restore_newest_intact
+from meshfit.train._checkpoint import Checkpoint, _wait_for_pending_save
 from meshfit.train._save_future import SaveFuture
 
 STATE_FILE_NAME = "checkpoint"
@@ -139,9 +140,14 @@ class CheckpointManager:
     def save(self, checkpoint_number: int | None = None, async_save: bool = False) -> str | SaveFuture:
         """Save ``<directory>/<checkpoint_name>-N`` (collective), then prune and update the state file.
 
+        A complete checkpoint's identity is immutable: ``<checkpoint_name>-N`` always holds what the
+        save numbered ``N`` wrote, so a number that already names a complete checkpoint is refused
+        rather than overwritten (a kill during an overwrite could otherwise leave ``ckpt-1`` holding
+        a newer step than the save that was acknowledged as ``ckpt-1``).
+
         Args:
             checkpoint_number: ``N``; by default the step counter's value if there is one, else one
-                more than the largest ``N`` saved or found. An existing ``N`` is replaced.
+                more than the largest ``N`` saved or found.
             async_save: write in the background (see :meth:`Checkpoint.save`); the new checkpoint
                 joins :attr:`checkpoints` and pruning happens when the write completes.
 
@@ -150,24 +156,45 @@ class CheckpointManager:
 
         Raises:
             ValueError: ``checkpoint_number`` (or the step counter) is not a non-negative int.
+            FileExistsError: ``<checkpoint_name>-N`` is already a complete checkpoint.
         """
         number = self._number(checkpoint_number)
         path = os.path.join(self._directory, f"{self._name}-{number}")
+        _wait_for_pending_save()  # an async save of the same number completes first
+        with self._lock:
+            taken = path in self._kept
+        if taken or _storage.is_complete(path):
+            source = "checkpoint_number" if checkpoint_number is not None or self._step_counter is None \
+                else "step_counter"
+            raise FileExistsError(
+                f"Invalid `{source}`: {path!r} is already a complete checkpoint (number {number}). A "
+                "checkpoint's content never changes once it is complete, so its number is not reused. Save "
+                f"under a new number (save() with no number uses {max(self._next_number, number + 1)}), or "
+                "remove that checkpoint first if it is really meant to be replaced.")
         self._next_number = max(self._next_number, number + 1)
         return self._checkpoint._save(path, async_save=async_save, on_commit=self._record)
 
     def restore_or_initialize(self) -> str | None:
         """Restore the latest checkpoint if there is one (collective).
 
+        A checkpoint that fails verification (a data file's checksum, an unreadable state file) is
+        skipped with a warning naming it and why, and the newest one that verifies is restored.
+
         Returns:
             The restored path, or None when there is nothing to restore (the objects keep their
             freshly initialised state).
+
+        Raises:
+            CorruptFileError: every checkpoint failed verification (the message names the newest).
         """
-        latest = self.latest_checkpoint
-        if latest is None:
+        candidates = self.checkpoints
+        if not candidates:
             return None
-        self._checkpoint.restore(latest)
-        return latest
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        restored = restore_newest_intact(self._checkpoint, candidates, is_chief=rank == 0)
+        if restored is None:
+            self._checkpoint.restore(candidates[-1])  # raises the newest one's error
+        return restored
 
     def __repr__(self) -> str:
         return (f"CheckpointManager(directory={self._directory!r}, max_to_keep={self._max_to_keep}, "
