@@ -115,7 +115,8 @@ def _pump(pipe: IO[bytes], prefix: bytes, to_stderr: bool, output: Output) -> No
     """Copy ``pipe`` line by line to our output with ``prefix``."""
     with pipe:
         for line in iter(pipe.readline, b""):
-            output.write(to_stderr, prefix + (line if line.endswith(b"\n") else line + b"\n"))
+            line = line if line.endswith(b"\n") else line + b"\n"
+            output.write(to_stderr, (prefix.rstrip() if line.isspace() else prefix) + line)  # no trailing blank
 
 
 def _pump_live(pipe: IO[bytes], prefix: bytes, to_stderr: bool, output: Output) -> None:
