@@ -7,9 +7,9 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from meshfit import _summary
+from meshfit._lazy_dtensor import is_dtensor
 from meshfit._saving import _laid_out_like, load_weights, save_model, save_weights
 
 
@@ -107,4 +107,4 @@ class WeightsMixin:
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's full value (gathered from its shards), else ``tensor``."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return tensor.full_tensor() if is_dtensor(tensor) else tensor

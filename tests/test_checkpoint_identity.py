@@ -152,7 +152,7 @@ def test_kill_during_saves_never_rebinds_a_checkpoint_name(tmp_path, mode):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trial", range(6))
+@pytest.mark.parametrize("trial", range(3))
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_kill_during_saves_chaos_trials(tmp_path, mode, trial):
     _kill_during_saves(tmp_path, mode, seed=100 + trial)

@@ -7,15 +7,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from meshfit._lazy_dtensor import is_dtensor
 from meshfit.distribute._scope import current_scope_strategy
 from meshfit.losses import _losses
 from meshfit.losses._losses import _snake_case, _squeeze_or_expand
 
 
 def _as_tensor(value: Any) -> torch.Tensor:
-    if isinstance(value, DTensor):  # a mesh's tensor: this process's rows (reduced over `batch` in result())
+    if is_dtensor(value):  # a mesh's tensor: this process's rows (reduced over `batch` in result())
         from meshfit.dtensor._pack import local_rows
 
         value = local_rows(value)
