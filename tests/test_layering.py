@@ -105,3 +105,16 @@ def test_module_is_small(name):
     with open(MODULES[name]) as f:
         lines = sum(1 for _ in f)
     assert lines <= MAX_LINES, f"{name} has {lines} lines (limit {MAX_LINES}): split it by concept"
+
+
+def test_import_meshfit_leaves_heavy_modules_unloaded():
+    """``import meshfit`` ≤ 1.1 × ``import torch`` (issue 11) holds only while these stay lazy: DTensor
+    (0.9 s with sympy), dynamo, DCP, torchmetrics and matplotlib load when a feature needs them."""
+    import subprocess
+    import sys
+
+    heavy = ("torch.distributed.tensor", "sympy", "torch._dynamo", "torch.distributed.checkpoint",
+             "torchmetrics", "matplotlib")
+    code = f"import sys, meshfit; print([m for m in {heavy!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
