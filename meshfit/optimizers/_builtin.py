@@ -68,6 +68,7 @@ class Adam(Optimizer):
 
     torch_class: type[torch.optim.Optimizer] = torch.optim.Adam
     config_keys = ("beta_1", "beta_2", "epsilon", "amsgrad", "weight_decay")
+    fuses = True
 
     def __init__(
         self,
