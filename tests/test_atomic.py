@@ -12,17 +12,7 @@ import torch
 import meshfit as mf
 from meshfit._atomic import AtomicDirectory, clean_directory, is_scratch_name, recover
 from meshfit.train import Checkpoint, CheckpointManager, latest_checkpoint
-
-
-class _Position:
-    def __init__(self, value: int = 0) -> None:
-        self.value = value
-
-    def state_dict(self) -> dict:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.value = state["value"]
+from tests._trackables import Position
 
 
 def _crash_between_renames() -> None:
@@ -51,7 +41,7 @@ def _save_model_twice_and_crash(path: str) -> None:
 
 
 def _save_checkpoint_twice_and_crash(directory: str) -> None:
-    position = _Position(1)
+    position = Position(1)
     checkpoint = Checkpoint(p=position, w=torch.ones(2))
     checkpoint.save(os.path.join(directory, "ckpt-1"))
     position.value = 2
@@ -97,7 +87,7 @@ def test_checkpoint_crash_between_the_two_renames_is_recovered_by_latest_checkpo
     _run(_save_checkpoint_twice_and_crash, str(tmp_path))
     assert "ckpt-1" not in os.listdir(tmp_path)
     assert latest_checkpoint(tmp_path) == str(tmp_path / "ckpt-1")
-    position = _Position()
+    position = Position()
     Checkpoint(p=position, w=torch.zeros(2)).restore(latest_checkpoint(tmp_path))
     assert position.value == 1  # the last completed save, not the interrupted one
     manager = CheckpointManager(Checkpoint(p=position, w=torch.zeros(2)), tmp_path)
@@ -108,7 +98,7 @@ def test_checkpoint_crash_between_the_two_renames_is_recovered_by_latest_checkpo
 
 def test_checkpoint_crash_is_recovered_by_the_next_save_of_the_same_path(tmp_path):
     _run(_save_checkpoint_twice_and_crash, str(tmp_path))
-    position = _Position(5)
+    position = Position(5)
     Checkpoint(p=position, w=torch.zeros(2)).save(tmp_path / "ckpt-1")
     assert sorted(os.listdir(tmp_path)) == ["ckpt-1"]
     position.value = 0

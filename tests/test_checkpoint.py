@@ -14,22 +14,10 @@ import torch.distributed as dist
 from _multiproc import run_distributed
 
 from meshfit.train import Checkpoint, CheckpointManager, PerRank, latest_checkpoint, load_checkpoint
+from tests._trackables import Position
 
 # torch sets TORCHINDUCTOR_CACHE_DIR the first time torch._dynamo is imported, which building a torch
 # optimizer does; importing it here keeps the env-leak guard from blaming the first optimizer test.
-
-
-class _Position:
-    """A trackable with plain python state (like a data iterator's position)."""
-
-    def __init__(self, value: int = 0) -> None:
-        self.value = value
-
-    def state_dict(self) -> dict:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.value = state["value"]
 
 
 class _Everything:
@@ -63,7 +51,6 @@ def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: 
 
 def _dir_names(directory) -> list[str]:
     return sorted(os.listdir(directory))
-
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
@@ -135,21 +122,21 @@ def test_values_that_would_need_pickle_are_refused(tmp_path):
 
 
 def test_restore_of_a_missing_path_lists_what_exists(tmp_path):
-    Checkpoint(p=_Position(1)).save(tmp_path / "ckpt-1")
+    Checkpoint(p=Position(1)).save(tmp_path / "ckpt-1")
     missing = tmp_path / "ckpt-9"
     with pytest.raises(FileNotFoundError, match=r"ckpt-9.*\['ckpt-1'\]"):
-        Checkpoint(p=_Position()).restore(missing)
+        Checkpoint(p=Position()).restore(missing)
 
 
 def test_restore_of_an_incomplete_or_mismatched_checkpoint_raises(tmp_path):
-    path = Checkpoint(p=_Position(1)).save(tmp_path / "ckpt-1")
+    path = Checkpoint(p=Position(1)).save(tmp_path / "ckpt-1")
     with pytest.raises(ValueError, match="no entry 'q'"):
-        Checkpoint(q=_Position()).restore(path)
+        Checkpoint(q=Position()).restore(path)
     with pytest.raises(ValueError, match="per_rank"):
-        Checkpoint(p=PerRank(_Position())).restore(path)
+        Checkpoint(p=PerRank(Position())).restore(path)
     os.remove(os.path.join(path, ".metadata"))
     with pytest.raises(ValueError, match=r"ckpt-1.*not a complete meshfit checkpoint"):
-        Checkpoint(p=_Position()).restore(path)
+        Checkpoint(p=Position()).restore(path)
 
 
 class _Exploit:
@@ -161,17 +148,17 @@ class _Exploit:
 
 
 def test_restore_never_unpickles_arbitrary_objects(tmp_path):
-    path = Checkpoint(p=_Position(1)).save(tmp_path / "ckpt-1")
+    path = Checkpoint(p=Position(1)).save(tmp_path / "ckpt-1")
     marker = str(tmp_path / "pwned")
     with open(os.path.join(path, ".metadata"), "wb") as f:
         pickle.dump(_Exploit(marker), f)
     with pytest.raises(ValueError, match="unreadable DCP metadata"):
-        Checkpoint(p=_Position()).restore(path)
+        Checkpoint(p=Position()).restore(path)
     assert not os.path.exists(marker)
 
 
 def test_manager_numbers_prunes_and_writes_its_state_file(tmp_path):
-    position = _Position()
+    position = Position()
     manager = CheckpointManager(Checkpoint(p=position), tmp_path, max_to_keep=2)
     assert manager.restore_or_initialize() is None and manager.latest_checkpoint is None
     for value in range(1, 5):
@@ -207,15 +194,15 @@ def test_manager_numbers_by_step_counter_and_validates(tmp_path):
 def test_latest_checkpoint_ignores_partial_directories(tmp_path):
     assert latest_checkpoint(tmp_path) is None
     assert latest_checkpoint(tmp_path / "absent") is None
-    Checkpoint(p=_Position(1)).save(tmp_path / "ckpt-1")
-    Checkpoint(p=_Position(2)).save(tmp_path / "ckpt-2.tmp")  # a complete-looking leftover tmp
-    no_metadata = Checkpoint(p=_Position(3)).save(tmp_path / "ckpt-3")
+    Checkpoint(p=Position(1)).save(tmp_path / "ckpt-1")
+    Checkpoint(p=Position(2)).save(tmp_path / "ckpt-2.tmp")  # a complete-looking leftover tmp
+    no_metadata = Checkpoint(p=Position(3)).save(tmp_path / "ckpt-3")
     os.remove(os.path.join(no_metadata, ".metadata"))
     (tmp_path / "ckpt-4").mkdir()
     assert latest_checkpoint(tmp_path) == str(tmp_path / "ckpt-1")
     assert latest_checkpoint(tmp_path, "ckpt") == str(tmp_path / "ckpt-1")
     assert latest_checkpoint(tmp_path, "other") is None
-    assert CheckpointManager(Checkpoint(p=_Position()), tmp_path).checkpoints == [str(tmp_path / "ckpt-1")]
+    assert CheckpointManager(Checkpoint(p=Position()), tmp_path).checkpoints == [str(tmp_path / "ckpt-1")]
 
 
 def _failing_write_data(original):
@@ -230,7 +217,7 @@ def _failing_write_data(original):
 def test_failed_save_keeps_previous_checkpoint_latest(tmp_path, monkeypatch, async_save):
     from torch.distributed.checkpoint import FileSystemWriter
 
-    position = _Position(1)
+    position = Position(1)
     manager = CheckpointManager(Checkpoint(p=position, w=torch.ones(2)), tmp_path)
     first = manager.save()
     position.value = 2
@@ -250,7 +237,7 @@ def test_failed_save_keeps_previous_checkpoint_latest(tmp_path, monkeypatch, asy
 def _crash_while_publishing(directory: str) -> None:
     import meshfit.train._storage as storage
 
-    position = _Position(1)
+    position = Position(1)
     manager = CheckpointManager(Checkpoint(p=position, w=torch.ones(2)), directory)
     manager.save()
     position.value = 2
@@ -268,7 +255,7 @@ def test_process_killed_mid_save_leaves_previous_checkpoint_latest(tmp_path):
     assert process.exitcode == 17
     assert _dir_names(tmp_path) == ["checkpoint", "ckpt-1", "ckpt-2.tmp"]
     assert latest_checkpoint(tmp_path) == str(tmp_path / "ckpt-1")
-    position = _Position()
+    position = Position()
     manager = CheckpointManager(Checkpoint(p=position, w=torch.zeros(2)), tmp_path)
     assert manager.restore_or_initialize() == str(tmp_path / "ckpt-1") and position.value == 1
     assert manager.save().endswith("ckpt-2")  # the leftover tmp is cleared and the number reused
@@ -296,7 +283,7 @@ def _two_rank_job(rank: int, world_size: int, directory: str) -> dict:
 
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)  # identical on every rank
-    position = _Position(10 * rank + 1)  # different per rank: python state
+    position = Position(10 * rank + 1)  # different per rank: python state
     noise = torch.full((3,), float(rank))  # different per rank: a tensor
     manager = CheckpointManager(Checkpoint(model=model, position=PerRank(position), noise=PerRank(noise)),
                                 directory, max_to_keep=1)
@@ -333,7 +320,7 @@ def test_two_rank_save_restore_per_rank_state_and_restore_on_one_process(tmp_pat
     assert results[0]["tensor_keys"] == ["model/bias", "model/weight", "noise/rank0", "noise/rank1"]
 
     # One process restores the 2-rank checkpoint and gets rank 0's per-rank state.
-    model, position, noise = torch.nn.Linear(3, 2), _Position(), torch.zeros(3)
+    model, position, noise = torch.nn.Linear(3, 2), Position(), torch.zeros(3)
     Checkpoint(model=model, position=PerRank(position), noise=PerRank(noise)).restore(second)
     assert position.value == 101 and noise.tolist() == [0.0, 0.0, 0.0]
     torch.manual_seed(0)

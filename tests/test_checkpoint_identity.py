@@ -20,17 +20,7 @@ import torch
 
 from meshfit.train import Checkpoint, CheckpointManager
 from tests import _procs
-
-
-class _Step:
-    def __init__(self, value: int = 0) -> None:
-        self.value = value
-
-    def state_dict(self) -> dict:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.value = state["value"]
+from tests._trackables import Position
 
 
 def _flip_a_byte(path: str) -> None:
@@ -42,7 +32,7 @@ def _flip_a_byte(path: str) -> None:
 
 
 def test_the_manager_refuses_to_reuse_the_number_of_a_complete_checkpoint(tmp_path):
-    step = _Step(3)
+    step = Position(3)
     manager = CheckpointManager(Checkpoint(s=step, w=torch.ones(2)), tmp_path)
     manager.save(checkpoint_number=1)
     step.value = 4
@@ -66,7 +56,7 @@ def test_a_step_counter_that_did_not_move_does_not_overwrite_its_checkpoint(tmp_
 
 
 def test_restore_or_initialize_skips_a_corrupt_latest_checkpoint_and_names_it(tmp_path):
-    step = _Step()
+    step = Position()
     weights = torch.zeros(64)
     manager = CheckpointManager(Checkpoint(s=step, w=weights), tmp_path)
     for value in (1, 2, 3):
@@ -133,7 +123,7 @@ def _kill_during_saves(tmp_path, mode: str, seed: int) -> None:
         _procs.kill_group(proc)
     acknowledged = max([acknowledged] + [int(x.split()[1]) for x in rest.splitlines() if x.startswith("saved")])
 
-    step, weights = _Step(), torch.zeros(20_000)
+    step, weights = Position(), torch.zeros(20_000)
     manager = CheckpointManager(Checkpoint(s=step, w=weights), directory, max_to_keep=3)
     numbers = [int(p.rsplit("-", 1)[1]) for p in manager.checkpoints]
     assert numbers and numbers[-1] in (acknowledged, acknowledged + 1), (numbers, acknowledged)
