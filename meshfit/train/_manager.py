@@ -163,7 +163,8 @@ class CheckpointManager:
         _wait_for_pending_save()  # an async save of the same number completes first
         with self._lock:
             taken = path in self._kept
-        if taken or _storage.is_complete(path):
+        explicit = checkpoint_number is not None or self._step_counter is not None
+        if explicit and (taken or _storage.is_complete(path)):  # automatic numbers (fit's saver) are not refused yet
             source = "checkpoint_number" if checkpoint_number is not None or self._step_counter is None \
                 else "step_counter"
             raise FileExistsError(
