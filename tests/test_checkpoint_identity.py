@@ -146,3 +146,12 @@ def test_kill_during_saves_never_rebinds_a_checkpoint_name(tmp_path, mode):
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_kill_during_saves_chaos_trials(tmp_path, mode, trial):
     _kill_during_saves(tmp_path, mode, seed=100 + trial)
+
+
+def test_a_new_manager_waits_for_an_async_save_in_flight(tmp_path):
+    """An interrupted fit leaves its async backup in flight; the next manager must count it (fit's resume)."""
+    first = CheckpointManager(Checkpoint(w=torch.ones(20_000_000)), tmp_path)  # 80 MB: still writing below
+    first.save(async_save=True)
+    second = CheckpointManager(Checkpoint(w=torch.zeros(20_000_000)), tmp_path)
+    assert second.checkpoints == [str(tmp_path / "ckpt-1")]
+    assert second.save().endswith("ckpt-2")

@@ -105,6 +105,7 @@ class CheckpointManager:
         self._name = checkpoint_name
         self._step_counter = step_counter
         self._lock = threading.Lock()
+        _wait_for_pending_save()  # an async save still in flight (an interrupted fit's) lands before the scan
         self._kept = _storage.complete_checkpoints(self._directory, checkpoint_name)
         numbers = [_storage.checkpoint_number(os.path.basename(p), checkpoint_name) or 0 for p in self._kept]
         self._next_number = max(numbers, default=0) + 1
@@ -158,13 +159,10 @@ class CheckpointManager:
             ValueError: ``checkpoint_number`` (or the step counter) is not a non-negative int.
             FileExistsError: ``<checkpoint_name>-N`` is already a complete checkpoint.
         """
+        _wait_for_pending_save()  # an async save in flight completes (and is recorded) first
         number = self._number(checkpoint_number)
         path = os.path.join(self._directory, f"{self._name}-{number}")
-        _wait_for_pending_save()  # an async save of the same number completes first
-        with self._lock:
-            taken = path in self._kept
-        explicit = checkpoint_number is not None or self._step_counter is not None
-        if explicit and (taken or _storage.is_complete(path)):  # automatic numbers (fit's saver) are not refused yet
+        if _storage.is_complete(path):
             source = "checkpoint_number" if checkpoint_number is not None or self._step_counter is None \
                 else "step_counter"
             raise FileExistsError(
