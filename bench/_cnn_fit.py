@@ -42,14 +42,20 @@ class EpochClock(mf.callbacks.Callback):
 
 
 class StepClock(mf.callbacks.Callback):
-    """The end time of every step (and the wall-clock time of the first one)."""
+    """The start time of every step (and the wall-clock end of the first one).
+
+    Step ``k`` lasts from its start to the start of step ``k + 1``: that holds its batch-end
+    callbacks too, among them a save that `BackupAndRestore` makes after every other callback.
+    """
 
     def __init__(self) -> None:
         super().__init__()
-        self.ends, self.first_end = [], None
+        self.begins, self.first_end = [], None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.begins.append(time.perf_counter())
 
     def on_train_batch_end(self, batch, logs=None):
-        self.ends.append(time.perf_counter())
         if self.first_end is None:
             self.first_end = time.time()
 
@@ -101,7 +107,8 @@ def main() -> None:
         result.update(ms_per_step=(w1 - w0) * 1e3 / timed, cpu_ms_per_step=(c1 - c0) * 1e3 / timed,
                       faults_per_step=(f1 - f0) / timed)
     if args.step_times:
-        result["step_ms"] = [(b - a) * 1e3 for a, b in zip(step_clock.ends, step_clock.ends[1:], strict=False)]
+        begins = step_clock.begins
+        result["step_ms"] = [(b - a) * 1e3 for a, b in zip(begins, begins[1:], strict=False)]
     if getattr(strategy, "cluster_resolver", None) is None or strategy.cluster_resolver.is_chief:
         with open(args.out, "w") as f:
             json.dump(result, f)

@@ -16,13 +16,16 @@ _spec.loader.exec_module(bench_all)
 
 
 def test_backup_figures_take_saving_steps_after_warmup():
-    # step_ms[i] is the duration of step i + 2; 10 steps an epoch, saves every 5 steps (steps 5, 10, 15...)
+    # step_ms[i] is the duration of step i + 1 (start to next start, so it holds the save made at its
+    # end); 10 steps an epoch, saves every 5 steps (steps 5, 10, 15...)
     step_ms = [10.0] * 29
-    for step in (5, 10, 15, 20, 25, 30):
-        step_ms[step - 2] = 10.0 + (100.0 if step <= 10 else 4.0)  # warm-up saves are slow and ignored
-    extra, mean = bench_all.backup_figures(step_ms, steps_per_epoch=10, save_freq=5)
+    for step in (5, 10, 15, 20, 25):
+        step_ms[step - 1] = 10.0 + (100.0 if step <= 10 else 4.0)  # warm-up saves are slow and ignored
+    step_ms[15] = 13.0  # a step slowed by the background write, early in a save cycle: not quiet
+    extra, mean, in_run = bench_all.backup_figures(step_ms, steps_per_epoch=10, save_freq=5)
     assert extra == pytest.approx(4.0)
-    assert mean == pytest.approx(10.0 + 4.0 * 4 / 20)
+    assert mean == pytest.approx(10.0 + (4.0 * 3 + 3.0) / 19)
+    assert in_run == pytest.approx(mean / 10.0)  # quiet: steps 12, 13, 14, 17, 18, 19, ... all 10 ms
 
 
 def test_user_env_drops_cluster_and_malloc_variables(monkeypatch):
@@ -41,11 +44,11 @@ def _round(scale: float) -> dict:
     r = {f"{v}_{t}t": dict(cnn if v == "fit" else hand) for v in ("fit", "hand", "hand_tuned") for t in (1, 2)}
     r.update(fit_bf16_1t={"ms_per_step": 5.0}, mlp_meshfit={"ms_per_step": 2.0, "cpu_ms_per_step": 2.0},
              mlp_keras={"ms_per_step": 4.0, "cpu_ms_per_step": 2.0},
-             scale_1p2t={"ms_per_step": 9.0}, scale_2w1t={"ms_per_step": 10.0},
+             scale_1p2t={"ms_per_step": 9.0}, scale_2w1t={"ms_per_step": 10.0}, scale_2x1t_alone={"ms_per_step": 9.5},
              import_torch={"import_s": 2.0}, import_meshfit={"import_s": 2.2},
              first_1p={"spawned": 100.0, "first_step_end": 103.5}, first_2w={"spawned": 0.0, "first_step_end": 5.0})
     steps = [10.0] * 89
-    steps[60 - 2] = steps[90 - 2] = 13.0
+    steps[60 - 1] = 13.0  # the save at step 60 (step 90 ends the run: no next start)
     r.update(backup_none={"step_ms": [10.0] * 89}, backup_sync={"step_ms": steps}, backup_async={"step_ms": steps})
     return r
 

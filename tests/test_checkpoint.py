@@ -430,3 +430,22 @@ def test_a_full_disk_reads_no_space_left_with_the_path_on_every_rank(tmp_path):
     for message in messages:
         assert "No space left on device" in message and str(disk / "backup" / "ckpt-1.tmp") in message, message
         assert "enforce fail" not in message
+
+
+def test_async_saves_reuse_one_writer_thread_and_write_each_snapshot(tmp_path):
+    import threading
+
+    weight = torch.arange(6.0)
+    manager = CheckpointManager(Checkpoint(w=weight), tmp_path, max_to_keep=5)
+    snapshots = []
+    for _ in range(4):
+        future = manager.save(async_save=True)
+        snapshots.append(weight.clone())
+        weight.add_(1.0)  # mutated right after the save returns: the write must not see it
+        future.result(timeout=60)
+    writers = [t for t in threading.enumerate() if t.name.startswith("meshfit-checkpoint")]
+    assert len(writers) == 1  # one long-lived writer, not a thread per save
+    for path, snapshot in zip(manager.checkpoints, snapshots, strict=True):
+        restored = torch.zeros(6)
+        Checkpoint(w=restored).restore(path)
+        assert torch.equal(restored, snapshot)

@@ -8,7 +8,6 @@ import shutil
 import threading
 import warnings
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from types import MappingProxyType
 from typing import Any, Literal, overload
 
@@ -22,7 +21,7 @@ from meshfit import _tagged_json as _tree
 from meshfit._checksum import CorruptFileError
 from meshfit._chief import chief_writes
 from meshfit._validation import path_like
-from meshfit.train import _storage
+from meshfit.train import _background, _storage
 from meshfit.train._per_rank import PerRank, check_shared_tensors_agree, is_trackable, shared_tensor_checksums
 from meshfit.train._save_future import SaveFuture
 
@@ -110,6 +109,7 @@ class Checkpoint:
                     f"and load_state_dict() (module, optimizer, ...), received {type(target).__name__} "
                     f"{target!r:.80}. Wrap plain values in an object that has those two methods.")
             self._trackables[name] = (target, per_rank)
+        self._staging = _background.Staging()  # async saves copy into the same buffers each time
 
     @property
     def trackables(self) -> Mapping[str, Any]:
@@ -137,8 +137,9 @@ class Checkpoint:
 
         Args:
             path: the checkpoint directory to write.
-            async_save: return once the tensors are staged (copied); the write continues in the
-                background (``torch.distributed.checkpoint.async_save`` on a dedicated gloo group).
+            async_save: return once the tensors are staged (copied into CPU buffers reused from one
+                save to the next); the write (DCP's ``save`` on a dedicated gloo group) continues on
+                a background thread.
                 Only one async save is in flight per process: any later save or restore waits
                 for it first.
 
@@ -180,32 +181,21 @@ class Checkpoint:
 
         save_group = _storage.async_group() if distributed else None
         try:
-            response = dcp.async_save(tensors, storage_writer=_storage.DiagnosingWriter(tmp),
-                                      process_group=save_group, no_dist=not distributed)
+            staged = self._staging.stage(tensors)  # the only copy on this thread; training may go on
         except BaseException:
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
-        upload: Future = getattr(response, "upload_completion", response)
 
-        def finish() -> str:
-            try:
-                upload.result()
-            except BaseException as error:
-                if rank == 0:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                if isinstance(error, CheckpointException):
-                    raise _dcp_error(error, "write", path) from error
-                raise
+        def write_and_commit() -> str:
+            _write(staged, tmp, save_group, distributed, rank)
             _rank0_step(lambda: _storage.commit_directory(tmp, path, document), distributed, rank,
                         save_group, f"publish {path!r}")
             if on_commit is not None:
                 on_commit(path)
             return path
 
-        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshfit-checkpoint")
-        future = SaveFuture(path, executor.submit(finish))
-        executor.shutdown(wait=False)
+        future = SaveFuture(path, _background.submit(write_and_commit))
         with _pending_lock:
             _pending_save = future
         return future

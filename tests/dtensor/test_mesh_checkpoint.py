@@ -174,3 +174,29 @@ def test_model_save_writes_full_tensors_and_load_model_reshards_them(tmp_path):
 
 def _save_on_2x2(rank, world, path):
     return _train_and_save([("batch", 2), ("model", 2)], path)
+
+
+def _async_save_sharded_twice(rank, world, directory):
+    import meshfit as mf
+    from meshfit.train import Checkpoint, CheckpointManager
+
+    mesh = mf.dtensor.create_mesh([("model", 2)])
+    weight = mf.dtensor.copy_to_mesh(torch.arange(16.0).reshape(4, 4), mf.dtensor.Layout(["model", "unsharded"], mesh))
+    manager = CheckpointManager(Checkpoint(w=weight), directory)
+    snapshots = []
+    for _ in range(2):  # the second save re-stages into the first's buffers
+        future = manager.save(async_save=True)
+        snapshots.append(weight.full_tensor().clone())
+        with torch.no_grad():
+            weight.add_(100.0)  # training goes on while the write runs: the staged copy is written
+        future.result(timeout=60)
+    restored = []
+    for path in manager.checkpoints:
+        Checkpoint(w=weight).restore(path)
+        restored.append(weight.full_tensor().clone())
+    return [torch.equal(a, b) for a, b in zip(snapshots, restored, strict=True)], type(weight).__name__
+
+
+def test_async_saves_of_a_sharded_tensor_write_each_staged_snapshot(tmp_path):
+    for equal, kind in run_distributed(_async_save_sharded_twice, world_size=2, args=(str(tmp_path),), timeout=150):
+        assert kind == "DTensor" and equal == [True, True]
