@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("--backup-freq", type=int, default=0, help="BackupAndRestore(save_freq=N)")
     parser.add_argument("--async-save", action="store_true")
     parser.add_argument("--backup-dir", default=None)
+    parser.add_argument("--compression", default=None, help="CommunicationOptions(gradient_compression=...)")
     parser.add_argument("--step-times", action="store_true")
     parser.add_argument("--first-step", action="store_true")
     parser.add_argument("--out", required=True)
@@ -78,7 +79,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.policy:
         mf.mixed_precision.set_global_policy(args.policy)
-    strategy = mf.MultiWorkerMirroredStrategy() if os.environ.get("TF_CONFIG") else mf.get_strategy()
+    options = mf.CommunicationOptions(gradient_compression=args.compression)
+    strategy = (mf.MultiWorkerMirroredStrategy(communication_options=options) if os.environ.get("TF_CONFIG")
+                else mf.get_strategy())
     (x, y), _ = mf.datasets.load_digits(image_size=28)
     dataset = mf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=0).repeat().batch(args.batch)
     torch.manual_seed(0)

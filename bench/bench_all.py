@@ -69,6 +69,8 @@ def variants(args: argparse.Namespace, tmp: str) -> dict[str, tuple[list[str], d
                              "--steps", str(args.mlp_steps)], user_env())
     out["scale_1p2t"] = ([py, b("_cnn_fit.py"), "--threads", "2", "--batch", "128", *timed], user_env())
     out["scale_2w1t"] = ([*launch, b("_cnn_fit.py"), "--threads", "1", "--batch", "128", *timed], user_env())
+    out["scale_2w1t_bf16"] = ([*launch, b("_cnn_fit.py"), "--threads", "1", "--batch", "128", "--compression",
+                               "bfloat16", *timed], user_env())
     # the machine's ceiling for that ratio: two independent 1-thread processes (batch 64 each), no communication
     out["scale_2x1t_alone"] = ([py, b("_cnn_fit.py"), "--threads", "1", "--batch", "64", *timed], user_env())
     backup_timed = ["--step-times", "--steps", str(args.backup_steps), "--epochs", "3"]
@@ -150,6 +152,7 @@ def collect(runs: list[dict[str, dict]], args: argparse.Namespace) -> dict[str, 
         add("ms mlp_meshfit", r["mlp_meshfit"]["ms_per_step"])
         # throughput at the same global batch = inverse step time
         add("2w/1p2t", r["scale_1p2t"]["ms_per_step"] / r["scale_2w1t"]["ms_per_step"])
+        add("2w bf16/1p2t", r["scale_1p2t"]["ms_per_step"] / r["scale_2w1t_bf16"]["ms_per_step"])
         add("2x1t alone/1p2t", r["scale_1p2t"]["ms_per_step"] / r["scale_2x1t_alone"]["ms_per_step"])
         add("ms scale_1p2t", r["scale_1p2t"]["ms_per_step"])
         add("ms scale_2w1t", r["scale_2w1t"]["ms_per_step"])
@@ -202,6 +205,8 @@ def table(rows: dict[str, list[float]], cores: int, load: tuple[float, float], s
         f"2 workers {m['ms scale_2w1t']:.1f} ms/step; this machine's ceiling, two independent 1-thread "
         f"processes of batch 64 without communication: {m['2x1t alone/1p2t']:.3f} "
         f"({m['ms scale_2x1t_alone']:.1f} ms/step) |",
+        f"| the same, `CommunicationOptions(gradient_compression=\"bfloat16\")` (weights within bf16 rounding, "
+        f"not bitwise) | {m['2w bf16/1p2t']:.3f} [{rng('2w bf16/1p2t')}] | – | ≥ 0.9 | |",
         f"| `BackupAndRestore(save_freq={save_freq})` added ms on a saving step, sync / async | "
         f"{m['backup sync saving step +ms']:.1f} / {m['backup async saving step +ms']:.1f} ms "
         f"[{rng('backup sync saving step +ms', '.1f')} / {rng('backup async saving step +ms', '.1f')}] | – | ≤ 5 ms | "
@@ -255,7 +260,8 @@ def main() -> None:
         print(f"bench_all: {len(plan)} processes a round, {args.rounds} round(s); commands:", flush=True)
         for name, (argv, env) in plan.items():
             extra = [k for k in TUNED_MALLOC if k in env]
-            print(f"  {name}: {C.command_line(argv, env, extra)}", flush=True)
+            copies = f" (x{TOGETHER[name]}, started together)" if name in TOGETHER else ""
+            print(f"  {name}{copies}: {C.command_line(argv, env, extra)}", flush=True)
         runs = []
         for r in range(args.rounds):
             names = list(plan) if r % 2 == 0 else list(plan)[::-1]

@@ -270,7 +270,8 @@ class Model(WeightsMixin):
                 # value, instead of as a hang or a raw collective error several steps later.
                 agree_on_settings(self.strategy, {
                     "steps_per_epoch": data.steps, "epochs": epochs, "initial_epoch": initial_epoch,
-                    "checkpoint policies": [repr(c.policy) for c in cbs if isinstance(c, CheckpointSaver)]}, "fit")
+                    "checkpoint policies": [repr(c.policy) for c in cbs if isinstance(c, CheckpointSaver)],
+                    "communication_options": repr(getattr(self.strategy, "communication_options", None))}, "fit")
                 loop = TrainingLoop(self, data, cbs, counters=self.loop_state)
                 loop.run(epochs=epochs, initial_epoch=initial_epoch, validate=validate)
             finally:

@@ -45,6 +45,7 @@ def _round(scale: float) -> dict:
     r.update(fit_bf16_1t={"ms_per_step": 5.0}, mlp_meshfit={"ms_per_step": 2.0, "cpu_ms_per_step": 2.0},
              mlp_keras={"ms_per_step": 4.0, "cpu_ms_per_step": 2.0},
              scale_1p2t={"ms_per_step": 9.0}, scale_2w1t={"ms_per_step": 10.0}, scale_2x1t_alone={"ms_per_step": 9.5},
+             scale_2w1t_bf16={"ms_per_step": 9.0},
              import_torch={"import_s": 2.0}, import_meshfit={"import_s": 2.2},
              first_1p={"spawned": 100.0, "first_step_end": 103.5}, first_2w={"spawned": 0.0, "first_step_end": 5.0})
     steps = [10.0] * 89

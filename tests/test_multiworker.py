@@ -380,3 +380,52 @@ def test_settings_that_differ_between_workers_fail_at_once_naming_each_value():
         assert message is not None and seconds < 5, (message, seconds)
         assert "steps_per_epoch: worker 0 has 3, worker 1 has 4" in message, message
         assert "every_steps=5" in message and "every_steps=6" in message, message
+
+
+def _worker_50_steps_with(rank: int, world: int, options: dict):
+    return _train_50_steps(mf.MultiWorkerMirroredStrategy(communication_options=mf.CommunicationOptions(**options)))
+
+
+def test_small_gradient_packs_are_bitwise_the_default_and_bfloat16_compression_is_close():
+    exact = run_distributed(_worker_50_steps, world_size=2, timeout=180)[0][0]
+    packed = run_distributed(_worker_50_steps_with, world_size=2, args=({"bytes_per_pack": 1024},), timeout=180)
+    for a, b in zip(packed[0][0], exact, strict=True):
+        np.testing.assert_array_equal(a, b)  # packing changes when sums start, not what they add
+    w0, w1 = (weights for weights, _ in run_distributed(
+        _worker_50_steps_with, world_size=2, args=({"gradient_compression": "bfloat16"},), timeout=180))
+    differs = False
+    for a, b, c in zip(w0, w1, exact, strict=True):
+        np.testing.assert_array_equal(a, b)  # the replicas still agree bitwise
+        # 50 steps of bfloat16-rounded gradients (momentum 0.9): close as a whole, not element by element
+        assert np.linalg.norm(a - c) <= 1e-2 * np.linalg.norm(c), np.linalg.norm(a - c) / np.linalg.norm(c)
+        differs = differs or not np.array_equal(a, c)
+    assert differs  # the compression really ran: float32 and bfloat16 all-reduces round differently
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"bytes_per_pack": -1}, "Invalid `bytes_per_pack`: expected an int >= 0, received bytes_per_pack=-1"),
+    ({"gradient_compression": "int8"},
+     "Invalid `gradient_compression`: expected one of None, 'bfloat16', received gradient_compression='int8'"),
+])
+def test_communication_options_refuse_bad_packs_and_compression(kwargs, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        mf.CommunicationOptions(**kwargs)
+    assert "gradient_compression='bfloat16'" in repr(mf.CommunicationOptions(gradient_compression="bfloat16"))
+
+
+def _worker_different_compression(rank: int, world: int):
+    import time
+
+    options = mf.CommunicationOptions(gradient_compression="bfloat16" if rank else None)
+    started = time.monotonic()
+    try:
+        _train_50_steps(mf.MultiWorkerMirroredStrategy(communication_options=options))
+    except ValueError as error:
+        return str(error), time.monotonic() - started
+    return None, time.monotonic() - started
+
+
+def test_communication_options_that_differ_between_workers_fail_at_once():
+    for message, seconds in run_distributed(_worker_different_compression, world_size=2, timeout=120):
+        assert message is not None and seconds < 10, (message, seconds)
+        assert "communication_options" in message and "gradient_compression='bfloat16'" in message, message

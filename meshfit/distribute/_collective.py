@@ -214,7 +214,10 @@ class CollectiveStrategy(Strategy):
         if not self._distributed or not any(p.requires_grad for p in module.parameters()):
             return module
         device_ids = [self._device.index] if self._device.type == "cuda" else None
-        wrapped = DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True)
+        options = self.communication_options
+        pack = {"bucket_cap_mb": options.bytes_per_pack / 2**20} if options.bytes_per_pack else {}
+        wrapped = DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True, **pack)
+        self._gradient_weight.compression = options.gradient_compression
         wrapped.register_comm_hook(self._gradient_weight, weighted_allreduce_hook)
         mark_ddp_synchronized(wrapped)  # the optimizer must not reduce these gradients again
         return wrapped
