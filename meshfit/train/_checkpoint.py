@@ -139,9 +139,9 @@ class Checkpoint:
             path: the checkpoint directory to write.
             async_save: return once the tensors are staged (copied into CPU buffers reused from one
                 save to the next); the write (DCP's ``save`` on a dedicated gloo group) continues on
-                a background thread.
-                Only one async save is in flight per process: any later save or restore waits
-                for it first.
+                a background thread. The buffers (one CPU copy of the tensors) stay allocated
+                for the next save. Only one async save is in flight per process: any later save
+                or restore waits for it first.
 
         Returns:
             The absolute path written, or with ``async_save=True`` a :class:`SaveFuture` whose
