@@ -437,14 +437,15 @@ def test_async_saves_reuse_one_writer_thread_and_write_each_snapshot(tmp_path):
 
     weight = torch.arange(6.0)
     manager = CheckpointManager(Checkpoint(w=weight), tmp_path, max_to_keep=5)
-    snapshots = []
+    snapshots, writers = [], []
     for _ in range(4):
         future = manager.save(async_save=True)
         snapshots.append(weight.clone())
         weight.add_(1.0)  # mutated right after the save returns: the write must not see it
         future.result(timeout=60)
-    writers = [t for t in threading.enumerate() if t.name.startswith("meshfit-checkpoint")]
-    assert len(writers) == 1  # one long-lived writer, not a thread per save
+        writers.append([t for t in threading.enumerate() if t.name.startswith("meshfit-checkpoint")])
+    # one long-lived writer, not a thread per save: the same live thread after every save
+    assert all(len(found) == 1 for found in writers) and len({found[0] for found in writers}) == 1
     for path, snapshot in zip(manager.checkpoints, snapshots, strict=True):
         restored = torch.zeros(6)
         Checkpoint(w=restored).restore(path)

@@ -71,7 +71,7 @@ class CollectiveStrategy(Strategy):
         self._hosts_store = False
         self._names: list[str] = ["rank 0"]
         self.failure = FailureState()
-        self._gradient_weight = GradientWeight()
+        self._gradient_weight = GradientWeight(compression=communication_options.gradient_compression)
         self.mesh: Any = None
         self._device = torch.device("cpu")
         self.cluster_resolver: Any = None
@@ -217,7 +217,6 @@ class CollectiveStrategy(Strategy):
         options = self.communication_options
         pack = {"bucket_cap_mb": options.bytes_per_pack / 2**20} if options.bytes_per_pack else {}
         wrapped = DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True, **pack)
-        self._gradient_weight.compression = options.gradient_compression
         wrapped.register_comm_hook(self._gradient_weight, weighted_allreduce_hook)
         mark_ddp_synchronized(wrapped)  # the optimizer must not reduce these gradients again
         return wrapped
