@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 import meshfit as mf
-import meshfit._weights as weights
+import meshfit._saving._weights as weights
 import meshfit.train._storage as storage
-from meshfit._checksum import file_crc32, tensor_crc32
+from meshfit._storage._checksum import file_crc32, tensor_crc32
 
 
 def seed_cnn() -> mf.Model:

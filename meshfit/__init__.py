@@ -19,9 +19,7 @@ from meshfit import (
     optimizers,
     utils,
 )
-from meshfit._loading import load_model
-from meshfit._model import Model
-from meshfit._sidecar import SidecarEvaluator
+from meshfit._engine import Model, SidecarEvaluator, load_model
 from meshfit._version import __version__ as __version__
 from meshfit.distribute import (
     CommunicationImplementation,

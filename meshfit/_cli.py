@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from meshfit._launch import main as launch
+from meshfit._runtime import main as launch
 
 
 def _demo(argv: list[str]) -> int:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import meshfit as mf
-from meshfit.callbacks._progbar import _supports_redraw
+from meshfit.callbacks import supports_redraw
 
 
 def build_and_compile_cnn_model() -> mf.Model:
@@ -61,7 +61,7 @@ class ShowBackups(mf.callbacks.Callback):
         if latest is not None and latest != self._latest:
             self._latest = latest
             counters = self.loop.counters
-            newline = "\n" if _supports_redraw(sys.stdout) else ""  # a live bar may be mid-line
+            newline = "\n" if supports_redraw(sys.stdout) else ""  # a live bar may be mid-line
             print(f"{newline}backup written at step {counters.iterations} (epoch {counters.epoch + 1}, batch "
                   f"{counters.step}): {latest}", flush=True)
 

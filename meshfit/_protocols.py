@@ -1,6 +1,6 @@
 """The contracts between meshfit's modules, as ``typing.Protocol``s.
 
-The training loop (`meshfit._loop`), the callbacks and the checkpoint saver are written against
+The training loop (`meshfit._engine._loop`), the callbacks and the checkpoint saver are written against
 these, never against `Model` or a concrete strategy: `Model` and the Estimator are two
 `Trainable`s; `OneDeviceStrategy`, the mirrored strategies and a layout mesh are
 `DistributionStrategy`s.
@@ -16,9 +16,31 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from meshfit.cluster import ClusterResolver
-    from meshfit.distribute._failure import FailureState
-    from meshfit.distribute._values import InputContext
+
+
+class ClusterResolverLike(Protocol):
+    """TF's cluster identity of a process (see `meshfit.cluster.ClusterResolver`)."""
+
+    @property
+    def task_type(self) -> str | None: ...
+
+    @property
+    def task_id(self) -> int | None: ...
+
+
+class FailureStateLike(Protocol):
+    """What the loop and savers record for failure messages (see `meshfit.distribute.FailureState`)."""
+
+    step: int
+    backup_dir: str | None
+
+
+class InputContextLike(Protocol):
+    """A data shard's identity (see `meshfit.InputContext`)."""
+
+    num_input_pipelines: int
+    input_pipeline_id: int
+    num_replicas_in_sync: int
 
 
 @runtime_checkable
@@ -70,8 +92,8 @@ class DistributionStrategy(Protocol):
     @property
     def device(self) -> torch.device: ...
 
-    failure: FailureState
-    cluster_resolver: ClusterResolver  # TF's task_type / task_id / cluster_spec() (SPEC: every strategy)
+    failure: FailureStateLike
+    cluster_resolver: ClusterResolverLike  # TF's task_type / task_id / cluster_spec() (SPEC: every strategy)
 
     def scope(self) -> AbstractContextManager[Any]: ...
 
@@ -79,7 +101,7 @@ class DistributionStrategy(Protocol):
 
     def distribute_batch(self, batch: Any) -> Any: ...
 
-    def input_context(self) -> InputContext: ...
+    def input_context(self) -> InputContextLike: ...
 
     def batch_weight(self, local_size: int, global_size: int) -> AbstractContextManager[None]: ...
 
@@ -153,3 +175,31 @@ class CallbackListLike(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class ModelLike(Trainable, Protocol):
+    """What callbacks use of a Keras-style model (see `meshfit.Model`)."""
+
+    optimizer: Any
+    history: Any
+
+    def get_weights(self) -> list[Any]: ...
+
+    def set_weights(self, weights: list[Any]) -> None: ...
+
+    def save(self, filepath: str, *args: Any, **kwargs: Any) -> None: ...
+
+    def save_weights(self, filepath: str, *args: Any, **kwargs: Any) -> None: ...
+
+
+class LoopLike(Stateful, Protocol):
+    """What callbacks use of the running training loop (see `meshfit._engine.TrainingLoop`)."""
+
+    trainable: Trainable
+    strategy: DistributionStrategy
+    counters: Any
+    data: Any
+
+    def checkpoint_items(self) -> dict[str, Stateful]: ...
+
+    def agree(self, flag: bool) -> bool: ...

@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from meshfit._supervisor import free_ports  # noqa: F401  (re-exported for the tests)
+from meshfit._runtime._supervisor import free_ports  # noqa: F401  (re-exported for the tests)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,4 +1,4 @@
-"""Tests for meshfit._architecture: JSON configs of standard torch.nn layer stacks."""
+"""Tests for meshfit._saving._architecture: JSON configs of standard torch.nn layer stacks."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from meshfit._architecture import module_from_config, module_to_config, supported_layers
+from meshfit._saving._architecture import module_from_config, module_to_config, supported_layers
 
 
 def _seed_cnn():

@@ -1,4 +1,4 @@
-"""meshfit._atomic: one atomic-directory mechanism for models and checkpoints; crash recovery; leftovers."""
+"""meshfit._storage._atomic: one atomic-directory mechanism for models and checkpoints; crash recovery; leftovers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import torch
 
 import meshfit as mf
-from meshfit._atomic import AtomicDirectory, clean_directory, is_scratch_name, recover
+from meshfit._storage._atomic import AtomicDirectory, clean_directory, is_scratch_name, recover
 from meshfit.train import Checkpoint, CheckpointManager, latest_checkpoint
 from tests._trackables import Position
 
@@ -145,7 +145,7 @@ def test_recover_waits_for_a_live_swap_and_names_are_recognised(tmp_path):
 
 
 def test_a_writer_stalled_mid_swap_retries_after_a_reader_put_the_old_copy_back(tmp_path, monkeypatch):
-    from meshfit import _atomic
+    from meshfit._storage import _atomic
 
     target = tmp_path / "m"
     with AtomicDirectory(target).writing() as scratch:

@@ -342,7 +342,7 @@ def test_ranks_saving_to_different_paths_is_an_error(tmp_path):
 
 
 def test_a_bit_flip_in_a_data_file_is_an_error_naming_the_file(tmp_path):
-    from meshfit._checksum import ChecksumError
+    from meshfit._storage._checksum import ChecksumError
 
     path = Checkpoint(w=torch.arange(256.0)).save(tmp_path / "ckpt-1")
     data = os.path.join(path, "__0_0.distcp")

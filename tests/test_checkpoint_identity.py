@@ -72,7 +72,7 @@ def test_restore_or_initialize_skips_a_corrupt_latest_checkpoint_and_names_it(tm
 
 
 def test_restore_or_initialize_raises_when_no_checkpoint_verifies(tmp_path):
-    from meshfit._checksum import CorruptFileError
+    from meshfit._storage._checksum import CorruptFileError
 
     manager = CheckpointManager(Checkpoint(w=torch.ones(64)), tmp_path)
     manager.save()

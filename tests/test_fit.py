@@ -339,7 +339,7 @@ def _train_small(jit_compile: bool) -> tuple[list[np.ndarray], mf.Model]:
 def test_jit_compile_trains_a_compiled_module_to_the_eager_weights():
     eager, _ = _train_small(False)
     jitted, model = _train_small(True)
-    assert isinstance(model._train_module, torch._dynamo.eval_frame.OptimizedModule)
+    assert isinstance(model.placement.module, torch._dynamo.eval_frame.OptimizedModule)
     for a, b in zip(eager, jitted, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     with pytest.raises(TypeError, match="jit_compile"):

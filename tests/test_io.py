@@ -1,4 +1,4 @@
-"""Tests for meshfit._io: atomic file writes and atomic directory replacement."""
+"""Tests for meshfit._storage._io: atomic file writes and atomic directory replacement."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from meshfit import _io
-from meshfit._io import atomic_directory, atomic_write_bytes, atomic_write_json, atomic_write_text
+from meshfit._storage import _io
+from meshfit._storage._io import atomic_directory, atomic_write_bytes, atomic_write_json, atomic_write_text
 
 
 def _entries(directory):

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from meshfit._exit_codes import PREEMPTED_EXIT_CODE
-from meshfit._launch import main
+from meshfit._runtime._exit_codes import PREEMPTED_EXIT_CODE
+from meshfit._runtime._launch import main
 from meshfit.cluster import TFConfigClusterResolver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -216,7 +216,7 @@ def test_sigterm_to_launcher_is_forwarded(tmp_path):
         time.sleep(60)
     """)
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    launcher = subprocess.Popen([sys.executable, "-m", "meshfit._launch", "--workers", "2", *argv], env=env,
+    launcher = subprocess.Popen([sys.executable, "-m", "meshfit._runtime._launch", "--workers", "2", *argv], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
     try:
         deadline = time.monotonic() + 60

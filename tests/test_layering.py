@@ -1,4 +1,6 @@
-"""The shape of the package: no import cycles, lazy imports only where they buy start-up time, small modules."""
+"""The shape of the package: layers without import cycles (TYPE_CHECKING and function-local imports
+included), packages that talk through their ``__init__`` only, lazy imports only where they buy start-up
+time, a small root, small modules."""
 
 from __future__ import annotations
 
@@ -35,15 +37,13 @@ def _target(name: str) -> str | None:
 
 
 def _imports(path: str) -> tuple[set[str], set[str]]:
-    """(module-level targets, function-level targets) of a file; TYPE_CHECKING blocks are skipped."""
+    """(module-level targets, function-level targets) of a file; TYPE_CHECKING blocks count as module-level."""
     tree = ast.parse(open(path).read())
     top: set[str] = set()
     nested: set[str] = set()
 
     def visit(node: ast.AST, in_function: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                continue
             inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
             names: list[str] = []
             if isinstance(child, ast.Import):
@@ -67,10 +67,16 @@ def _is_lazy(target: str) -> bool:
     return any(target == lazy or target.startswith(lazy + ".") for lazy in LAZY_SUBPACKAGES)
 
 
+def _same_lazy(name: str, target: str) -> bool:
+    """Both inside one lazily loaded package: its own modules' imports are ordinary edges."""
+    return any(x.startswith(lazy + ".") or x == lazy for lazy in LAZY_SUBPACKAGES for x in (name,)) and \
+        name.split(".")[:2] == target.split(".")[:2]
+
+
 def test_no_import_cycles_between_meshfit_modules():
-    # Edges: every import except a package's own re-exports of its children (``__init__`` -> child)
-    # and lazily loaded public subpackages.
-    edges = {name: {t for t in top | nested if t != name and not _is_lazy(t)
+    # Edges: every import (TYPE_CHECKING and function-local ones too) except a package's own re-exports
+    # of its children (``__init__`` -> child) and lazily loaded public subpackages.
+    edges = {name: {t for t in top | nested if t != name and not (_is_lazy(t) and not _same_lazy(name, t))
                     and not (t.startswith(name + ".") and MODULES[name].endswith("__init__.py"))}
              for name, (top, nested) in GRAPH.items()}
     cycles: list[list[str]] = []
@@ -118,3 +124,64 @@ def test_import_meshfit_leaves_heavy_modules_unloaded():
     code = f"import sys, meshfit; print([m for m in {heavy!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+# The root's own modules besides ``__init__``: the shared kernel every layer may import (version,
+# argument validation, the protocols at the seams, config serialization, the lazy DTensor probe) and
+# the two programs (the CLI and the demo job).
+ROOT_KERNEL = {"meshfit._version", "meshfit._validation", "meshfit._protocols", "meshfit._serialization",
+               "meshfit._lazy_dtensor"}
+ROOT_PROGRAMS = {"meshfit._cli", "meshfit._demo"}
+
+
+def _package(module: str) -> str:
+    """The top-level package a module belongs to (``meshfit`` for the root's own modules)."""
+    parts = module.split(".")
+    if len(parts) >= 2 and os.path.isdir(os.path.join(ROOT, parts[1])):
+        return "meshfit." + parts[1]
+    return "meshfit"
+
+
+def test_the_root_holds_only_the_kernel_and_the_programs():
+    root_modules = {name for name, path in MODULES.items()
+                    if _package(name) == "meshfit" and not path.endswith("__init__.py")}
+    assert root_modules <= ROOT_KERNEL | ROOT_PROGRAMS, (
+        f"new root modules {sorted(root_modules - ROOT_KERNEL - ROOT_PROGRAMS)}: put them in the layer "
+        "package they belong to (meshfit/_engine, _saving, _storage, _runtime, ...)")
+    assert len(root_modules) <= 8
+
+
+def _cross_package_private_imports(name: str, path: str) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            pairs = [(node.module, alias.name) for alias in node.names]
+        elif isinstance(node, ast.Import):
+            pairs = [(alias.name, "") for alias in node.names]
+        else:
+            continue
+        for module, imported in pairs:
+            if not module.startswith("meshfit") or module in ROOT_KERNEL:
+                continue
+            mine, theirs = _package(name), _package(module)
+            if mine == theirs and mine != "meshfit":
+                continue
+            inside = module.split(".")[1 if theirs == "meshfit" else 2:] + ([imported] if imported else [])
+            if any(part.startswith("_") for part in inside):
+                found.append(f"{name}: from {module} import {imported}")
+    return found
+
+
+def test_packages_import_each_other_through_their_init_only():
+    """A package's ``_private`` modules and names are its own: another package imports what its
+    ``__init__`` re-exports (public names in ``__all__``, seams for meshfit's own packages beside them)."""
+    offenders = [line for name, path in sorted(MODULES.items())
+                 for line in _cross_package_private_imports(name, path)]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_every_package_is_covered():
+    """Every package is walked by the rules above, the lazily loaded ones included."""
+    packages = {_package(name) for name in MODULES}
+    assert {"meshfit.train", "meshfit.dtensor", "meshfit.estimator", "meshfit._engine", "meshfit._saving",
+            "meshfit._storage", "meshfit._runtime"} <= packages

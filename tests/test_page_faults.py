@@ -7,7 +7,7 @@ Which allocations fault is luck of the allocation pattern, so three processes mu
 the bound. Measured here on 2026-11-23: before a310978 (gradients zeroed in place) 800-1300
 faults/step; after it, 0.03 in one run of three and 550-1260 in the other two; 0.1 with
 MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ set (which the test does not do). Since fit fixes
-glibc's thresholds itself when training starts (``meshfit/_allocator.py``), every run stays low.
+glibc's thresholds itself when training starts (``meshfit/_runtime/_allocator.py``), every run stays low.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def test_fit_takes_almost_no_page_faults_per_step_after_warmup():
 
 
 def test_the_allocator_setting_is_applied_by_training_not_import_and_can_be_turned_off():
-    code = ("import meshfit._allocator as a, meshfit; assert not a._applied; "
+    code = ("import meshfit._runtime._allocator as a, meshfit; assert not a._applied; "
             "print(a.keep_freed_memory(), a.keep_freed_memory())")
     for value, expected in (("1", "True True"), ("0", "False False")):
         proc = start(["-c", code], {**_default_env(), "MESHFIT_KEEP_FREED_MEMORY": value})

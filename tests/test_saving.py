@@ -1,4 +1,4 @@
-"""meshfit._saving (Model.save / load_model): checksums, metric objects, errors that name the file, disk full."""
+"""meshfit._saving._save (Model.save / load_model): checksums, metric objects, errors that name the file, disk full."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from _disk import small_disk
 
 import meshfit as mf
-from meshfit._checksum import ChecksumError
-from meshfit._chief import ChiefWriteError, chief_writes
+from meshfit._storage._checksum import ChecksumError
+from meshfit._storage._chief import ChiefWriteError, chief_writes
 
 
 def _model() -> mf.Model:

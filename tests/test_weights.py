@@ -1,4 +1,4 @@
-"""Tests for meshfit._weights: safetensors weight files and pickle-free optimizer state."""
+"""Tests for meshfit._saving._weights: safetensors weight files and pickle-free optimizer state."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from meshfit._weights import (
+from meshfit._saving._weights import (
     flatten_optimizer_state,
     load_metadata,
     load_state_dict_file,

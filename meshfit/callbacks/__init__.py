@@ -11,6 +11,10 @@ from meshfit.callbacks._lambda_callback import LambdaCallback
 from meshfit.callbacks._learning_rate_scheduler import LearningRateScheduler
 from meshfit.callbacks._model_checkpoint import ModelCheckpoint
 from meshfit.callbacks._progbar import Progbar
+
+# Seams for meshfit's other packages (not public API: not in __all__).
+from meshfit.callbacks._progbar import announce_quiet_worker as announce_quiet_worker
+from meshfit.callbacks._progbar import supports_redraw as supports_redraw
 from meshfit.callbacks._progbar_logger import ProgbarLogger
 from meshfit.callbacks._reduce_lr_on_plateau import ReduceLROnPlateau
 from meshfit.callbacks._tensorboard import TensorBoard

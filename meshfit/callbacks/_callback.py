@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:  # annotations only: the model and the loop import the callbacks
-    from meshfit._loop import TrainingLoop
-    from meshfit._model import Model
+    from meshfit._protocols import LoopLike as TrainingLoop
+    from meshfit._protocols import ModelLike as Model
 
 # Substrings of a metric name whose larger values are better ("auto" mode of monitoring callbacks).
 _HIGHER_IS_BETTER = ("acc", "auc", "precision", "recall", "fmeasure", "f1")

@@ -10,8 +10,8 @@ from meshfit.callbacks._history import History
 from meshfit.callbacks._progbar_logger import ProgbarLogger
 
 if TYPE_CHECKING:  # annotations only: the model and the loop import the callbacks
-    from meshfit._loop import TrainingLoop
-    from meshfit._model import Model
+    from meshfit._protocols import LoopLike as TrainingLoop
+    from meshfit._protocols import ModelLike as Model
 
 
 def _overrides(callback: Callback, hook: str) -> bool:

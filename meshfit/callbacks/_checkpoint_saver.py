@@ -15,7 +15,7 @@ kept, so a crash during a save leaves the previous one usable)::
       checkpoint        {"latest_checkpoint": "ckpt-12", ...}
       ckpt-11/          the previous complete checkpoint
       ckpt-12/          the newest complete checkpoint
-      ckpt-13.tmp/      a save in progress (ignored until renamed; see meshfit/_atomic.py)
+      ckpt-13.tmp/      a save in progress (ignored until renamed; see meshfit/_storage/_atomic.py)
 
 At start the newest checkpoint that verifies is restored: a corrupt one (a data file's CRC-32C, an
 unreadable state file) is skipped with a warning naming it, and the previous one is used.
@@ -28,8 +28,7 @@ import os
 import time
 from typing import Any
 
-from meshfit._chief import chief_writes
-from meshfit._step_logs import agree
+from meshfit._storage import chief_writes
 from meshfit._validation import check_bool, finite_float, optional_positive_int, path_like, positive_int
 from meshfit.callbacks._callback import Callback
 
@@ -109,7 +108,12 @@ class CheckpointSaver(Callback):
         return self.policy.on_preemption
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        from meshfit.train import Checkpoint, CheckpointManager, _backup  # lazily loaded public subpackage
+        from meshfit.train import (  # lazily loaded public subpackage
+            Checkpoint,
+            CheckpointManager,
+            claim_backup_dir,
+            restore_newest_intact,
+        )
 
         loop = self.loop
         if loop is None:
@@ -117,14 +121,14 @@ class CheckpointSaver(Callback):
         checkpoint = Checkpoint(**loop.checkpoint_items())
         strategy = loop.strategy
         if self.delete_on_end:  # refuse a folder holding files meshfit would not delete
-            chief_writes(lambda: _backup.claim_backup_dir(self.directory, self.checkpoint_name),
+            chief_writes(lambda: claim_backup_dir(self.directory, self.checkpoint_name),
                          is_chief=strategy.is_chief, gather=strategy.all_gather_object,
                          what=f"use {self.directory!r} as the checkpoint folder")
         self._manager = CheckpointManager(checkpoint, self.directory, max_to_keep=self.max_to_keep,
                                           checkpoint_name=self.checkpoint_name)
         strategy.failure.backup_dir = self.directory
         candidates = strategy.broadcast_object(self._manager.checkpoints)
-        latest = _backup.restore_newest_intact(checkpoint, candidates, strategy.is_chief)
+        latest = restore_newest_intact(checkpoint, candidates, strategy.is_chief)
         self.restored_from = latest
         self._last_save_time = time.monotonic()
         self._checked_at = loop.counters.iterations
@@ -142,7 +146,7 @@ class CheckpointSaver(Callback):
         due = policy.every_steps is not None and iterations // policy.every_steps > previous // policy.every_steps
         if policy.every_seconds is not None:
             late = time.monotonic() - self._last_save_time >= policy.every_seconds
-            due = agree(self.loop.trainable, late) or due
+            due = self.loop.agree(late) or due
         if due:
             self._save()
 
@@ -182,6 +186,6 @@ class CheckpointSaver(Callback):
 
 def delete_checkpoints(directory: str, checkpoint_name: str = "ckpt") -> None:
     """Remove a finished job's checkpoints: only what meshfit wrote (see ``meshfit/train/_backup.py``)."""
-    from meshfit.train import _backup  # lazily loaded public subpackage
+    from meshfit.train import delete_backup_dir  # lazily loaded public subpackage
 
-    _backup.delete_backup_dir(directory, checkpoint_name)
+    delete_backup_dir(directory, checkpoint_name)

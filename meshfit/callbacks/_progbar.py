@@ -11,7 +11,7 @@ from typing import Any, TextIO
 # Set by `meshfit launch` for its workers when its own stdout is a terminal: the launcher passes
 # carriage returns through, so a worker's bar may redraw in place although its stdout is a pipe.
 from meshfit._protocols import DistributionStrategy
-from meshfit._supervisor import FORWARDED_TERMINAL_ENV
+from meshfit._runtime import FORWARDED_TERMINAL_ENV
 from meshfit._validation import finite_float
 from meshfit.callbacks._callback import _to_float
 
@@ -23,7 +23,7 @@ def _now() -> float:
     return time.monotonic()
 
 
-def _supports_redraw(stream: TextIO) -> bool:
+def supports_redraw(stream: TextIO) -> bool:
     """Whether ``\\r`` redraws a line: a terminal (also one `meshfit launch` forwards to), or Jupyter."""
     try:
         if stream.isatty():
@@ -118,7 +118,7 @@ class Progbar:
         self.unit_name = unit_name
         self.file_interval = finite_float("file_interval", file_interval, positive=True)
         self.stream = sys.stdout if stream is None else stream
-        self._dynamic_display = _supports_redraw(self.stream)
+        self._dynamic_display = supports_redraw(self.stream)
         self._values: dict[str, Any] = {}
         self._values_order: list[str] = []
         self._seen_so_far = 0

@@ -1,6 +1,9 @@
 """Cluster resolvers: where this process sits in a multi-process job (TF_CONFIG, torchrun, SLURM)."""
 
 from meshfit.cluster._base import ClusterInfo, ClusterResolver
+
+# Seams for meshfit's other packages (not public API: not in __all__).
+from meshfit.cluster._base import parse_address as parse_address
 from meshfit.cluster._cluster_spec import ClusterSpec
 from meshfit.cluster._env_resolvers import (
     DEFAULT_MASTER_PORT,

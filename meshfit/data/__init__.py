@@ -2,7 +2,24 @@
 
 from meshfit.data import experimental
 from meshfit.data._dataset import AUTOTUNE, INFINITE, Dataset, DatasetIterator
+from meshfit.data._node import Node as Node
 from meshfit.data._options import AutoShardPolicy, DistributeOptions, Options
+from meshfit.data._prefetch import Prefetcher as Prefetcher
+from meshfit.data._sources import Files as Files
+from meshfit.data._sources import TorchMapDataset as TorchMapDataset
+from meshfit.data._structure import batch_size_of as batch_size_of
+from meshfit.data._structure import leaves as leaves
+from meshfit.data._structure import map_structure as map_structure
+from meshfit.data._structure import slice_rows as slice_rows
+from meshfit.data._structure import to_tensor as to_tensor
+from meshfit.data._structure import unpack_batch as unpack_batch
+
+# Seams for meshfit's other packages (not public API: not in __all__).
+from meshfit.data._transforms import Batch as Batch
+from meshfit.data._transforms import Prefetch as Prefetch
+from meshfit.data._transforms import Shuffle as Shuffle
+from meshfit.data._transforms import Skip as Skip
+from meshfit.data._transforms import Take as Take
 
 __all__ = [
     "AUTOTUNE",

@@ -9,7 +9,7 @@ the global order: a distributed dataset only decides which rows of each global b
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -18,7 +18,6 @@ from meshfit.data._node import AUTOTUNE, Node
 from meshfit.data._options import Options
 from meshfit.data._prefetch import Prefetcher
 from meshfit.data._sources import Files, Range, TensorSlices
-from meshfit.data._structure import map_structure
 from meshfit.data._transforms import Batch, Cache, Map, Prefetch, Repeat, Shard, Shuffle, Skip, Take
 
 INFINITE = -1
@@ -140,11 +139,6 @@ class Dataset:
         start = self._next_pass
         self._next_pass = start + 1
         return start
-
-    def as_numpy_iterator(self) -> Iterator[Any]:
-        """Iterate with numpy leaves."""
-        for element in self:
-            yield map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, element)
 
     # ---- the random-access protocol, answered by the top node --------------------------------
     def _length(self) -> int | None:

@@ -2,10 +2,32 @@
 
 from meshfit.distribute._collective import CollectiveStrategy
 from meshfit.distribute._distributed_dataset import DistributedDataset
+from meshfit.distribute._failure import FailureState as FailureState
+from meshfit.distribute._gradient_sync import DataParallelSync as DataParallelSync
+from meshfit.distribute._gradient_sync import ReplicatedSync as ReplicatedSync
+from meshfit.distribute._gradient_weight import GradientWeight as GradientWeight
+from meshfit.distribute._gradient_weight import weighted_allreduce_hook as weighted_allreduce_hook
 from meshfit.distribute._heartbeat import PEER_FAILURE_EXIT_CODE, PeerFailureError
 from meshfit.distribute._mirrored import MirroredStrategy
+
+# Seams for meshfit's other packages (not public API: not in __all__).
+from meshfit.distribute._mirrored import form_local_world as form_local_world
+from meshfit.distribute._mirrored import local_devices as local_devices
 from meshfit.distribute._multi_worker import MultiWorkerMirroredStrategy
+from meshfit.distribute._multi_worker import form_cluster_world as form_cluster_world
+from meshfit.distribute._placement import GradientSync, Placement
+from meshfit.distribute._placement import mark_reduced as mark_reduced
+from meshfit.distribute._rendezvous import agree_on_settings as agree_on_settings
+from meshfit.distribute._replication import adopt as adopt
+from meshfit.distribute._replication import broadcast_initial_values as broadcast_initial_values
+from meshfit.distribute._replication import check_training_strategy as check_training_strategy
+from meshfit.distribute._replication import owner_of as owner_of
+from meshfit.distribute._replication import synchronize_gradients as synchronize_gradients
+from meshfit.distribute._scope import current_scope_strategy as current_scope_strategy
+from meshfit.distribute._scope import current_world as current_world
+from meshfit.distribute._scope import process_world as process_world
 from meshfit.distribute._strategy import OneDeviceStrategy, Strategy, get_strategy
+from meshfit.distribute._strategy import compiled as compiled
 from meshfit.distribute._values import (
     CommunicationImplementation,
     CommunicationOptions,
@@ -13,8 +35,12 @@ from meshfit.distribute._values import (
     PerReplica,
     ReduceOp,
 )
+from meshfit.distribute._world import World
 
 __all__ = [
+    "GradientSync",
+    "Placement",
+    "World",
     "PEER_FAILURE_EXIT_CODE",
     "CollectiveStrategy",
     "CommunicationImplementation",

@@ -23,17 +23,18 @@ from meshfit.cluster import (
     ClusterResolver,
     SimpleClusterResolver,
     SingleProcessClusterResolver,
+    parse_address,
     resolve_cluster,
 )
-from meshfit.cluster._base import parse_address
-from meshfit.distribute._failure import FailureState
+from meshfit.distribute._gradient_sync import DataParallelSync, ReplicatedSync
 from meshfit.distribute._gradient_weight import GradientWeight, weighted_allreduce_hook
 from meshfit.distribute._heartbeat import Heartbeat, PeerFailureError
-from meshfit.distribute._rendezvous import client_for, form_rendezvous, set_group_timeout, store_host_rank
-from meshfit.distribute._replication import mark_ddp_synchronized
-from meshfit.distribute._scope import register_running
+from meshfit.distribute._placement import Placement
+from meshfit.distribute._rendezvous import client_for, form_rendezvous, store_host_rank
+from meshfit.distribute._scope import clear_process_world, process_world, set_process_world
 from meshfit.distribute._strategy import Strategy, compiled
 from meshfit.distribute._values import CommunicationImplementation, CommunicationOptions
+from meshfit.distribute._world import World
 
 # gloo's C++ errors reach Python as plain RuntimeError (DDP's hooks wrap them in another); their text
 # carries the gloo source location that raised them: ``[.../gloo/transport/tcp/pair.cc:553] ...``.
@@ -62,89 +63,105 @@ def choose_backend(options: CommunicationOptions) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-class CollectiveStrategy(Strategy):
-    """Base of the multi-process strategies; subclasses decide how the group is formed."""
+def join_world(options: CommunicationOptions, rank: int, world_size: int, master: tuple[str, int] | None, *,
+               local_rank: int = 0, names: list[str] | None = None, own_host: str | None = None,
+               settings: dict[str, Any] | None = None, cluster_resolver: Any = None) -> World:
+    """Form (or join) the process group and return this process's `World`.
 
-    def __init__(self, communication_options: CommunicationOptions | None = None) -> None:
+    ``master`` is rank 0's rendezvous ``(host, port)``. A group someone already initialised is joined
+    as it is. With several processes: the planes (device mesh, control group), the heartbeat, and a
+    shutdown at exit.
+    """
+    backend = choose_backend(options)
+    timeout = timedelta(seconds=float(options.timeout_seconds))
+    hosting, owns = False, False
+    if dist.is_initialized():
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        backend = str(dist.get_backend())
+    elif world_size > 1:
+        if master is None:
+            raise ValueError("Invalid cluster: several workers but no rendezvous address for rank 0.")
+        names = names or [f"rank {r}" for r in range(world_size)]
+        agreed = {"backend": backend, "timeout_seconds": float(options.timeout_seconds),
+                  "heartbeat_timeout_seconds": options.heartbeat_timeout_seconds, **(settings or {})}
+        store, hosting = form_rendezvous(rank, world_size, master, own_host, backend, timeout, names, agreed)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        owns = True
+    device = torch.device("cpu")
+    if "nccl" in backend:
+        device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+        torch.cuda.set_device(device)
+    world = World(rank=rank, size=world_size, device=device, backend=backend, timeout=timeout,
+                  names=tuple(names or [f"rank {r}" for r in range(world_size)]), is_chief=rank == 0,
+                  cluster_resolver=cluster_resolver or SingleProcessClusterResolver(), owns_group=owns)
+    if world.distributed:
+        world.form_planes()
+        set_process_world(world)
+        _start_heartbeat(world, options, hosting)
+
+        def shutdown() -> None:
+            world.shutdown(wait_for_peers=float(options.timeout_seconds))
+            clear_process_world(world)
+
+        atexit.register(shutdown)
+    return world
+
+
+def _start_heartbeat(world: World, options: CommunicationOptions, hosting: bool) -> None:
+    seconds = options.heartbeat_timeout_seconds
+    if seconds is None:
+        return
+    secret = torch.zeros(16, dtype=torch.uint8, device=world.device)
+    if world.rank == 0:
+        secret.copy_(torch.frombuffer(bytearray(os.urandom(16)), dtype=torch.uint8))
+    dist.broadcast(secret, src=0)  # over the group, never through the store anyone may read
+    default_store = dist.distributed_c10d._get_default_store()
+    probe = timedelta(seconds=max(1.0, seconds / 2))
+    store_host = store_host_rank(default_store, hosting)
+    world.hosts_store = store_host == world.rank
+    world.heartbeat = Heartbeat(lambda: client_for(default_store, probe), world.rank, world.size, seconds,
+                                world.failure, bytes(secret.cpu().tolist()), list(world.names), store_host)
+
+
+class CollectiveStrategy(Strategy):
+    """Base of the multi-process strategies: a strategy bound to a `World` of one or more processes.
+
+    Args:
+        communication_options: backend, timeouts, DDP's bucket size, gradient compression.
+        world: the `World` to run in (default: this process alone). Subclasses form one from the
+            environment (`join_world`); a test or a launcher may hand one in.
+    """
+
+    def __init__(self, communication_options: CommunicationOptions | None = None,
+                 world: World | None = None) -> None:
         if communication_options is None:
             communication_options = CommunicationOptions()
         if not isinstance(communication_options, CommunicationOptions):
             raise TypeError("Invalid `communication_options`: expected meshfit.CommunicationOptions, "
                             f"received {communication_options!r}.")
         self.communication_options = communication_options
-        self._rank, self._world, self._chief = 0, 1, True
-        self._owns_group = False
-        self._heartbeat: Heartbeat | None = None
-        self._hosts_store = False
-        self._names: list[str] = ["rank 0"]
-        self.failure = FailureState()
+        self.world = world if world is not None else World.single()
         self._gradient_weight = GradientWeight(compression=communication_options.gradient_compression)
-        self.mesh: Any = None
-        self._device = torch.device("cpu")
-        self.cluster_resolver: Any = SingleProcessClusterResolver()
+        self.mesh: Any = self.world.device_mesh
+        if self.world.distributed and process_world() is None:
+            set_process_world(self.world)
 
-    # ---- forming the group ----------------------------------------------------------------
-    def _join(self, rank: int, world_size: int, master: tuple[str, int] | None, local_rank: int = 0,
-              names: list[str] | None = None, own_host: str | None = None,
-              settings: dict[str, Any] | None = None) -> None:
-        """Form (or join) the group; ``master`` is rank 0's rendezvous ``(host, port)``."""
-        backend = choose_backend(self.communication_options)
-        timeout = timedelta(seconds=float(self.communication_options.timeout_seconds))
-        hosting = False
-        if dist.is_initialized():
-            rank, world_size = dist.get_rank(), dist.get_world_size()
-            backend = dist.get_backend()
-        elif world_size > 1:
-            if master is None:
-                raise ValueError("Invalid cluster: several workers but no rendezvous address for rank 0.")
-            names = names or [f"rank {r}" for r in range(world_size)]
-            store, hosting = form_rendezvous(rank, world_size, master, own_host, backend, timeout, names,
-                                             {**self._agreed_settings(backend), **(settings or {})})
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-            self._owns_group = True
-        set_group_timeout(timeout)
-        self._rank, self._world = rank, world_size
-        self._names = names or [f"rank {r}" for r in range(world_size)]
-        if backend == "nccl":
-            self._device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
-            torch.cuda.set_device(self._device)
-        if world_size > 1:
-            from torch.distributed.device_mesh import init_device_mesh
+    # ---- the world this strategy runs in (one value: see `World`) ---------------------------
+    @property
+    def _rank(self) -> int:
+        return self.world.rank
 
-            self.mesh = init_device_mesh(self._device.type, (world_size,), mesh_dim_names=("batch",))
-            register_running(self)
-            atexit.register(self._shutdown)
-            self._start_heartbeat(hosting)
+    @property
+    def _world(self) -> int:
+        return self.world.size
 
-    def _agreed_settings(self, backend: str) -> dict[str, Any]:
-        options = self.communication_options
-        return {"backend": backend, "timeout_seconds": float(options.timeout_seconds),
-                "heartbeat_timeout_seconds": options.heartbeat_timeout_seconds}
+    @property
+    def _chief(self) -> bool:
+        return self.world.is_chief
 
-    def _start_heartbeat(self, hosting: bool) -> None:
-        seconds = self.communication_options.heartbeat_timeout_seconds
-        if seconds is None:
-            return
-        secret = torch.zeros(16, dtype=torch.uint8, device=self._device)
-        if self._rank == 0:
-            secret.copy_(torch.frombuffer(bytearray(os.urandom(16)), dtype=torch.uint8))
-        dist.broadcast(secret, src=0)  # over the group, never through the store anyone may read
-        default_store = dist.distributed_c10d._get_default_store()
-        probe = timedelta(seconds=max(1.0, seconds / 2))
-        store_host = store_host_rank(default_store, hosting)
-        self._hosts_store = store_host == self._rank
-        self._heartbeat = Heartbeat(lambda: client_for(default_store, probe), self._rank, self._world, seconds,
-                                    self.failure, bytes(secret.cpu().tolist()), self._names, store_host)
-
-    def _shutdown(self) -> None:
-        if self._heartbeat is not None:
-            wait = float(self.communication_options.timeout_seconds) if self._hosts_store else 0.0
-            self._heartbeat.stop(wait_for_peers=wait)
-            self._heartbeat = None
-        if self._owns_group and dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-            self._owns_group = False
+    @property
+    def _heartbeat(self) -> Heartbeat | None:
+        return self.world.heartbeat
 
     # ---- identity ------------------------------------------------------------------------
     @property
@@ -214,28 +231,24 @@ class CollectiveStrategy(Strategy):
                 dist.barrier()
 
     # ---- placement ---------------------------------------------------------------------------
-    def setup_module(self, module: torch.nn.Module, jit_compile: bool = False) -> torch.nn.Module:
+    def setup_module(self, module: torch.nn.Module, jit_compile: bool = False) -> Placement:
         """Move ``module`` to this replica's device, compile it if asked, wrap it in DDP with a
-        batch-weighting hook."""
+        batch-weighting hook (`DataParallelSync`)."""
+        source = module
         module = compiled(module.to(self._device), jit_compile)
         if not self._distributed or not any(p.requires_grad for p in module.parameters()):
-            return module
+            return Placement(module, source, ReplicatedSync())
         device_ids = [self._device.index] if self._device.type == "cuda" else None
         options = self.communication_options
         pack = {"bucket_cap_mb": options.bytes_per_pack / 2**20} if options.bytes_per_pack else {}
         wrapped = DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True, **pack)
         wrapped.register_comm_hook(self._gradient_weight, weighted_allreduce_hook)
-        mark_ddp_synchronized(wrapped)  # the optimizer must not reduce these gradients again
-        return wrapped
+        sync = DataParallelSync(self._gradient_weight, self._world)
+        sync.install(wrapped)  # the optimizer must not reduce these gradients again
+        return Placement(wrapped, source, sync)
 
-    @contextlib.contextmanager
-    def batch_weight(self, local_size: int, global_size: int) -> Iterator[None]:
-        factor = local_size * self._world / global_size if global_size else 1.0
-        self._gradient_weight.factor = factor
-        try:
-            yield
-        finally:
-            self._gradient_weight.factor = 1.0
+    def batch_weight(self, local_size: int, global_size: int) -> contextlib.AbstractContextManager[None]:
+        return DataParallelSync.weighting_of(self._gradient_weight, self._world, local_size, global_size)
 
     def check_alive(self) -> None:
         if self._heartbeat is not None:

@@ -17,12 +17,20 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from meshfit.data._dataset import Dataset
-from meshfit.data._node import Node
-from meshfit.data._options import AutoShardPolicy, Options
-from meshfit.data._sources import Files
-from meshfit.data._structure import batch_size_of, slice_rows
-from meshfit.data._transforms import Batch, Prefetch, Shuffle, Skip, Take
+from meshfit.data import (
+    AutoShardPolicy,
+    Batch,
+    Dataset,
+    Files,
+    Node,
+    Options,
+    Prefetch,
+    Shuffle,
+    Skip,
+    Take,
+    batch_size_of,
+    slice_rows,
+)
 from meshfit.distribute._values import InputContext
 
 

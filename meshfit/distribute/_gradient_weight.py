@@ -24,6 +24,7 @@ class GradientWeight:
     """The factor the next backward's gradients are multiplied by (1.0: untouched, bitwise)."""
 
     factor: float = 1.0
+    in_step: bool = False  # inside a step of fit (set with factor by the strategy's batch_weight)
     process_group: "dist.ProcessGroup | None" = None
     compression: "str | None" = None  # None or "bfloat16"
 

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from meshfit._exit_codes import PEER_FAILURE_EXIT_CODE
+from meshfit._runtime import PEER_FAILURE_EXIT_CODE
 from meshfit.distribute._failure import FailureState
 
 __all__ = ["PEER_FAILURE_EXIT_CODE", "Heartbeat", "PeerFailureError"]

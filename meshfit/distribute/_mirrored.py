@@ -2,7 +2,7 @@
 
 PyTorch runs one process per device. From a plain ``python train.py``, the strategy built in the
 first process (replica 0) starts the other replicas itself through the process supervisor
-(`meshfit._supervisor.spawn_local_replicas`), which runs the same script again; they build the same
+(`meshfit._runtime._supervisor.spawn_local_replicas`), which runs the same script again; they build the same
 strategy, join the group and follow the same code. Replica 0 waits for them at exit and fails if one
 of them failed.
 """
@@ -17,16 +17,11 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from meshfit._supervisor import (
-    LocalReplicas,
-    free_ports,
-    replica_identity,
-    spawn_local_replicas,
-    watch_parent,
-)
-from meshfit.distribute._collective import CollectiveStrategy, group_resolver, local_resolver
+from meshfit._runtime import LocalReplicas, free_ports, replica_identity, spawn_local_replicas, watch_parent
+from meshfit.distribute._collective import CollectiveStrategy, group_resolver, join_world, local_resolver
 from meshfit.distribute._strategy import _parse_device
 from meshfit.distribute._values import CommunicationImplementation, CommunicationOptions
+from meshfit.distribute._world import World
 
 
 class MirroredStrategy(CollectiveStrategy):
@@ -44,38 +39,9 @@ class MirroredStrategy(CollectiveStrategy):
 
     def __init__(self, devices: Sequence[str] | None = None,
                  communication_options: CommunicationOptions | None = None) -> None:
-        devices = self._resolve_devices(devices)
-        on_gpu = devices[0].type == "cuda"
-        if communication_options is None:
-            impl = CommunicationImplementation.NCCL if on_gpu else CommunicationImplementation.RING
-            communication_options = CommunicationOptions(implementation=impl)
-        super().__init__(communication_options)
-        self.devices = devices
-        self._replicas: LocalReplicas | None = None
-        world = len(devices)
-        if world == 1 or dist.is_initialized():
-            self._join(0, 1, None)
-            self._device = devices[self._rank % world]
-            self._chief = self._rank == 0
-            self.cluster_resolver = (group_resolver(int(os.environ.get("LOCAL_RANK", self._rank)))
-                                     if dist.is_initialized() else local_resolver(0, 1, None))
-            return
-        identity = replica_identity()
-        if identity is None:
-            rank, address = 0, f"127.0.0.1:{free_ports(1)[0]}"
-            self._replicas = spawn_local_replicas(world, address)
-            atexit.register(self._wait_for_replicas)
-        else:
-            rank, address = identity
-            watch_parent()
-        host, _, port = address.rpartition(":")
-        self._join(rank, world, (host, int(port)), local_rank=rank,
-                   names=[f"replica {r} ({devices[r]})" for r in range(world)])
-        self._device = devices[rank]
-        if self._device.type == "cuda":
-            torch.cuda.set_device(self._device)
-        self._chief = rank == 0
-        self.cluster_resolver = local_resolver(rank, world, (host, int(port)))
+        parsed, options = local_devices(devices, communication_options)
+        super().__init__(options, form_local_world(parsed, options))
+        self.devices = parsed
 
     @staticmethod
     def _resolve_devices(devices: Sequence[str] | None) -> list[torch.device]:
@@ -94,10 +60,49 @@ class MirroredStrategy(CollectiveStrategy):
             raise ValueError(f"Invalid `devices`: a GPU is listed twice in {list(devices)!r}.")
         return parsed
 
-    def _wait_for_replicas(self) -> None:
-        if self._replicas is None:
-            return
-        failed = self._replicas.wait(float(self.communication_options.timeout_seconds))
-        if failed:
-            print("meshfit: MirroredStrategy: " + "; ".join(failed), file=sys.stderr, flush=True)
-            os._exit(1)
+
+def local_devices(devices: Sequence[str] | None, options: CommunicationOptions | None,
+                  ) -> tuple[list[torch.device], CommunicationOptions]:
+    """``devices`` parsed (default: every local GPU, else the CPU alone) and the options for them
+    (default: NCCL for GPUs, gloo for CPUs)."""
+    parsed = MirroredStrategy._resolve_devices(devices)
+    if options is None:
+        on_gpu = parsed[0].type == "cuda"
+        options = CommunicationOptions(implementation=CommunicationImplementation.NCCL if on_gpu
+                                       else CommunicationImplementation.RING)
+    return parsed, options
+
+
+def form_local_world(devices: list[torch.device], options: CommunicationOptions) -> World:
+    """The `World` of one process per local device: started here from a plain script (replica 0
+    spawns the others, which run the same script), or the group someone already initialised."""
+    count = len(devices)
+    if count == 1 or dist.is_initialized():
+        world = join_world(options, 0, 1, None)
+        world.device = devices[world.rank % count]
+        world.cluster_resolver = (group_resolver(int(os.environ.get("LOCAL_RANK", world.rank)))
+                                  if dist.is_initialized() else local_resolver(0, 1, None))
+        return world
+    identity = replica_identity()
+    if identity is None:
+        rank, address = 0, f"127.0.0.1:{free_ports(1)[0]}"
+        replicas = spawn_local_replicas(count, address)
+        atexit.register(_wait_for_replicas, replicas, float(options.timeout_seconds))
+    else:
+        rank, address = identity
+        watch_parent()
+    host, _, port = address.rpartition(":")
+    world = join_world(options, rank, count, (host, int(port)), local_rank=rank,
+                       names=[f"replica {r} ({devices[r]})" for r in range(count)],
+                       cluster_resolver=local_resolver(rank, count, (host, int(port))))
+    world.device = devices[rank]
+    if world.device.type == "cuda":
+        torch.cuda.set_device(world.device)
+    return world
+
+
+def _wait_for_replicas(replicas: LocalReplicas, timeout: float) -> None:
+    failed = replicas.wait(timeout)
+    if failed:
+        print("meshfit: MirroredStrategy: " + "; ".join(failed), file=sys.stderr, flush=True)
+        os._exit(1)

@@ -7,10 +7,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from meshfit.cluster import resolve_cluster
-from meshfit.cluster._base import parse_address
-from meshfit.distribute._collective import CollectiveStrategy, group_resolver, local_resolver
+from meshfit.cluster import parse_address, resolve_cluster
+from meshfit.distribute._collective import CollectiveStrategy, group_resolver, join_world, local_resolver
 from meshfit.distribute._values import CommunicationOptions
+from meshfit.distribute._world import World
 
 
 class MultiWorkerMirroredStrategy(CollectiveStrategy):
@@ -34,32 +34,40 @@ class MultiWorkerMirroredStrategy(CollectiveStrategy):
     """
 
     def __init__(self, communication_options: CommunicationOptions | None = None,
-                 cluster_resolver: Any = None) -> None:
-        super().__init__(communication_options)
-        if cluster_resolver is None and not dist.is_initialized():
-            cluster_resolver = resolve_cluster()
-        self.cluster_resolver = cluster_resolver
-        if dist.is_initialized():
-            local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
-            self._join(dist.get_rank(), dist.get_world_size(), None, local_rank=local_rank)
-            self._chief = self._rank == 0
-            if cluster_resolver is None:
-                self.cluster_resolver = group_resolver(local_rank)
-            return
+                 cluster_resolver: Any = None, world: World | None = None) -> None:
+        options = communication_options if communication_options is not None else CommunicationOptions()
+        if world is None:
+            if not isinstance(options, CommunicationOptions):
+                raise TypeError("Invalid `communication_options`: expected meshfit.CommunicationOptions, "
+                                f"received {communication_options!r}.")
+            world = form_cluster_world(options, cluster_resolver)
+        super().__init__(options, world)
+
+
+def form_cluster_world(options: CommunicationOptions, cluster_resolver: Any = None) -> World:
+    """The `World` of a worker the environment describes (``TF_CONFIG``, torchrun, SLURM), of a group
+    the user initialised, or of a process alone."""
+    if cluster_resolver is None and not dist.is_initialized():
+        cluster_resolver = resolve_cluster()
+    if dist.is_initialized():
+        local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+        world = join_world(options, dist.get_rank(), dist.get_world_size(), None, local_rank=local_rank,
+                           cluster_resolver=cluster_resolver)
         if cluster_resolver is None:
-            self._join(0, 1, None)
-            self.cluster_resolver = local_resolver(0, 1, None)
-            return
-        if cluster_resolver.task_type == "evaluator":
-            # The evaluator is not part of the training group: it evaluates checkpoints on its own.
-            self._chief = False
-            return
-        names, own_host, training = _describe(cluster_resolver)
-        self._join(cluster_resolver.rank, cluster_resolver.world_size,
-                   (cluster_resolver.master_addr, cluster_resolver.master_port),
-                   local_rank=getattr(cluster_resolver, "local_rank", None) or 0, names=names,
-                   own_host=own_host, settings={"training_tasks": training})
-        self._chief = bool(cluster_resolver.is_chief)
+            world.cluster_resolver = group_resolver(local_rank)
+        return world
+    if cluster_resolver is None:
+        return join_world(options, 0, 1, None, cluster_resolver=local_resolver(0, 1, None))
+    if cluster_resolver.task_type == "evaluator":
+        # The evaluator is not part of the training group: it evaluates checkpoints on its own.
+        return World(is_chief=False, cluster_resolver=cluster_resolver)
+    names, own_host, training = _describe(cluster_resolver)
+    world = join_world(options, cluster_resolver.rank, cluster_resolver.world_size,
+                       (cluster_resolver.master_addr, cluster_resolver.master_port),
+                       local_rank=getattr(cluster_resolver, "local_rank", None) or 0, names=names,
+                       own_host=own_host, settings={"training_tasks": training}, cluster_resolver=cluster_resolver)
+    world.is_chief = bool(cluster_resolver.is_chief)
+    return world
 
 
 def _describe(resolver: Any) -> tuple[list[str], str | None, list[str | None]]:

@@ -9,7 +9,7 @@ fails at once, naming the setting and each worker's value, instead of after the 
 
 gloo is told to use the network interface that holds this worker's address (``GLOO_SOCKET_IFNAME``,
 unless the user set it), so its listeners bind that address only. Every group creation gets
-meshfit's configured timeout (`new_group`), never torch's 30-minute default.
+meshfit's configured timeout (`World.new_group`), never torch's 30-minute default.
 """
 
 from __future__ import annotations
@@ -30,27 +30,11 @@ import torch.distributed as dist
 
 _KEY = "meshfit/rendezvous"
 _WAIT_MESSAGE_EVERY = 5.0
-_GROUP_TIMEOUT: list[timedelta] = []
 _SIOCGIFADDR = 0x8915
 
 
 class ClusterMismatchError(ValueError):
     """Workers of one job were started with settings that must agree but do not."""
-
-
-def group_timeout() -> timedelta | None:
-    """The timeout meshfit formed (or joined) the default group with; ``None`` before."""
-    return _GROUP_TIMEOUT[-1] if _GROUP_TIMEOUT else None
-
-
-def set_group_timeout(timeout: timedelta) -> None:
-    """Remember the timeout every later group creation, barrier and collective gets."""
-    _GROUP_TIMEOUT[:] = [timeout]
-
-
-def new_group(ranks: list[int] | None = None, backend: str | None = None) -> Any:
-    """``torch.distributed.new_group`` with meshfit's configured timeout (torch's default is 30 min)."""
-    return dist.new_group(ranks, timeout=group_timeout(), backend=backend)
 
 
 # ---- addresses and interfaces ------------------------------------------------------------------

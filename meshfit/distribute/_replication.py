@@ -16,9 +16,8 @@ before the update (the user divides the per-example loss by the *global* batch w
   the forward pass that materialises them).
 - **Gradient sync.** `synchronize_gradients` all-reduces (SUM) the gradients of recorded
   parameters over their strategy's replicas, in one flat buffer per dtype. Parameters whose
-  gradients ``DistributedDataParallel`` already averaged during this step (``Model.fit`` wraps the
-  module in DDP; `mark_ddp_synchronized` installs a forward pre-hook on the DDP wrapper that
-  flags them) are skipped, so nothing is reduced twice.
+  gradients were already reduced during this step (a forward through ``Model``'s DDP wrapper marks
+  them: see `meshfit.distribute._placement`) are skipped, so nothing is reduced twice.
 - **DTensor parameters** follow their layout: a gradient with ``Partial`` placements is
   redistributed to the parameter's placements (DTensor's own all-reduce); a ``Replicate``
   gradient over a mesh axis named ``"batch"`` (computed from per-replica local batches) is summed
@@ -37,16 +36,12 @@ import torch.distributed as dist
 from torch.nn.parameter import is_lazy
 from torch.utils.weak import WeakIdKeyDictionary
 
-from meshfit.distribute._scope import (
-    current_scope_strategy,
-    is_default_strategy,
-    running_multi_replica_strategy,
-)
+from meshfit.distribute._placement import take_reduced
+from meshfit.distribute._scope import current_scope_strategy, is_default_strategy, process_world
 
-# tensor -> strategy that created it (weak on both sides, keyed by identity: tensors' == is elementwise)
+# tensor -> strategy that created it (weak on both sides, keyed by identity: tensors' == is elementwise;
+# not an attribute of the tensor, which must stay picklable)
 _OWNER = WeakIdKeyDictionary()
-# parameters whose gradients DDP (or another reducer) reduces in the current step
-_DDP_PENDING = WeakIdKeyDictionary()
 # per scope entry: the tensors created in it, to broadcast when it exits
 _CREATED: list[list[weakref.ref]] = []
 _HOOKS: list[Any] = []
@@ -123,25 +118,6 @@ def broadcast_initial_values(tensors: Iterable[torch.Tensor], strategy: Any) -> 
         t._meshfit_broadcast = True
 
 
-def mark_gradients_synchronized(params: Iterable[torch.Tensor]) -> None:
-    """Tell the next optimizer step that these gradients were already reduced across replicas
-    (e.g. the Estimator's train op averages them itself)."""
-    for p in params:
-        _DDP_PENDING[p] = True
-
-
-def mark_ddp_synchronized(ddp_module: torch.nn.Module) -> None:
-    """Flag the parameters of a DDP wrapper as reduced by DDP whenever it runs a training forward."""
-    params = [p for p in ddp_module.parameters() if p.requires_grad]
-
-    def pre_hook(module: torch.nn.Module, args: Any) -> None:
-        if torch.is_grad_enabled() and getattr(module, "require_backward_grad_sync", True):
-            for p in params:
-                _DDP_PENDING[p] = True
-
-    ddp_module.register_forward_pre_hook(pre_hook)
-
-
 def synchronize_gradients(params: Iterable[torch.Tensor]) -> None:
     """Sum the gradients of ``params`` over their strategy's replicas, in place (TF's semantics).
 
@@ -157,7 +133,7 @@ def synchronize_gradients(params: Iterable[torch.Tensor]) -> None:
     for p in params:
         if p.grad is None:
             continue
-        if _DDP_PENDING.pop(p, False):
+        if take_reduced(p):
             continue
         strategy = owner_of(p)
         if _is_dtensor(p):  # its layout says how its gradient is reduced
@@ -179,11 +155,11 @@ def synchronize_gradients(params: Iterable[torch.Tensor]) -> None:
 
 
 def _refuse_if_unreplicated(param: torch.Tensor) -> None:
-    strategy = running_multi_replica_strategy()
-    if strategy is not None:
+    world = process_world()
+    if world is not None:
         raise ValueError(
             f"A parameter of shape {tuple(param.shape)} was created outside `strategy.scope()`, but "
-            f"{strategy!r} runs {strategy.num_replicas_in_sync} replicas: each worker would train it alone. "
+            f"this job runs {world.size} processes: each worker would train it alone. "
             "Create the model inside `with strategy.scope():` (and the optimizer and metrics with it).")
 
 
@@ -243,10 +219,10 @@ def check_training_strategy(model: Any, what: str) -> None:
             f"{active!r}. Create the model inside `with strategy.scope():` of the strategy that trains it, "
             "e.g.\n    with strategy.scope():\n        model = mf.Model(build_module())\n"
             "        model.compile(...)")
-    running = running_multi_replica_strategy()
-    if what == "fit" and running is not None and is_default_strategy(model.strategy):
+    world = process_world()
+    if what == "fit" and world is not None and is_default_strategy(model.strategy):
         raise ValueError(
-            f"Invalid model: it was created outside `strategy.scope()`, but {running!r} runs "
-            f"{running.num_replicas_in_sync} replicas in this process, so fit() would train each worker alone. "
+            f"Invalid model: it was created outside `strategy.scope()`, but this job runs {world.size} "
+            "processes (replicas), so fit() would train each worker alone. "
             "Create the model inside `with strategy.scope():`, e.g.\n    with strategy.scope():\n"
             "        model = mf.Model(build_module())\n        model.compile(...)")

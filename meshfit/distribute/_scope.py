@@ -1,4 +1,4 @@
-"""Which strategy is current: the scope stack, the default strategy, and the running multi-replica ones.
+"""Which strategy is current: the scope stack, the default strategy, and the world of this process.
 
 Kept apart from the strategy classes so that the modules that consult it (parameter replication,
 metrics, loss scaling) import no strategy class, and the strategies import them without a cycle.
@@ -6,18 +6,18 @@ metrics, loss scaling) import no strategy class, and the strategies import them 
 
 from __future__ import annotations
 
-import weakref
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from meshfit.distribute._strategy import Strategy
+from meshfit._protocols import DistributionStrategy as Strategy
+from meshfit.distribute._world import World
 
 _SCOPE_STACK: list[Strategy] = []
 _DEFAULT: list[Strategy] = []  # the default one-device strategy, made on first use by get_strategy()
-# multi-replica strategies whose process group is up (to refuse training a model made outside them)
-_RUNNING: weakref.WeakSet = weakref.WeakSet()
+# The `World` of this process's job while its group is up (None alone): as torch's default group,
+# one per process. Consulted to refuse training a model made outside every scope.
+_PROCESS_WORLD: list[Any] = []
 
 
 def current_scope_strategy() -> Strategy | None:
@@ -30,16 +30,32 @@ def is_default_strategy(strategy: Strategy) -> bool:
     return bool(_DEFAULT) and strategy is _DEFAULT[0]
 
 
-def register_running(strategy: Strategy) -> None:
-    """Called by a multi-replica strategy once its process group is up."""
-    _RUNNING.add(strategy)
+def set_process_world(world: Any) -> None:
+    """Called by a strategy once the group of ``world`` is up."""
+    _PROCESS_WORLD[:] = [world]
 
 
-def running_multi_replica_strategy() -> Strategy | None:
-    """A strategy with several replicas in sync whose group is still up in this process, if any."""
-    if not dist.is_available() or not dist.is_initialized():
+def clear_process_world(world: Any) -> None:
+    """Called when ``world`` shuts down."""
+    if _PROCESS_WORLD and _PROCESS_WORLD[0] is world:
+        _PROCESS_WORLD.clear()
+
+
+def process_world() -> Any:
+    """The `World` of this process's job while its group of several processes is up, else None."""
+    if not _PROCESS_WORLD or not dist.is_available() or not dist.is_initialized():
         return None
-    for strategy in list(_RUNNING):
-        if strategy.num_replicas_in_sync > 1:
-            return strategy
-    return None
+    return _PROCESS_WORLD[0]
+
+
+def current_world() -> Any:
+    """The `World` collectives should run in: this job's, or one made for a group the user initialised
+    without a strategy (collective then: every rank calls this at the same point), else a single one."""
+    from_job = process_world()
+    if from_job is not None:
+        return from_job
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        world = World.of_process_group()
+        set_process_world(world)
+        return world
+    return World.single()

@@ -12,22 +12,46 @@ from typing import Any
 
 import torch
 
-from meshfit.cluster import SingleProcessClusterResolver
-from meshfit.data._structure import map_structure
+from meshfit.data import map_structure
 from meshfit.distribute._distributed_dataset import DistributedDataset, agree_on_shuffle_seeds
 from meshfit.distribute._failure import FailureState
+from meshfit.distribute._gradient_sync import ReplicatedSync
+from meshfit.distribute._placement import Placement
 from meshfit.distribute._replication import tracking_scope
 from meshfit.distribute._scope import _DEFAULT, _SCOPE_STACK
 from meshfit.distribute._values import InputContext, PerReplica, ReduceOp, local_results, regroup
+from meshfit.distribute._world import World
 
 
 class Strategy:
     """Base class of meshfit strategies: one replica in this process, no communication."""
 
     def __init__(self, device: str | torch.device | None = None) -> None:
-        self._device = _parse_device(device)
-        self.cluster_resolver: Any = SingleProcessClusterResolver()  # one task (task_type None, as TF's)
-        self.failure = FailureState()
+        # one task: task_type None, as TF's single worker
+        self.world = World.single(_parse_device(device))
+
+    # ---- the world this strategy runs in (one value: see `World`) ---------------------------
+    @property
+    def failure(self) -> FailureState:
+        """What the loop and the savers record for failure messages (the world's)."""
+        return self.world.failure
+
+    @property
+    def cluster_resolver(self) -> Any:
+        """TF's identity of this process: ``task_type``, ``task_id``, ``cluster_spec()``."""
+        return self.world.cluster_resolver
+
+    @cluster_resolver.setter
+    def cluster_resolver(self, resolver: Any) -> None:
+        self.world.cluster_resolver = resolver
+
+    @property
+    def _device(self) -> torch.device:
+        return self.world.device
+
+    @_device.setter
+    def _device(self, device: torch.device) -> None:
+        self.world.device = device
 
     # ---- identity ------------------------------------------------------------------------
     @property
@@ -146,15 +170,16 @@ class Strategy:
         """Wait until every replica reaches this point."""
 
     # ---- placement: the one place that decides where modules and batches live ------------
-    def setup_module(self, module: torch.nn.Module, jit_compile: bool = False) -> torch.nn.Module:
-        """Place ``module`` for training; returns the module to run the training forward through.
+    def setup_module(self, module: torch.nn.Module, jit_compile: bool = False) -> Placement:
+        """Place ``module`` for training; returns its `Placement` (the module to run the training
+        forward through, and the `GradientSync` an optimizer step asks).
 
         The order of module transforms lives here, once: layouts (a mesh strategy replaces
         parameters), then ``torch.compile`` when ``jit_compile``, then DDP (distributed strategies).
         Call it before building the optimizer: a layout replaces parameters, and an optimizer built
         earlier would hold stale ones. The module's own parameters stay the ones trained.
         """
-        return compiled(module.to(self.device), jit_compile)
+        return Placement(compiled(module.to(self.device), jit_compile), module, ReplicatedSync())
 
     def distribute_batch(self, batch: Any) -> Any:
         """This replica's batch placed for its module: tensors on the device, float64 as the default dtype."""

@@ -16,6 +16,9 @@ from meshfit.dtensor._layout import UNSHARDED, Layout
 from meshfit.dtensor._layout_map import LayoutMap
 from meshfit.dtensor._mesh import Mesh
 from meshfit.dtensor._pack import copy_to_mesh, pack, unpack
+
+# Seams for meshfit's other packages (not public API: not in __all__).
+from meshfit.dtensor._pack import local_rows as local_rows
 from meshfit.dtensor._strategy import MeshStrategy
 
 __all__ = [

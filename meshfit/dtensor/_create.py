@@ -7,11 +7,15 @@ from typing import Any
 
 import torch.distributed as dist
 
-from meshfit._supervisor import replica_identity
+from meshfit._runtime import replica_identity
 from meshfit.cluster import resolve_cluster
-from meshfit.distribute._mirrored import MirroredStrategy
-from meshfit.distribute._multi_worker import MultiWorkerMirroredStrategy
-from meshfit.distribute._values import CommunicationOptions
+from meshfit.distribute import (
+    CommunicationOptions,
+    World,
+    form_cluster_world,
+    form_local_world,
+    local_devices,
+)
 from meshfit.dtensor._mesh import Mesh
 
 
@@ -39,10 +43,10 @@ def create_mesh(mesh_dims: Sequence[tuple[str, int]], devices: Sequence[str] | N
             devices or processes different from the mesh size (the message says how to fix it).
     """
     value = _mesh_value(mesh_dims, devices)
-    group = _form_group(value, devices, communication_options)
+    world, options = _form_world(value, devices, communication_options)
     from meshfit.dtensor._strategy import MeshStrategy
 
-    return MeshStrategy(value, group).mesh
+    return MeshStrategy(value, world, options).mesh
 
 
 def _mesh_value(mesh_dims: Any, devices: Sequence[str] | None) -> Mesh:
@@ -67,15 +71,20 @@ def _mesh_value(mesh_dims: Any, devices: Sequence[str] | None) -> Mesh:
     return value
 
 
-def _form_group(value: Mesh, devices: Sequence[str] | None, options: CommunicationOptions | None) -> Any:
+def _form_world(value: Mesh, devices: Sequence[str] | None, options: CommunicationOptions | None,
+                ) -> tuple[World, CommunicationOptions]:
+    """The `World` the mesh's processes form, as the mirrored strategies form theirs."""
     if replica_identity() is not None:  # a replica a plain-script mesh started
-        return MirroredStrategy(devices=list(devices or []) or None, communication_options=options)
+        parsed, options = local_devices(list(devices or []) or None, options)
+        return form_local_world(parsed, options), options
+    options = options if options is not None else CommunicationOptions()
     if dist.is_initialized() or resolve_cluster() is not None:
-        return MultiWorkerMirroredStrategy(communication_options=options)
+        return form_cluster_world(options), options
     if value.size > 1 and devices is None:
         raise ValueError(f"Invalid mesh {value!r}: it needs {value.size} processes but this one was started alone. "
                          f"Pass devices=[...] with {value.size} local devices (the others are started for you), "
                          f"or start the job with `meshfit launch --workers {value.size}` or torchrun.")
     if value.size > 1:
-        return MirroredStrategy(devices=list(devices), communication_options=options)
-    return MultiWorkerMirroredStrategy(communication_options=options)
+        parsed, options = local_devices(list(devices), options)
+        return form_local_world(parsed, options), options
+    return form_cluster_world(options), options

@@ -92,7 +92,3 @@ def local_rows(tensor: Any) -> torch.Tensor:
         tensor = tensor.redistribute(mesh, placements)
     return tensor.to_local()
 
-
-def to_layout(tensor: Any, layout: Layout) -> Any:
-    """A DTensor moved to ``layout`` (collectives as needed)."""
-    return tensor.redistribute(layout.mesh.device_mesh, list(layout.placements))

@@ -27,12 +27,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshfit.data._structure import map_structure
-from meshfit.distribute._collective import CollectiveStrategy
-from meshfit.distribute._gradient_weight import GradientWeight, weighted_allreduce_hook
-from meshfit.distribute._replication import mark_ddp_synchronized
-from meshfit.distribute._strategy import compiled
-from meshfit.distribute._values import InputContext
+from meshfit.data import map_structure
+from meshfit.distribute import (
+    CollectiveStrategy,
+    CommunicationOptions,
+    DataParallelSync,
+    GradientWeight,
+    InputContext,
+    Placement,
+    ReplicatedSync,
+    World,
+    compiled,
+    weighted_allreduce_hook,
+)
 from meshfit.dtensor._apply import apply_layouts, attach_layout, resolve_layouts
 from meshfit.dtensor._layout import Layout
 from meshfit.dtensor._layout_map import LayoutMap
@@ -46,14 +53,12 @@ class MeshStrategy(CollectiveStrategy):
 
     Args:
         mesh: the mesh value (axis names and sizes).
-        group: the strategy that formed the process group (its heartbeat and failure state are shared).
+        world: the `World` the mesh's processes formed (its heartbeat and failure state are shared).
+        communication_options: the options the world was formed with.
     """
 
-    def __init__(self, mesh: Mesh, group: CollectiveStrategy) -> None:
-        super().__init__(group.communication_options)
-        self._group_strategy = group  # keeps its exit handlers (spawned replicas, group shutdown) alive
-        for name in ("_rank", "_world", "_chief", "_heartbeat", "failure", "_device", "cluster_resolver"):
-            setattr(self, name, getattr(group, name))
+    def __init__(self, mesh: Mesh, world: World, communication_options: CommunicationOptions | None = None) -> None:
+        super().__init__(communication_options, world)
         if self._world != mesh.size:
             raise ValueError(f"Invalid mesh {mesh!r}: it has {mesh.size} devices but {self._world} processes "
                              f"joined. Start {mesh.size} processes (e.g. `meshfit launch --workers {mesh.size}`), "
@@ -134,30 +139,31 @@ class MeshStrategy(CollectiveStrategy):
         return [gathered[int(r)] for r in ranks[:, 0].tolist()]
 
     # ---- placement -------------------------------------------------------------------------
-    def setup_module(self, module: nn.Module, jit_compile: bool = False) -> nn.Module:
+    def setup_module(self, module: nn.Module, jit_compile: bool = False) -> Placement:
         """Lay out ``module``'s parameters, compile if asked; replicated-only layouts take DDP's bucketed path."""
-        module = module.to(self._device)
+        source = module = module.to(self._device)
         layout_map = self.layout_map if self.layout_map is not None else LayoutMap(self.mesh)
         layouts = resolve_layouts(module, layout_map)
         if any(not layout.is_fully_replicated() for layout in layouts.values()):
             self._sharded = True
             apply_layouts(module, layout_map)
             _Boundary(self).install(module)
-            return compiled(module, jit_compile)
+            return Placement(compiled(module, jit_compile), source, ReplicatedSync())
         for path, param in module.named_parameters():
             attach_layout(param, layouts[path])
         self._broadcast_from_rank0(module)
         module = compiled(module, jit_compile)
         if self.num_replicas_in_sync == 1 or not any(p.requires_grad for p in module.parameters()):
-            return module
+            return Placement(module, source, ReplicatedSync())
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [self._device.index] if self._device.type == "cuda" else None
         wrapped = DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True,
                                           process_group=self._group_of(self._batch))
         wrapped.register_comm_hook(self._gradient_weight, weighted_allreduce_hook)
-        mark_ddp_synchronized(wrapped)  # a meshfit optimizer must not reduce these gradients again
-        return wrapped
+        sync = DataParallelSync(self._gradient_weight, self.num_replicas_in_sync)
+        sync.install(wrapped)  # a meshfit optimizer must not reduce these gradients again
+        return Placement(wrapped, source, sync)
 
     def _broadcast_from_rank0(self, module: nn.Module) -> None:
         """Rank 0's weights everywhere (DDP broadcasts only within its ``batch`` group)."""
@@ -171,11 +177,12 @@ class MeshStrategy(CollectiveStrategy):
     def batch_weight(self, local_size: int, global_size: int) -> Iterator[None]:
         replicas = self.num_replicas_in_sync
         self._gradient_weight.factor = local_size * replicas / global_size if global_size else 1.0
+        self._gradient_weight.in_step = True
         self._grad_factor = local_size / global_size if global_size else 1.0 / replicas
         try:
             yield
         finally:
-            self._gradient_weight.factor = 1.0
+            self._gradient_weight.factor, self._gradient_weight.in_step = 1.0, False
             self._grad_factor = 1.0 / replicas
 
     def batch_placements(self) -> list[Any]:

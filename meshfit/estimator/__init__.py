@@ -11,11 +11,11 @@ from meshfit.estimator._hooks import (
     SessionRunValues,
     StopAtStepHook,
 )
-from meshfit.estimator._model_fn import FreshModuleError, once
+from meshfit.estimator._model_fn import FreshModuleError, get_global_step, get_or_create_global_step, once
 from meshfit.estimator._run_config import RunConfig
 from meshfit.estimator._saver_hook import CheckpointSaverHook, CheckpointSaverListener
 from meshfit.estimator._spec import EstimatorSpec, EvalSpec, ModeKeys, TrainSpec
-from meshfit.estimator._train_op import TrainOp, get_global_step, get_or_create_global_step, minimize
+from meshfit.estimator._train_op import TrainOp, minimize
 from meshfit.estimator._training import train_and_evaluate
 
 __all__ = [

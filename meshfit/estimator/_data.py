@@ -6,7 +6,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from meshfit._data_handler import DataHandler
+from meshfit._engine import DataHandler
 from meshfit.data import Dataset
 from meshfit.estimator._hooks import log
 from meshfit.estimator._model_fn import accepts_input_context, call_input_fn

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshfit._evaluation import evaluate as evaluation_loop
-from meshfit._loop import TrainingLoop
+from meshfit._engine import TrainingLoop
+from meshfit._engine import evaluate as evaluation_loop
 from meshfit.callbacks import CallbackList
 from meshfit.distribute import OneDeviceStrategy, get_strategy
 from meshfit.estimator._data import input_data, is_finite, restore_for_inference

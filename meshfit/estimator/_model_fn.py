@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
+from meshfit.estimator._train_op import optimizer_of
+
 _VALID_MODEL_FN_ARGS = {"features", "labels", "mode", "params", "config", "self"}
 _ACTIVE: list[ModelFnCaller] = []
 
@@ -78,6 +80,21 @@ def accepts_input_context(input_fn: Callable[..., Any]) -> bool:
 def current_global_step() -> int | None:
     """The global step of the run whose ``model_fn`` is being called, or None outside one."""
     return _ACTIVE[-1].step_source() if _ACTIVE else None
+
+
+def get_global_step() -> torch.Tensor | None:
+    """The global step as an int64 scalar while an Estimator runs ``model_fn`` (else None).
+
+    ``tf.compat.v1.train.get_global_step``; the Estimator counts steps itself, so passing it to
+    ``minimize`` only documents intent.
+    """
+    step = current_global_step()
+    return None if step is None else torch.tensor(step, dtype=torch.int64)
+
+
+def get_or_create_global_step() -> torch.Tensor | None:
+    """``tf.compat.v1.train.get_or_create_global_step``: the same as `get_global_step`."""
+    return get_global_step()
 
 
 class FreshModuleError(RuntimeError):
@@ -194,8 +211,6 @@ class ModelFnCaller:
         self.modules[name] = module
 
     def _check_optimizer(self, spec: Any) -> None:
-        from meshfit.estimator._train_op import optimizer_of
-
         optimizer = optimizer_of(spec.train_op)
         if optimizer is None:
             return

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from meshfit._validation import _fail, is_int
-from meshfit.callbacks._checkpoint_saver import CheckpointSaver, SavePolicy
+from meshfit.callbacks import CheckpointSaver, SavePolicy
 from meshfit.estimator._hooks import SessionRunHook, log
 
 CHECKPOINT_NAME = "model.ckpt"

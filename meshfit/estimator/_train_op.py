@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from meshfit._validation import _fail
-from meshfit.distribute._replication import mark_gradients_synchronized
+from meshfit.distribute import mark_reduced
 
 
 class TrainOp:
@@ -90,7 +90,7 @@ def run_train_op(train_op: Any, loss: torch.Tensor, params: list[torch.Tensor], 
     optimizer.zero_grad(set_to_none=True)  # a parameter the loss does not use keeps no gradient (not zeros)
     loss.backward()
     average_gradients(params, strategy)
-    mark_gradients_synchronized(params)  # a meshfit optimizer must not sum them again
+    mark_reduced(params)  # no optimizer sums them again
     optimizer.step()
 
 
@@ -125,19 +125,3 @@ def average_gradients(params: list[torch.Tensor], strategy: Any) -> None:
             else:
                 p.grad.copy_(value)
 
-
-def get_global_step() -> torch.Tensor | None:
-    """The global step as an int64 scalar while an Estimator runs ``model_fn`` (else None).
-
-    ``tf.compat.v1.train.get_global_step``; the Estimator counts steps itself, so passing it to
-    ``minimize`` only documents intent.
-    """
-    from meshfit.estimator._model_fn import current_global_step
-
-    step = current_global_step()
-    return None if step is None else torch.tensor(step, dtype=torch.int64)
-
-
-def get_or_create_global_step() -> torch.Tensor | None:
-    """``tf.compat.v1.train.get_or_create_global_step``: the same as `get_global_step`."""
-    return get_global_step()

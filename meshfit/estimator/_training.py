@@ -11,7 +11,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from meshfit._io import atomic_write_json
+from meshfit._storage import atomic_write_json
 from meshfit.estimator._hooks import log
 from meshfit.estimator._saver_hook import CheckpointSaverListener
 from meshfit.estimator._spec import EvalSpec, TrainSpec

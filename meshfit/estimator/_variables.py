@@ -17,9 +17,9 @@ _MODEL = "model/"
 
 
 def _metadata(path: str) -> dict:
-    from meshfit.train import _storage
+    from meshfit.train import SafeFileSystemReader
 
-    return _storage.SafeFileSystemReader(path).read_metadata().state_dict_metadata
+    return SafeFileSystemReader(path).read_metadata().state_dict_metadata
 
 
 def _names(path: str) -> dict[str, str]:
@@ -51,7 +51,7 @@ def variable_value(path: str, name: str) -> np.ndarray:
     """The value of variable ``name`` in checkpoint ``path``."""
     import torch.distributed.checkpoint as dcp
 
-    from meshfit.train import _storage
+    from meshfit.train import SafeFileSystemReader
 
     if name == "global_step":
         return np.asarray(_global_step(path), dtype=np.int64)
@@ -64,7 +64,7 @@ def variable_value(path: str, name: str) -> np.ndarray:
     tensor = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({key: tensor}, storage_reader=_storage.SafeFileSystemReader(path), no_dist=True)
+        dcp.load({key: tensor}, storage_reader=SafeFileSystemReader(path), no_dist=True)
     return tensor.numpy()
 
 
@@ -76,7 +76,7 @@ def load_modules(path: str, modules: dict[str, torch.nn.Module]) -> int:
     """
     import torch.distributed.checkpoint as dcp
 
-    from meshfit.train import _storage
+    from meshfit.train import SafeFileSystemReader
 
     stored = _metadata(path)
     destinations: dict[str, torch.Tensor] = {}
@@ -89,5 +89,5 @@ def load_modules(path: str, modules: dict[str, torch.nn.Module]) -> int:
             destinations[dcp_key] = value
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(destinations, storage_reader=_storage.SafeFileSystemReader(path), no_dist=True)
+        dcp.load(destinations, storage_reader=SafeFileSystemReader(path), no_dist=True)
     return _global_step(path)

@@ -9,6 +9,12 @@ from meshfit.losses._losses import (
     MeanSquaredError,
     SparseCategoricalCrossentropy,
 )
+
+# Seams for meshfit's other packages (not public API: not in __all__).
+from meshfit.losses._losses import broadcast_weight as broadcast_weight
+from meshfit.losses._losses import snake_case as snake_case
+from meshfit.losses._losses import squeeze_or_expand as squeeze_or_expand
+from meshfit.losses._resolve import TorchModuleLoss as TorchModuleLoss
 from meshfit.losses._resolve import deserialize, get, serialize
 
 __all__ = [

@@ -14,12 +14,12 @@ EPSILON = 1e-7
 REDUCTIONS = ("sum_over_batch_size", "sum", "none")
 
 
-def _snake_case(name: str) -> str:
+def snake_case(name: str) -> str:
     """`SparseCategoricalCrossentropy` -> `sparse_categorical_crossentropy`."""
     return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
 
-def _squeeze_or_expand(y_true: torch.Tensor, y_pred: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def squeeze_or_expand(y_true: torch.Tensor, y_pred: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop a trailing size-1 dim so `(n, 1)` meets `(n,)` without broadcasting to `(n, n)`."""
     if y_pred.ndim == y_true.ndim + 1 and y_pred.shape[-1] == 1:
         y_pred = y_pred.squeeze(-1)
@@ -99,7 +99,7 @@ class Loss:
 
     def __init__(self, name: str | None = None, reduction: str = "sum_over_batch_size") -> None:
         _check_choice("reduction", reduction, REDUCTIONS)
-        self.name = name or _snake_case(type(self).__name__)
+        self.name = name or snake_case(type(self).__name__)
         self.reduction = reduction
 
     def call(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
@@ -234,7 +234,7 @@ class BinaryCrossentropy(Loss):
 
     def call(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
         """Per-sample binary cross-entropy."""
-        y_true, y_pred = _squeeze_or_expand(y_true, y_pred)
+        y_true, y_pred = squeeze_or_expand(y_true, y_pred)
         target = y_true.to(y_pred.dtype)
         if self.label_smoothing:
             target = target * (1.0 - self.label_smoothing) + 0.5 * self.label_smoothing
@@ -250,7 +250,7 @@ class MeanSquaredError(Loss):
 
     def call(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
         """Per-sample squared error."""
-        y_true, y_pred = _squeeze_or_expand(y_true, y_pred)
+        y_true, y_pred = squeeze_or_expand(y_true, y_pred)
         return _mean_last_dim(F.mse_loss(y_pred, y_true.to(y_pred.dtype), reduction="none"))
 
 
@@ -259,7 +259,7 @@ class MeanAbsoluteError(Loss):
 
     def call(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
         """Per-sample absolute error."""
-        y_true, y_pred = _squeeze_or_expand(y_true, y_pred)
+        y_true, y_pred = squeeze_or_expand(y_true, y_pred)
         return _mean_last_dim(F.l1_loss(y_pred, y_true.to(y_pred.dtype), reduction="none"))
 
 
@@ -284,6 +284,6 @@ class Huber(Loss):
 
     def call(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
         """Per-sample Huber loss."""
-        y_true, y_pred = _squeeze_or_expand(y_true, y_pred)
+        y_true, y_pred = squeeze_or_expand(y_true, y_pred)
         values = F.huber_loss(y_pred, y_true.to(y_pred.dtype), reduction="none", delta=self.delta)
         return _mean_last_dim(values)

@@ -17,16 +17,16 @@ from meshfit.losses._losses import (
     MeanAbsoluteError,
     MeanSquaredError,
     SparseCategoricalCrossentropy,
-    _snake_case,
     reduce_weighted,
+    snake_case,
 )
 
 
-class _TorchModuleLoss(Loss):
+class TorchModuleLoss(Loss):
     """A torch loss module, called as `module(y_pred, y_true)`."""
 
     def __init__(self, module: nn.Module) -> None:
-        super().__init__(_snake_case(type(module).__name__))
+        super().__init__(snake_case(type(module).__name__))
         self.module = module
 
     def __call__(
@@ -84,7 +84,7 @@ _ALIASES: dict[str, type[Loss]] = {
     "mae": MeanAbsoluteError,
     "huber": Huber,
     "huber_loss": Huber,
-    **{_snake_case(name): cls for name, cls in _CLASSES.items()},
+    **{snake_case(name): cls for name, cls in _CLASSES.items()},
     **_CLASSES,
 }
 
@@ -130,7 +130,7 @@ def get(identifier: str | Loss | nn.Module | Callable[..., Any] | dict[str, Any]
     if isinstance(identifier, dict):
         return deserialize(identifier)
     if isinstance(identifier, nn.Module):
-        return _TorchModuleLoss(identifier)
+        return TorchModuleLoss(identifier)
     if callable(identifier):
         return _FunctionLoss(identifier)
     raise TypeError(

@@ -13,6 +13,9 @@ from meshfit.metrics._metrics import (
     SparseTopKCategoricalAccuracy,
     Sum,
 )
+
+# Seams for meshfit's other packages (not public API: not in __all__).
+from meshfit.metrics._resolve import CLASSES as CLASSES
 from meshfit.metrics._resolve import get
 from meshfit.metrics._torchmetrics import TorchMetricsMetric
 

@@ -8,15 +8,15 @@ from typing import Any
 
 import torch
 
+from meshfit import losses
 from meshfit._lazy_dtensor import is_dtensor
-from meshfit.distribute._scope import current_scope_strategy
-from meshfit.losses import _losses
-from meshfit.losses._losses import _snake_case, _squeeze_or_expand
+from meshfit.distribute import current_scope_strategy
+from meshfit.losses import snake_case, squeeze_or_expand
 
 
 def _as_tensor(value: Any) -> torch.Tensor:
     if is_dtensor(value):  # a mesh's tensor: this process's rows (reduced over `batch` in result())
-        from meshfit.dtensor._pack import local_rows
+        from meshfit.dtensor import local_rows
 
         value = local_rows(value)
     return value.detach() if isinstance(value, torch.Tensor) else torch.as_tensor(value)
@@ -41,7 +41,7 @@ class Metric:
     def __init__(self, name: str | None = None, mesh: Any = None) -> None:
         if name is not None and not isinstance(name, str):
             raise TypeError(f"Invalid `name`: expected a str, received name={name!r}.")
-        self.name = name or _snake_case(type(self).__name__)
+        self.name = name or snake_case(type(self).__name__)
         self._states: dict[str, torch.Tensor] = {}
         self.mesh = _check_mesh(mesh)
         strategy = current_scope_strategy()
@@ -170,7 +170,7 @@ class Mean(Metric):
         if sample_weight is None:
             weight = torch.ones_like(values)
         else:
-            values, weight = _losses.broadcast_weight(values, _as_tensor(sample_weight))
+            values, weight = losses.broadcast_weight(values, _as_tensor(sample_weight))
         self._states["total"] += (values * weight).sum().cpu()
         self._states["count"] += weight.sum().cpu()
 
@@ -195,7 +195,7 @@ class Sum(Metric):
         """Add `values` times `sample_weight`."""
         values = _as_tensor(values).to(torch.float64)
         if sample_weight is not None:
-            values, weight = _losses.broadcast_weight(values, _as_tensor(sample_weight))
+            values, weight = losses.broadcast_weight(values, _as_tensor(sample_weight))
             values = values * weight
         self._states["total"] += values.sum().cpu()
 
@@ -247,13 +247,13 @@ def categorical_accuracy(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Te
 
 def binary_accuracy(y_true: torch.Tensor, y_pred: torch.Tensor, threshold: float = 0.5) -> torch.Tensor:
     """1.0 where `y_pred > threshold` equals the 0/1 label, per element."""
-    y_true, y_pred = _squeeze_or_expand(y_true, y_pred)
+    y_true, y_pred = squeeze_or_expand(y_true, y_pred)
     return ((y_pred > threshold) == (y_true > 0.5)).to(torch.float64)
 
 
 def accuracy(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
     """1.0 where `y_pred` equals `y_true` exactly, per element."""
-    y_true, y_pred = _squeeze_or_expand(y_true, y_pred)
+    y_true, y_pred = squeeze_or_expand(y_true, y_pred)
     return (y_pred == y_true.to(y_pred.dtype)).to(torch.float64)
 
 
@@ -324,14 +324,14 @@ class MeanSquaredError(MeanMetricWrapper):
     """Mean of squared errors."""
 
     def __init__(self, name: str = "mean_squared_error") -> None:
-        super().__init__(_losses.MeanSquaredError(reduction="none"), name)
+        super().__init__(losses.MeanSquaredError(reduction="none"), name)
 
 
 class MeanAbsoluteError(MeanMetricWrapper):
     """Mean of absolute errors."""
 
     def __init__(self, name: str = "mean_absolute_error") -> None:
-        super().__init__(_losses.MeanAbsoluteError(reduction="none"), name)
+        super().__init__(losses.MeanAbsoluteError(reduction="none"), name)
 
 
 class _AutoAccuracy(MeanMetricWrapper):

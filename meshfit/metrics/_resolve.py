@@ -7,9 +7,10 @@ from typing import Any
 
 from torch import nn
 
-from meshfit.losses import _losses
-from meshfit.losses import _resolve as _resolve_loss
-from meshfit.losses._losses import _snake_case
+from meshfit import losses
+from meshfit.losses import TorchModuleLoss as _TorchModuleLoss
+from meshfit.losses import get as get_loss
+from meshfit.losses import snake_case
 from meshfit.metrics._metrics import (
     Accuracy,
     BinaryAccuracy,
@@ -40,7 +41,7 @@ CLASSES: dict[str, type[Metric]] = {
 _ALIASES: dict[str, type[Metric]] = {
     "mse": MeanSquaredError,
     "mae": MeanAbsoluteError,
-    **{_snake_case(name): cls for name, cls in CLASSES.items()},
+    **{snake_case(name): cls for name, cls in CLASSES.items()},
     **CLASSES,
 }
 _LOOKUP = {key.replace("_", "").lower(): cls for key, cls in _ALIASES.items()}
@@ -50,16 +51,16 @@ def _accuracy_for(name: str, loss: Any) -> Metric:
     """Keras's `"accuracy"`: the accuracy that matches the loss, else chosen from shapes."""
     if isinstance(loss, str | dict):
         try:
-            loss = _resolve_loss.get(loss)
+            loss = get_loss(loss)
         except (ValueError, TypeError):
             loss = None
-    if isinstance(loss, _resolve_loss._TorchModuleLoss):
+    if isinstance(loss, _TorchModuleLoss):
         loss = loss.module
-    if isinstance(loss, _losses.SparseCategoricalCrossentropy | nn.CrossEntropyLoss | nn.NLLLoss):
+    if isinstance(loss, losses.SparseCategoricalCrossentropy | nn.CrossEntropyLoss | nn.NLLLoss):
         return SparseCategoricalAccuracy(name)
-    if isinstance(loss, _losses.CategoricalCrossentropy):
+    if isinstance(loss, losses.CategoricalCrossentropy):
         return CategoricalAccuracy(name)
-    if isinstance(loss, _losses.BinaryCrossentropy | nn.BCELoss | nn.BCEWithLogitsLoss):
+    if isinstance(loss, losses.BinaryCrossentropy | nn.BCELoss | nn.BCEWithLogitsLoss):
         logits = isinstance(loss, nn.BCEWithLogitsLoss) or getattr(loss, "from_logits", False)
         return BinaryAccuracy(name, threshold=0.0 if logits else 0.5)
     return _AutoAccuracy(name)

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from meshfit.losses._losses import _snake_case
+from meshfit.losses import snake_case
 from meshfit.metrics._metrics import Metric, _as_tensor
 
 
@@ -42,7 +42,7 @@ class TorchMetricsMetric(Metric):
                 "sum, so they can't be summed across replicas; use a metric with sum-reduced states "
                 f"(e.g. MulticlassAccuracy(average='micro')), received metric={metric!r}."
             )
-        super().__init__(name or _snake_case(type(metric).__name__))
+        super().__init__(name or snake_case(type(metric).__name__))
         metric.sync_on_compute = False
         metric.dist_sync_on_step = False
         metric._to_sync = False

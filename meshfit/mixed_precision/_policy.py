@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from meshfit.data._structure import map_structure
+from meshfit.data import map_structure
 
 _POLICIES = {
     "float32": ("float32", "float32"),

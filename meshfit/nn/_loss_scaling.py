@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from meshfit.distribute._strategy import get_strategy
+from meshfit.distribute import get_strategy
 
 
 def _num_replicas() -> int:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.nn.parameter import is_lazy
 
-from meshfit.distribute._replication import broadcast_initial_values, owner_of, synchronize_gradients
+from meshfit.distribute import broadcast_initial_values, owner_of, synchronize_gradients
 from meshfit.optimizers.schedules import _schedules
 
 
@@ -213,7 +213,7 @@ class Optimizer:
         Returns the train op (`meshfit.estimator.TrainOp`) that the Estimator runs after
         ``model_fn`` returns: backward, gradients averaged over replicas, this optimizer's step.
         """
-        from meshfit.estimator._train_op import minimize
+        from meshfit.estimator import minimize
 
         return minimize(self, loss, global_step, var_list)
 

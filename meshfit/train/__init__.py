@@ -1,10 +1,15 @@
 """Checkpoints: `Checkpoint`, `CheckpointManager`, `latest_checkpoint`, `load_checkpoint` (torch.distributed.checkpoint)."""
 
+# Seams for meshfit's other packages (not public API: not in __all__).
+from meshfit.train._backup import claim_backup_dir as claim_backup_dir
+from meshfit.train._backup import delete_backup_dir as delete_backup_dir
+from meshfit.train._backup import restore_newest_intact as restore_newest_intact
 from meshfit.train._checkpoint import Checkpoint
 from meshfit.train._manager import CheckpointManager, latest_checkpoint
 from meshfit.train._per_rank import PerRank
 from meshfit.train._reader import CheckpointReader, load_checkpoint
 from meshfit.train._save_future import SaveFuture
+from meshfit.train._storage import SafeFileSystemReader as SafeFileSystemReader
 
 __all__ = [
     "Checkpoint", "CheckpointManager", "CheckpointReader", "PerRank", "SaveFuture", "latest_checkpoint",

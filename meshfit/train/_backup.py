@@ -19,9 +19,7 @@ import re
 import warnings
 from typing import Any
 
-from meshfit._atomic import is_scratch_name, remove_tree
-from meshfit._checksum import CorruptFileError
-from meshfit._io import atomic_write_json
+from meshfit._storage import CorruptFileError, atomic_write_json, is_scratch_name, remove_tree
 
 MARKER_FILE = "meshfit_backup.json"
 _MARKER = {"format": "meshfit.backup/1"}

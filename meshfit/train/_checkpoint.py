@@ -17,10 +17,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from meshfit import _tagged_json as _tree
-from meshfit._checksum import CorruptFileError
-from meshfit._chief import chief_writes
+from meshfit._storage import CorruptFileError, chief_writes
+from meshfit._storage import tagged_json as _tree
 from meshfit._validation import path_like
+from meshfit.distribute import current_world
 from meshfit.train import _background, _storage
 from meshfit.train._per_rank import PerRank, check_shared_tensors_agree, is_trackable, shared_tensor_checksums
 from meshfit.train._save_future import SaveFuture
@@ -71,7 +71,7 @@ class Checkpoint:
                                             "state": <tree>}            (shared state)
                                      name: {..., "ranks": [<tree of rank 0>, <tree of rank 1>]}}}
 
-    A ``<tree>`` is the state dict as tagged JSON (see ``meshfit/_tagged_json.py``); each tensor in
+    A ``<tree>`` is the state dict as tagged JSON (see ``meshfit/_storage/_tagged_json.py``); each tensor in
     it is ``{"tensor": "<DCP key>"}`` with key ``<name>/<path>`` (``optimizer/state/0/exp_avg``), or
     ``<name>/rank<r>/<path>`` for a :class:`PerRank` trackable. A directory is a checkpoint only when
     it has its final name, ``.metadata`` and ``meshfit_state.json``.
@@ -110,6 +110,14 @@ class Checkpoint:
                     f"{target!r:.80}. Wrap plain values in an object that has those two methods.")
             self._trackables[name] = (target, per_rank)
         self._staging = _background.Staging()  # async saves copy into the same buffers each time
+        # The `meshfit.distribute.World` saves and restores run in: set by whoever owns the job (a
+        # saver sets its strategy's); None: the job's world, found when first needed.
+        self.world: Any = None
+
+    def _job_world(self) -> Any:
+        if self.world is None:
+            return current_world()
+        return self.world
 
     @property
     def trackables(self) -> Mapping[str, Any]:
@@ -164,11 +172,12 @@ class Checkpoint:
                                   "an existing file. Choose another path or remove the file.")
         tmp = path + _storage.TMP_SUFFIX
         _wait_for_pending_save()
-        distributed = dist.is_available() and dist.is_initialized()
+        world = self._job_world()
+        distributed = world.distributed
         if not distributed:
             _silence_single_process_warning()
-        group = _storage.control_group() if distributed else None
-        rank = dist.get_rank() if distributed else 0
+        group = world.control_group
+        rank = world.rank
         tensors, document = self._collect(rank, distributed, group, path)
         _rank0_step(lambda: _storage.prepare_directory(tmp, path), distributed, rank, group, f"prepare {tmp!r}")
         if not async_save:
@@ -179,7 +188,7 @@ class Checkpoint:
                 on_commit(path)
             return path
 
-        save_group = _storage.async_group() if distributed else None
+        save_group = world.async_group() if distributed else None
         try:
             staged = self._staging.stage(tensors)  # the only copy on this thread; training may go on
         except BaseException:
@@ -270,11 +279,12 @@ class Checkpoint:
         path = os.path.abspath(path_like("path", path))
         _wait_for_pending_save()
         document = _storage.read_document(path, _FORMAT, _VERSION)
-        distributed = dist.is_available() and dist.is_initialized()
+        world = self._job_world()
+        distributed = world.distributed
         if not distributed:
             _silence_single_process_warning()
-        group = _storage.control_group() if distributed else None
-        rank = dist.get_rank() if distributed else 0
+        group = world.control_group
+        rank = world.rank
         _storage.verify_everywhere(path, document, distributed, group)
         reader = _storage.SafeFileSystemReader(path)
         try:
@@ -367,7 +377,7 @@ def _dcp_error(error: CheckpointException, action: str, path: str) -> RuntimeErr
 
 
 def _rank0_step(step: Callable[[], None], distributed: bool, rank: int, group: Any, what: str) -> None:
-    """Run ``step`` on rank 0 and make every rank raise if it failed (`meshfit._chief.chief_writes`)."""
+    """Run ``step`` on rank 0 and make every rank raise if it failed (`meshfit._storage._chief.chief_writes`)."""
     def gather(text: str) -> list[str]:
         return _storage.all_gather_text(text, group) if distributed else [text]
 

@@ -11,7 +11,7 @@ from typing import Any, Literal, overload
 import torch
 import torch.distributed as dist
 
-from meshfit._io import atomic_write_json
+from meshfit._storage import atomic_write_json
 from meshfit.train import _storage
 from meshfit.train._backup import restore_newest_intact
 from meshfit.train._checkpoint import Checkpoint, _wait_for_pending_save

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from meshfit._checksum import tensor_crc32
+from meshfit._storage import tensor_crc32
 
 
 def is_trackable(value: Any) -> bool:

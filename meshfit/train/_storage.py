@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
@@ -17,32 +16,33 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from meshfit import _atomic
-from meshfit._checksum import ChecksumError, CorruptFileError, file_crc32, verify_file
-from meshfit.distribute._rendezvous import new_group
+from meshfit._storage import (
+    AtomicDirectory,
+    ChecksumError,
+    CorruptFileError,
+    clean_directory,
+    file_crc32,
+    is_scratch_name,
+    verify_file,
+)
 
 STATE_FILE = "meshfit_state.json"  # written by rank 0, inside each checkpoint directory
 DCP_METADATA = ".metadata"  # DCP's commit marker, written last by its coordinator
-TMP_SUFFIX = ".tmp"  # the scratch name every rank derives from the path (see meshfit._atomic)
+TMP_SUFFIX = ".tmp"  # the scratch name every rank derives from the path (see meshfit._storage._atomic)
 DCP_DATA = ".distcp"
 _NUMBERED = re.compile(r"^(?P<name>.+)-(?P<number>\d+)$")
 
 
 # --- files -------------------------------------------------------------------------------------
 
-def remove_tree(path: str, background: bool = False) -> None:
-    """Delete a checkpoint directory so that no crash leaves a half-deleted one that looks complete."""
-    _atomic.remove_tree(path, background=background)
-
-
 def prepare_directory(tmp: str, final: str) -> None:
     """Rank 0: recover ``final`` if a swap was interrupted, then start a save from an empty ``tmp``."""
-    _atomic.AtomicDirectory(final, scratch=tmp).create()
+    AtomicDirectory(final, scratch=tmp).create()
 
 
 def publish_directory(tmp: str, final: str) -> None:
-    """Rename the finished ``tmp`` directory to ``final`` (see `meshfit._atomic.AtomicDirectory.finalize`)."""
-    _atomic.AtomicDirectory(final, scratch=tmp).finalize()
+    """Rename the finished ``tmp`` directory to ``final`` (see `meshfit._storage._atomic.AtomicDirectory.finalize`)."""
+    AtomicDirectory(final, scratch=tmp).finalize()
 
 
 def commit_directory(tmp: str, final: str, document: Any) -> None:
@@ -79,24 +79,10 @@ def verify_checksums(path: str, document: dict) -> None:
 def is_complete(path: str | os.PathLike) -> bool:
     """True when ``path`` is a finished checkpoint: final name, DCP ``.metadata`` and the JSON state."""
     path = os.fspath(path)
-    if _atomic.is_scratch_name(path):
+    if is_scratch_name(path):
         return False
     return (os.path.isdir(path) and os.path.isfile(os.path.join(path, DCP_METADATA))
             and os.path.isfile(os.path.join(path, STATE_FILE)))
-
-
-def _recover_legacy(directory: str) -> None:
-    """Put back ``X.old`` (the name meshfit < 0.2 moved a checkpoint aside to) when ``X`` is missing."""
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return
-    for name in names:
-        final = os.path.join(directory, name.removesuffix(".old"))
-        if (name.endswith(".old") and not os.path.lexists(final) and checkpoint_number(os.path.basename(final))
-                is not None and os.path.isfile(os.path.join(directory, name, STATE_FILE))):
-            with contextlib.suppress(OSError):
-                os.rename(os.path.join(directory, name), final)
 
 
 def checkpoint_number(name: str, checkpoint_name: str | None = None) -> int | None:
@@ -115,8 +101,7 @@ def complete_checkpoints(directory: str | os.PathLike, checkpoint_name: str | No
     ones and by ``N``; ties (and unnumbered ones) are ordered by modification time.
     """
     directory = os.fspath(directory)
-    _atomic.clean_directory(directory)  # put back a copy left aside by a crashed swap; drop dead leftovers
-    _recover_legacy(directory)
+    clean_directory(directory)  # put back a copy left aside by a crashed swap; drop dead leftovers
     try:
         names = os.listdir(directory)
     except (FileNotFoundError, NotADirectoryError):
@@ -286,48 +271,6 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 # --- process groups ------------------------------------------------------------------------------
-
-_GROUPS: dict[str, tuple[Any, Any]] = {}  # purpose -> (the WORLD group it belongs to, group)
-
-
-def _cached_gloo_group(purpose: str) -> Any:
-    world = dist.group.WORLD
-    cached = _GROUPS.get(purpose)
-    if cached is not None and cached[0] is world:
-        return cached[1]
-    group = new_group(backend="gloo")  # with meshfit's timeout, not torch's 30 minutes
-    _GROUPS[purpose] = (world, group)
-    return group
-
-
-def control_group() -> Any:
-    """The group for checkpoint bookkeeping collectives (CPU tensors): the default one if it has gloo.
-
-    Must be called on every rank at the same point (creating a group is collective).
-    """
-    if "gloo" in str(dist.get_backend()):
-        return None
-    return _cached_gloo_group("control")
-
-
-def async_group() -> Any:
-    """A dedicated gloo group for background saves, created lazily on every rank.
-
-    An async save runs DCP's collectives from a background thread while the training thread keeps
-    issuing its own collectives. Collectives on one group must be issued in the same order on every
-    rank; two threads sharing the default group would interleave them differently per rank and
-    deadlock or mix up data. A separate group keeps the two streams apart. gloo, because DCP's
-    async save requires a CPU-capable group.
-    """
-    return _cached_gloo_group("async")
-
-
-def broadcast_status(ok: bool, group: Any) -> bool:
-    """Rank 0 tells every rank whether it succeeded; doubles as the barrier that ends a save."""
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
-    dist.broadcast(flag, src=0, group=group)  # meshfit groups span the world: rank 0 is global 0
-    return bool(flag.item())
-
 
 def all_gather_text(text: str, group: Any) -> list[str]:
     """Every rank's ``text``, by rank, moved as bytes tensors (no pickling)."""

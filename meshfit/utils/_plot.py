@@ -8,7 +8,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from meshfit._io import atomic_write_bytes
+from meshfit._storage import atomic_write_bytes
 from meshfit._validation import path_like
 
 

@@ -1,6 +1,6 @@
 """``Model.save`` / ``load_model``: safetensors weights and JSON, never pickle.
 
-A saved model is a directory, written atomically by `meshfit._atomic.AtomicDirectory` (a scratch
+A saved model is a directory, written atomically by `meshfit._storage._atomic.AtomicDirectory` (a scratch
 sibling ``<path>.tmp-<pid>`` renamed into place; a crash mid-swap is recovered by the next reader
 or writer)::
 
@@ -12,7 +12,7 @@ or writer)::
       optimizer.safetensors    the optimizer's tensors (when it was built); header: CRC-32Cs
 
 Every worker may call ``save`` on the same path: the chief writes, the others wait for its outcome
-(`meshfit._chief.chief_writes`), so exactly one complete copy results, nobody reads a half-written
+(`meshfit._storage._chief.chief_writes`), so exactly one complete copy results, nobody reads a half-written
 one, and every worker raises if the chief's write failed.
 """
 
@@ -27,17 +27,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshfit._architecture import module_to_config
-from meshfit._atomic import recover
-from meshfit._chief import chief_writes
-from meshfit._io import atomic_directory, atomic_write_json
-from meshfit._keras_archive import is_archive_path, pack, unpack
-from meshfit._weights import (
+from meshfit._saving._architecture import module_to_config
+from meshfit._saving._keras_archive import is_archive_path, pack, unpack
+from meshfit._saving._weights import (
     flatten_optimizer_state,
     load_state_dict_file,
     save_state_dict,
 )
-from meshfit.metrics import _resolve as _resolve_metric
+from meshfit._storage import atomic_directory, atomic_write_json, chief_writes, recover
+from meshfit.metrics import CLASSES as METRIC_CLASSES
 
 FORMAT = "meshfit.model/1"
 
@@ -60,13 +58,13 @@ def _metric_config(identifier: Any) -> Any:
     if isinstance(identifier, str):
         return identifier
     cls = type(identifier)
-    if _resolve_metric.CLASSES.get(cls.__name__) is not cls:
+    if METRIC_CLASSES.get(cls.__name__) is not cls:
         return {"class_name": cls.__name__, "config": None}  # not rebuildable without running code
     return {"class_name": cls.__name__,
             "config": {"name": identifier.name, **getattr(identifier, "_fn_kwargs", {})}}
 
 
-def _laid_out_like(value: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+def laid_out_like(value: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
     """A full tensor split like ``current`` when that is a DTensor (a mesh's layouts), else itself."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -94,7 +92,7 @@ def _gathered(value: Any) -> Any:
 
 def save_model(model: Any, filepath: str | os.PathLike) -> None:
     path = os.path.abspath(os.fspath(filepath))
-    if is_archive_path(path):  # one zip file holding this directory's files (meshfit._keras_archive)
+    if is_archive_path(path):  # one zip file holding this directory's files (meshfit._saving._keras_archive)
         # Beside the target, at a path every worker computes alike, under a scratch name that readers
         # (latest_checkpoint, SidecarEvaluator) skip as incomplete.
         staged = f"{path}.tmp"
@@ -169,7 +167,7 @@ def load_weights(model: Any, filepath: str | os.PathLike) -> None:
         path = os.path.join(path, "model.safetensors")
     state = load_state_dict_file(path)
     current = model.module.state_dict()
-    model.module.load_state_dict({k: _laid_out_like(v, current[k]) if k in current else v for k, v in state.items()})
+    model.module.load_state_dict({k: laid_out_like(v, current[k]) if k in current else v for k, v in state.items()})
 
 
 def read_config(path: str) -> dict[str, Any]:

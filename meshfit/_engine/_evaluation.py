@@ -7,9 +7,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from meshfit._engine._step_logs import reduce_logs
 from meshfit._protocols import CallbackListLike, Trainable
-from meshfit._step_logs import reduce_logs
-from meshfit.data._structure import batch_size_of, map_structure
+from meshfit.data import batch_size_of, map_structure
 
 
 def evaluate(trainable: Trainable, data: Any, callbacks: Any) -> dict[str, float]:

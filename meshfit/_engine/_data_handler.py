@@ -12,16 +12,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshfit._fit_arguments import batch_and_shuffle
+from meshfit._engine._fit_arguments import batch_and_shuffle
 from meshfit._protocols import DistributionStrategy
-from meshfit.data._dataset import Dataset
-from meshfit.data._options import AutoShardPolicy
-from meshfit.data._prefetch import Prefetcher
-from meshfit.data._sources import TorchMapDataset
-from meshfit.data._structure import batch_size_of, leaves, slice_rows, to_tensor
-from meshfit.data._transforms import Shuffle
-from meshfit.distribute._distributed_dataset import DistributedDataset
-from meshfit.distribute._values import InputContext
+from meshfit.data import (
+    AutoShardPolicy,
+    Dataset,
+    Prefetcher,
+    Shuffle,
+    TorchMapDataset,
+    batch_size_of,
+    leaves,
+    slice_rows,
+    to_tensor,
+)
+from meshfit.distribute import DistributedDataset, InputContext
 
 
 def _is_array_like(x: Any) -> bool:

@@ -7,35 +7,40 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshfit import _summary, mixed_precision
-from meshfit._data_handler import DataHandler
-from meshfit._data_handler import _is_array_like as is_array_like
-from meshfit._evaluation import evaluate as run_evaluation
-from meshfit._evaluation import predict as run_prediction
-from meshfit._fit_arguments import (
+from meshfit import mixed_precision
+from meshfit._engine import _summary
+from meshfit._engine._data_handler import DataHandler
+from meshfit._engine._data_handler import _is_array_like as is_array_like
+from meshfit._engine._evaluation import evaluate as run_evaluation
+from meshfit._engine._evaluation import predict as run_prediction
+from meshfit._engine._fit_arguments import (
     ClassWeightedData,
     check_shuffle,
     check_validation_freq,
     split_validation,
     validates_after,
 )
-from meshfit._loop import TrainingLoop, resolve_verbose
-from meshfit._model_weights import WeightsMixin
-from meshfit._state import LoopState
+from meshfit._engine._loop import TrainingLoop, resolve_verbose
+from meshfit._engine._model_weights import WeightsMixin
+from meshfit._engine._state import LoopState
 from meshfit._validation import check_bool, non_negative_int, positive_int
-from meshfit.callbacks._callback_list import CallbackList
-from meshfit.callbacks._checkpoint_saver import CheckpointSaver
-from meshfit.callbacks._progbar import announce_quiet_worker
-from meshfit.data._structure import batch_size_of, unpack_batch
-from meshfit.distribute._rendezvous import agree_on_settings
-from meshfit.distribute._replication import adopt, check_training_strategy
-from meshfit.distribute._scope import current_scope_strategy
-from meshfit.distribute._strategy import get_strategy
-from meshfit.losses import _resolve as _resolve_loss
-from meshfit.metrics import _metrics
-from meshfit.metrics import _resolve as _resolve_metric
-from meshfit.optimizers import _optimizers
-from meshfit.optimizers import _resolve as _resolve_optimizer
+from meshfit.callbacks import CallbackList, CheckpointSaver, announce_quiet_worker
+from meshfit.data import batch_size_of, unpack_batch
+from meshfit.distribute import (
+    Placement,
+    adopt,
+    agree_on_settings,
+    check_training_strategy,
+    current_scope_strategy,
+    get_strategy,
+)
+from meshfit.losses import get as get_loss
+from meshfit.losses import serialize as serialize_loss
+from meshfit.metrics import Mean, Metric
+from meshfit.metrics import get as get_metric
+from meshfit.optimizers import Optimizer
+from meshfit.optimizers import get as get_optimizer
+from meshfit.optimizers import serialize as serialize_optimizer
 
 
 def _validation_parts(validation_data: Any) -> tuple[Any, Any, Any] | None:
@@ -75,15 +80,15 @@ class Model(WeightsMixin):
         self.strategy = get_strategy()
         if current_scope_strategy() is not None:  # a module built outside, wrapped in the scope
             adopt(module, self.strategy)
-        self.optimizer: _optimizers.Optimizer | None = None
+        self.optimizer: Optimizer | None = None
         self.loss: Any = None
         self.jit_compile = False
         self.stop_training = False
         self.history: Any = None
         self._metric_identifiers: list[Any] = []
-        self._compiled_metrics: list[_metrics.Metric] = []
-        self._loss_tracker = _metrics.Mean(name="loss")
-        self._train_module: nn.Module | None = None
+        self._compiled_metrics: list[Metric] = []
+        self._loss_tracker = Mean(name="loss")
+        self.placement: Placement | None = None  # how the strategy placed the module (set when built)
         self._compile_config: dict[str, Any] | None = None
         self.loop_state = LoopState()
         self.steps_per_execution = 1  # training steps between two batch-callback calls (compile's argument)
@@ -104,32 +109,32 @@ class Model(WeightsMixin):
         # Resolve everything first: a failed compile leaves the model as it was.
         steps_per_execution = positive_int("steps_per_execution", steps_per_execution)
         check_training_strategy(self, "compile")
-        resolved_optimizer = _resolve_optimizer.get(optimizer)
-        resolved_loss = _resolve_loss.get(loss) if loss is not None else None
+        resolved_optimizer = get_optimizer(optimizer)
+        resolved_loss = get_loss(loss) if loss is not None else None
         if metrics is not None and not isinstance(metrics, (list, tuple)):
             raise TypeError(f"Invalid `metrics`: expected a list such as ['accuracy'], received metrics={metrics!r}.")
-        compiled_metrics = [_resolve_metric.get(m, loss=resolved_loss) for m in metrics or []]
+        compiled_metrics = [get_metric(m, loss=resolved_loss) for m in metrics or []]
         self.optimizer, self.loss, self.jit_compile = resolved_optimizer, resolved_loss, jit_compile
         self.steps_per_execution = steps_per_execution
         self._metric_identifiers, self._compiled_metrics = list(metrics or []), compiled_metrics
         self._compile_config = {
-            "optimizer": _resolve_optimizer.serialize(self.optimizer),
-            "loss": _resolve_loss.serialize(self.loss) if self.loss is not None else None,
+            "optimizer": serialize_optimizer(self.optimizer),
+            "loss": serialize_loss(self.loss) if self.loss is not None else None,
             "metrics": [m for m in self._metric_identifiers if isinstance(m, str)],
         }
-        if self.optimizer.built and self._train_module is None:
-            self._train_module = self.strategy.setup_module(self.module, jit_compile=jit_compile)
+        if self.optimizer.built and self.placement is None:
+            self.placement = self.strategy.setup_module(self.module, jit_compile=jit_compile)
 
     @property
     def compiled(self) -> bool:
         return self.optimizer is not None
 
     @property
-    def metrics(self) -> list[_metrics.Metric]:
+    def metrics(self) -> list[Metric]:
         """The loss tracker first, then the compiled metrics."""
         return [self._loss_tracker, *self._compiled_metrics]
 
-    def logged_metrics(self) -> list[_metrics.Metric]:
+    def logged_metrics(self) -> list[Metric]:
         """The metrics that appear in logs (the loss tracker only when there is a loss)."""
         return self.metrics if self.loss is not None else list(self._compiled_metrics)
 
@@ -156,7 +161,7 @@ class Model(WeightsMixin):
         """
         if self._input_example is None:
             self._input_example = _summary.example_of(sample_x)
-        if self._train_module is None:
+        if self.placement is None:
             self.module.to(self.strategy.device)
             if any(isinstance(p, nn.parameter.UninitializedParameter) for p in self.module.parameters()):
                 was_training = self.module.training
@@ -164,7 +169,7 @@ class Model(WeightsMixin):
                     self.module.eval()
                     self.module(self.strategy.distribute_batch(sample_x))
                 self.module.train(was_training)
-            self._train_module = self.strategy.setup_module(self.module, jit_compile=self.jit_compile)
+            self.placement = self.strategy.setup_module(self.module, jit_compile=self.jit_compile)
         if self.optimizer is not None and not self.optimizer.built:  # also: compiled again after fit
             self.optimizer.build(self.module.parameters())
 
@@ -182,7 +187,7 @@ class Model(WeightsMixin):
         x, y, sample_weight = unpack_batch(data)
         # Freed, as Keras leaves an unused variable's gradient None (the optimizer skips it); the
         # re-allocation costs no page faults because training keeps freed memory in the heap
-        # (meshfit/_allocator.py).
+        # (meshfit/_runtime/_allocator.py).
         self.optimizer.zero_grad(set_to_none=True)
         with mixed_precision.autocast(self.strategy.device):  # forward + loss in the policy's dtype
             y_pred = self(x)
@@ -327,10 +332,13 @@ class Model(WeightsMixin):
                 module.training = mode
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
-        # While training (grad on, train mode) go through the strategy's wrapper (DDP), so that a
-        # Keras-style ``train_step`` override calling ``self(x)`` all-reduces its gradients.
-        if self._train_module is not None and self.module.training and torch.is_grad_enabled():
-            return self._train_module(*args, **kwargs)
+        # Inside fit's step (grad on, train mode) go through the strategy's wrapper (DDP), so that a
+        # Keras-style ``train_step`` override calling ``self(x)`` all-reduces its gradients. Outside
+        # it (a custom loop) the module runs as it is and the optimizer sums the gradients across
+        # replicas, TF's contract, also for gradients taken with torch.autograd.grad.
+        placement = self.placement
+        if placement is not None and placement.in_step() and self.module.training and torch.is_grad_enabled():
+            return placement.module(*args, **kwargs)
         return self.module(*args, **kwargs)
 
     def __repr__(self) -> str:

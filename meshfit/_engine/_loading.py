@@ -9,14 +9,18 @@ from typing import Any
 
 from torch import nn
 
-from meshfit._architecture import module_from_config
-from meshfit._keras_archive import is_archive_path, unpack
-from meshfit._model import Model
-from meshfit._saving import read_config
-from meshfit._weights import load_state_dict_file, unflatten_optimizer_state
-from meshfit.losses import _resolve as _resolve_loss
-from meshfit.metrics import _resolve as _resolve_metric
-from meshfit.optimizers import _resolve as _resolve_optimizer
+from meshfit._engine._model import Model
+from meshfit._saving import (
+    is_archive_path,
+    load_state_dict_file,
+    module_from_config,
+    read_config,
+    unflatten_optimizer_state,
+    unpack,
+)
+from meshfit.losses import deserialize as deserialize_loss
+from meshfit.metrics import CLASSES as METRIC_CLASSES
+from meshfit.optimizers import deserialize as deserialize_optimizer
 
 
 def _metrics_from_config(entries: list[Any], path: str) -> list[Any]:
@@ -26,10 +30,10 @@ def _metrics_from_config(entries: list[Any], path: str) -> list[Any]:
         if isinstance(entry, str):
             out.append(entry)
         elif isinstance(entry, dict) and isinstance(entry.get("config"), dict):
-            cls = _resolve_metric.CLASSES.get(entry.get("class_name"))
+            cls = METRIC_CLASSES.get(entry.get("class_name"))
             if cls is None:
                 raise ValueError(f"unknown metric class_name={entry.get('class_name')!r}; expected one of "
-                                 f"{sorted(_resolve_metric.CLASSES)}")
+                                 f"{sorted(METRIC_CLASSES)}")
             out.append(cls(**entry["config"]))
         else:
             name = entry.get("class_name") if isinstance(entry, dict) else entry
@@ -77,8 +81,8 @@ def load_model(filepath: str | os.PathLike, module: nn.Module | None = None, com
     compile_config = config.get("compile")
     if compile and compile_config and compile_config.get("optimizer") and compile_config.get("loss"):
         try:
-            optimizer = _resolve_optimizer.deserialize(compile_config["optimizer"])
-            loss = _resolve_loss.deserialize(compile_config["loss"])
+            optimizer = deserialize_optimizer(compile_config["optimizer"])
+            loss = deserialize_loss(compile_config["loss"])
             metrics = _metrics_from_config(compile_config.get("metrics") or [], path)
         except (TypeError, ValueError) as error:
             raise ValueError(f"Cannot restore the compile config from {config_path!r}: {error}") from error

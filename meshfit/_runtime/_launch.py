@@ -1,11 +1,11 @@
 """``meshfit launch``: start local worker processes with ``TF_CONFIG`` and restart the group on failure.
 
-Built on the process supervisor (`meshfit._supervisor`): every round picks free ports, starts
+Built on the process supervisor (`meshfit._runtime._supervisor`): every round picks free ports, starts
 ``--workers`` copies of ``python script.py args`` (plus one evaluator with ``--evaluator``), each in its
 own session, with output lines prefixed ``[worker i] ``. When a
 training worker exits non-zero the rest of the group is stopped and, if restarts remain, a new group
 starts with fresh ports and ``MESHFIT_RESTART_COUNT`` incremented. Exit code
-`~meshfit._exit_codes.PREEMPTED_EXIT_CODE` (75) restarts without spending a restart.
+`~meshfit._runtime._exit_codes.PREEMPTED_EXIT_CODE` (75) restarts without spending a restart.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import sys
 import threading
 import time
 
-from meshfit._exit_codes import PEER_FAILURE_EXIT_CODE, PREEMPTED_EXIT_CODE
-from meshfit._supervisor import TERMINATE_TIMEOUT_S, Child, ChildGroup, Output, free_ports
+from meshfit._runtime._exit_codes import PEER_FAILURE_EXIT_CODE, PREEMPTED_EXIT_CODE
+from meshfit._runtime._supervisor import TERMINATE_TIMEOUT_S, Child, ChildGroup, Output, free_ports
 
 __all__ = ["build_parser", "free_ports", "main"]
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from meshfit._validation import is_int
-from meshfit.data._structure import leaves, map_structure, unpack_batch
+from meshfit.data import leaves, map_structure, unpack_batch
 
 
 def check_shuffle(shuffle: Any) -> bool | str:

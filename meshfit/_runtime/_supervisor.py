@@ -3,7 +3,7 @@
 Plain processes, no protocol of our own. A `ChildGroup` starts commands, each in its own session (so
 its whole process group can be signalled), copies their output line by line with a ``[name] `` prefix,
 and stops them: a grace period, then SIGTERM, then SIGKILL, reaping everything. ``meshfit launch``
-(`meshfit._launch`) adds argument parsing, ``TF_CONFIG`` and the restart policy on top.
+(`meshfit._runtime._launch`) adds argument parsing, ``TF_CONFIG`` and the restart policy on top.
 
 `spawn_local_replicas` is the function API for strategies that start their own replicas from a plain
 ``python train.py`` (`MirroredStrategy`, and a device mesh over local processes): replica 0 calls it

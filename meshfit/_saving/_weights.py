@@ -1,10 +1,10 @@
 """Model weights and optimizer state as safetensors files: no pickle on save or load.
 
 A weights file is a plain safetensors file (``safetensors.torch``), written atomically through
-`meshfit._io`. A torch optimizer's ``state_dict`` (nested dicts keyed by int parameter ids, tensors,
+`meshfit._storage._io`. A torch optimizer's ``state_dict`` (nested dicts keyed by int parameter ids, tensors,
 python scalars such as ``momentum_buffer=None``, and ``param_groups`` lists) is split by
 `flatten_optimizer_state` into a flat tensor dict (for safetensors) and a JSON-able tree that
-references those tensors by name (`meshfit._tagged_json`, the one codec checkpoints use too);
+references those tensors by name (`meshfit._storage._tagged_json`, the one codec checkpoints use too);
 `unflatten_optimizer_state` rebuilds it exactly.
 """
 
@@ -18,9 +18,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
-from meshfit import _tagged_json
-from meshfit._checksum import ChecksumError, tensor_crc32
-from meshfit._io import atomic_write_bytes
+from meshfit._storage import ChecksumError, atomic_write_bytes, tagged_json, tensor_crc32
 
 __all__ = [
     "OPTIMIZER_STATE_FORMAT",
@@ -111,7 +109,7 @@ def load_state_dict_file(path: str | os.PathLike[str]) -> dict[str, torch.Tensor
     Raises:
         FileNotFoundError: If ``path`` is not an existing file.
         ValueError: If the file is not a safetensors file or is corrupted (a tensor whose bytes do
-            not match the checksum recorded at save time: `meshfit._checksum.ChecksumError`).
+            not match the checksum recorded at save time: `meshfit._storage._checksum.ChecksumError`).
     """
     path = _check_file(path)
     try:
@@ -148,7 +146,7 @@ def load_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
 
 
 def _tensor_loader(tensors: Mapping[str, torch.Tensor]) -> Any:
-    """``load(key, as_ndarray)`` for `meshfit._tagged_json.decode` over a loaded tensor file."""
+    """``load(key, as_ndarray)`` for `meshfit._storage._tagged_json.decode` over a loaded tensor file."""
 
     def load(key: str, as_ndarray: bool) -> Any:
         if key not in tensors:
@@ -189,7 +187,7 @@ def flatten_optimizer_state(
             f"received {type(state_dict).__name__}."
         )
     tensors: dict[str, torch.Tensor] = {}
-    tree = _tagged_json.encode(state_dict, "", tensors, "optimizer state")
+    tree = tagged_json.encode(state_dict, "", tensors, "optimizer state")
     return tensors, {"format": OPTIMIZER_STATE_FORMAT, "tree": tree}
 
 
@@ -212,7 +210,7 @@ def unflatten_optimizer_state(tensors: Mapping[str, torch.Tensor], meta: Mapping
             f"Invalid optimizer state description: expected format {OPTIMIZER_STATE_FORMAT!r}, "
             f"received {fmt!r}. Pass the `meta` returned by flatten_optimizer_state."
         )
-    state = _tagged_json.decode(meta["tree"], _tensor_loader(tensors), "optimizer state")
+    state = tagged_json.decode(meta["tree"], _tensor_loader(tensors), "optimizer state")
     if not isinstance(state, dict):
         raise ValueError(f"Corrupted optimizer state: the root is a {type(state).__name__}, not a dict.")
     return state

@@ -5,7 +5,7 @@ files) into ``checkpoint_dir``; the evaluator, a separate process (``meshfit lau
 starts one with ``TF_CONFIG`` task type ``"evaluator"``), watches that folder, loads every new
 complete save into its own copy of the model and evaluates it. Partial saves are never read: both
 kinds of save are renamed into place only when complete, and scratch names (``.tmp``, ``.old``,
-``.deleting``, see `meshfit._atomic`) are recognised by the same rule every saver uses; a copy left
+``.deleting``, see `meshfit._storage._atomic`) are recognised by the same rule every saver uses; a copy left
 aside by a writer that crashed mid-swap is put back before looking.
 """
 
@@ -15,8 +15,8 @@ import os
 import time
 from typing import Any
 
-from meshfit._atomic import clean_directory, is_scratch_name
 from meshfit._saving import load_weights
+from meshfit._storage import clean_directory, is_scratch_name
 
 _WEIGHT_SUFFIX = ".safetensors"
 

@@ -8,9 +8,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from meshfit import _summary
+from meshfit._engine import _summary
 from meshfit._lazy_dtensor import is_dtensor
-from meshfit._saving import _laid_out_like, load_weights, save_model, save_weights
+from meshfit._saving import laid_out_like, load_weights, save_model, save_weights
 
 
 class WeightsMixin:
@@ -39,7 +39,7 @@ class WeightsMixin:
             if tuple(tensor.shape) != tuple(current.shape):
                 raise ValueError(f"Invalid `weights`: {key!r} has shape {tuple(current.shape)}, received "
                                  f"shape {tuple(tensor.shape)}.")
-            new_state[key] = _laid_out_like(tensor.to(current.dtype), current)
+            new_state[key] = laid_out_like(tensor.to(current.dtype), current)
         self.module.load_state_dict(new_state)
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -3,7 +3,7 @@
 A reader never sees a half-written file or directory: data goes to a temporary sibling
 (``<name>.tmp-<pid>``), is flushed and fsynced, then renamed over the target with ``os.replace``,
 and the parent directory is fsynced so the rename itself survives a power loss. The temporary file
-records its writer (see `meshfit._atomic.mark_writer`), and each successful write removes the
+records its writer (see `meshfit._storage._atomic.mark_writer`), and each successful write removes the
 temporary files that dead writers of the same target left behind.
 """
 
@@ -16,7 +16,7 @@ import shutil
 from collections.abc import Iterator
 from typing import Any
 
-from meshfit._atomic import AtomicDirectory, clean_siblings, fsync_directory, mark_writer
+from meshfit._storage._atomic import AtomicDirectory, clean_siblings, fsync_directory, mark_writer
 
 __all__ = [
     "atomic_directory",
@@ -121,7 +121,7 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
 def atomic_directory(path: str | os.PathLike[str]) -> Iterator[str]:
     """Builds a directory in a temporary sibling and moves it into place only on success.
 
-    Yields ``<path>.tmp-<pid>``, an empty directory to fill; see `meshfit._atomic.AtomicDirectory`
+    Yields ``<path>.tmp-<pid>``, an empty directory to fill; see `meshfit._storage._atomic.AtomicDirectory`
     for the swap, the recovery of an interrupted one and the cleanup of dead writers' leftovers.
     If the body raises, the temporary directory is removed and an existing ``path`` is untouched.
 

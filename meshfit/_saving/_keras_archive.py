@@ -1,6 +1,6 @@
 """``model.save("model.keras")``: the saved-model directory zipped into one file, as Keras does.
 
-The archive holds exactly what `meshfit._saving` writes into a directory, plus a small metadata
+The archive holds exactly what `meshfit._saving._save` writes into a directory, plus a small metadata
 file, never a pickle::
 
     model.keras (a zip, entries stored uncompressed)
@@ -9,7 +9,7 @@ file, never a pickle::
       model.safetensors        the module's state_dict
       optimizer.safetensors    the optimizer's tensors (when it was built)
 
-`meshfit._saving` stages the directory beside the target (``<name>.tmp/``, a scratch name readers skip; removed afterwards)
+`meshfit._saving._save` stages the directory beside the target (``<name>.tmp/``, a scratch name readers skip; removed afterwards)
 and `pack` zips it into ``<name>.tmp-<pid>``, fsynced and renamed over ``<name>``: a reader sees the
 old archive or the new one, never a partial one. `unpack` copies only these entry names (no path in
 the zip reaches the file system) into a directory, which the directory loader then reads.
@@ -22,7 +22,7 @@ import json
 import os
 import zipfile
 
-from meshfit._io import fsync_directory
+from meshfit._storage import fsync_directory
 from meshfit._version import __version__
 
 ARCHIVE_FORMAT = "meshfit.keras/1"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 from typing import Any
 
-from meshfit.distribute._failure import FailureState
+from meshfit.distribute import FailureState
 
 
 class PreemptionWatch:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshfit.data._structure import map_structure
+from meshfit.data import map_structure
 
 __all__ = [
     "count_params",

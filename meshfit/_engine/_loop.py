@@ -10,13 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from meshfit._allocator import keep_freed_memory
-from meshfit._exit_codes import PREEMPTED_EXIT_CODE
-from meshfit._preemption import PreemptionWatch
+from meshfit._engine._preemption import PreemptionWatch
+from meshfit._engine._state import LoopState, RandomState
+from meshfit._engine._step_logs import agree, as_logs, reduce_logs
 from meshfit._protocols import CallbackListLike, Stateful, Trainable
-from meshfit._state import LoopState, RandomState
-from meshfit._step_logs import agree, as_logs, reduce_logs
-from meshfit.data._structure import batch_size_of
+from meshfit._runtime import PREEMPTED_EXIT_CODE, keep_freed_memory
+from meshfit.data import batch_size_of
 
 
 class ReplicaState:
@@ -50,7 +49,7 @@ class TrainingLoop:
 
     Args:
         trainable: what is trained (`meshfit.Model`, or the Estimator's model).
-        data: this replica's batches with a saveable position (`meshfit._data_handler.DataHandler`).
+        data: this replica's batches with a saveable position (`meshfit._engine._data_handler.DataHandler`).
         callbacks: the `CallbackList` to call; each callback gets this loop through ``set_loop``.
         counters: the epoch / step / iterations counters to continue (default: fresh ones).
 
@@ -79,6 +78,10 @@ class TrainingLoop:
         self.counters.load_state_dict(state["counters"])
         self.data.load_state_dict(state["data"])
         self.callbacks.load_state_dict(state["callbacks"])
+
+    def agree(self, flag: bool) -> bool:
+        """True on every process when ``flag`` is true on any (one collective on the control plane)."""
+        return agree(self.trainable, flag)
 
     def checkpoint_items(self) -> dict[str, Stateful]:
         """Everything a backup holds: the trainable's parts, this loop, and each replica's own state."""

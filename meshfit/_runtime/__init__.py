@@ -1,0 +1,31 @@
+"""The process runtime: the supervisor that starts, prefixes and stops worker processes (for
+`meshfit launch` and self-spawned replicas), the launcher, exit codes and the allocator setting.
+
+A private layer package: meshfit's other packages import the names below from here, never its
+``_``-modules; users import the public names from `meshfit`.
+"""
+
+from meshfit._runtime._allocator import keep_freed_memory
+from meshfit._runtime._exit_codes import PEER_FAILURE_EXIT_CODE, PREEMPTED_EXIT_CODE
+from meshfit._runtime._launch import main
+from meshfit._runtime._supervisor import (
+    FORWARDED_TERMINAL_ENV,
+    LocalReplicas,
+    free_ports,
+    replica_identity,
+    spawn_local_replicas,
+    watch_parent,
+)
+
+__all__ = [
+    "FORWARDED_TERMINAL_ENV",
+    "LocalReplicas",
+    "PEER_FAILURE_EXIT_CODE",
+    "PREEMPTED_EXIT_CODE",
+    "free_ports",
+    "keep_freed_memory",
+    "main",
+    "replica_identity",
+    "spawn_local_replicas",
+    "watch_parent",
+]

@@ -1,0 +1,64 @@
+"""The `GradientSync` implementations: replicated parameters (custom loops) and DDP (see `Placement`)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshfit.distribute._gradient_weight import GradientWeight
+from meshfit.distribute._placement import mark_reduced
+from meshfit.distribute._replication import synchronize_gradients
+
+
+class ReplicatedSync:
+    """Gradients summed by the optimizer step over the replicas of the parameters' scope strategy."""
+
+    def weighting(self, local_size: int, global_size: int) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def reduce(self, params: Iterable[torch.Tensor]) -> None:
+        synchronize_gradients(params)
+
+    def in_step(self) -> bool:
+        return True  # no wrapper: the module itself runs every forward
+
+
+@dataclasses.dataclass
+class DataParallelSync(ReplicatedSync):
+    """DDP's all-reduce through the batch-weighting hook; see the module docstring."""
+
+    weight: GradientWeight
+    replicas: int
+
+    def install(self, wrapper: nn.Module) -> None:
+        """Mark the wrapper's parameters as reduced whenever it runs a training forward."""
+        params = [p for p in wrapper.parameters() if p.requires_grad]
+
+        def pre_hook(module: nn.Module, args: Any) -> None:
+            if torch.is_grad_enabled() and getattr(module, "require_backward_grad_sync", True):
+                mark_reduced(params)
+
+        wrapper.register_forward_pre_hook(pre_hook)
+
+    def weighting(self, local_size: int, global_size: int) -> contextlib.AbstractContextManager[None]:
+        return self.weighting_of(self.weight, self.replicas, local_size, global_size)
+
+    def in_step(self) -> bool:
+        return self.weight.in_step
+
+    @staticmethod
+    @contextlib.contextmanager
+    def weighting_of(weight: GradientWeight, replicas: int, local_size: int, global_size: int) -> Iterator[None]:
+        """``weight`` set for one step of ``fit``: ``local * replicas / global`` (1.0, DDP's average,
+        for an even batch), back to its idle factor after."""
+        weight.factor = local_size * replicas / global_size if global_size else 1.0
+        weight.in_step = True
+        try:
+            yield
+        finally:
+            weight.factor, weight.in_step = 1.0, False

@@ -1,0 +1,181 @@
+"""`World`: one process's place in a job, built once when the group forms and handed to what needs it.
+
+Strategies, `meshfit.train.Checkpoint` and the data view read ranks, devices, groups and timeouts
+from a `World` instead of torch's globals (as torchtitan hands its ``ParallelDims`` around), so that
+re-forming a job in place is building a new `World` and rebinding to it.
+
+Two planes:
+
+- the **device plane** (``backend``: gloo on CPUs, NCCL on GPUs) carries the model's tensors:
+  gradients, parameters, metric states;
+- the **control plane** (``control_group``, always gloo) carries flags (stop, preemption), agreement
+  between workers, checkpoint bookkeeping and object exchange, as CPU tensors. When the device
+  backend is gloo the default group is the control plane (``control_group`` is None: no second
+  group, no second collective).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshfit.cluster import ClusterResolver, SingleProcessClusterResolver
+from meshfit.distribute._failure import FailureState
+
+DEFAULT_TIMEOUT = timedelta(seconds=300)
+
+
+@dataclasses.dataclass(eq=False)
+class World:
+    """Ranks, devices, backends, groups and the heartbeat of one process of a job.
+
+    Args:
+        rank: this process's global rank.
+        size: how many processes the job has.
+        device: this process's device (``cuda:<local rank>`` under NCCL, else the CPU).
+        backend: the device plane's backend (``"gloo"`` or ``"nccl"``).
+        timeout: every collective's and every group creation's timeout (torch's default is 30 min).
+        names: who each rank is, for messages (``"worker 1 at 10.0.0.2:2222"``).
+        is_chief: whether this process writes the job's files.
+        cluster_resolver: TF's identity of this process (``task_type``, ``task_id``).
+        failure: what the loop and the savers record for failure messages (step, backup folder).
+        heartbeat: the liveness watcher of a group of several processes (None alone or when disabled).
+        device_mesh: the named 1-D ``("batch",)`` torch ``DeviceMesh`` (None with one process).
+        control_group: the gloo group of the control plane; None when the default group is gloo.
+
+    Example:
+        >>> world = World.single()
+        >>> (world.rank, world.size, world.distributed)
+        (0, 1, False)
+    """
+
+    rank: int = 0
+    size: int = 1
+    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
+    backend: str = "gloo"
+    timeout: timedelta = DEFAULT_TIMEOUT
+    names: tuple[str, ...] = ("rank 0",)
+    is_chief: bool = True
+    cluster_resolver: ClusterResolver = dataclasses.field(default_factory=SingleProcessClusterResolver)
+    failure: FailureState = dataclasses.field(default_factory=FailureState)
+    heartbeat: Any = None
+    device_mesh: Any = None
+    control_group: Any = None
+    owns_group: bool = False
+    hosts_store: bool = False
+    _async_group: Any = dataclasses.field(default=None, repr=False)
+    _on_shutdown: list[Any] = dataclasses.field(default_factory=list, repr=False)
+
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu") -> World:
+        """A process training alone (no group)."""
+        return cls(device=torch.device(device))
+
+    @classmethod
+    def of_process_group(cls, *, device: torch.device | str | None = None, timeout: timedelta | None = None,
+                         cluster_resolver: ClusterResolver | None = None, names: tuple[str, ...] | None = None,
+                         is_chief: bool | None = None) -> World:
+        """The `World` of the default process group someone already initialised (a test, a launcher).
+
+        Builds the ``("batch",)`` device mesh and, when the default backend is not gloo, the gloo
+        control group: both collective, so every rank calls this at the same point.
+        """
+        if not dist.is_initialized():
+            raise ValueError("World.of_process_group: no process group is initialised in this process. Call "
+                             "torch.distributed.init_process_group first, or let a strategy form the group.")
+        rank, size = dist.get_rank(), dist.get_world_size()
+        backend = str(dist.get_backend())
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+        world = cls(rank=rank, size=size, device=torch.device(device), backend=backend,
+                    timeout=timeout or DEFAULT_TIMEOUT, names=names or tuple(f"rank {r}" for r in range(size)),
+                    is_chief=rank == 0 if is_chief is None else is_chief,
+                    cluster_resolver=cluster_resolver or SingleProcessClusterResolver())
+        world.form_planes()
+        return world
+
+    @property
+    def distributed(self) -> bool:
+        """Whether this process has peers (a group of more than one)."""
+        return self.size > 1
+
+    def form_planes(self) -> None:
+        """Collective, once per group: the named ``batch`` device mesh and the gloo control group."""
+        if not self.distributed:
+            return
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.device_mesh = init_device_mesh(self.device.type, (self.size,), mesh_dim_names=("batch",))
+        if "gloo" not in self.backend:
+            self.control_group = self.new_group(backend="gloo")
+
+    def new_group(self, ranks: list[int] | None = None, backend: str | None = None) -> Any:
+        """``torch.distributed.new_group`` with this world's timeout (collective: every rank calls it)."""
+        return dist.new_group(ranks, timeout=self.timeout, backend=backend)
+
+    def async_group(self) -> Any:
+        """A gloo group of its own for background saves, created on first use (on every rank at once).
+
+        An async save runs collectives from a writer thread while training issues its own; one group
+        shared by two threads would interleave them differently per rank.
+        """
+        if self._async_group is None:
+            self._async_group = self.new_group(backend="gloo")
+        return self._async_group
+
+    # ---- the control plane ----------------------------------------------------------------------
+    def control_all_reduce(self, tensor: torch.Tensor, op: Any = None) -> torch.Tensor:
+        """All-reduce a CPU tensor over the control plane, in place (SUM unless ``op`` says otherwise)."""
+        if self.distributed:
+            dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=self.control_group)
+        return tensor
+
+    def control_broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Broadcast a CPU tensor from ``src`` over the control plane, in place."""
+        if self.distributed:
+            dist.broadcast(tensor, src=src, group=self.control_group)
+        return tensor
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, by rank, over the control plane."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.control_group)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank, over the control plane."""
+        if not self.distributed:
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=src, group=self.control_group)
+        return holder[0]
+
+    def barrier(self) -> None:
+        """Every rank reaches this point (over the control plane)."""
+        if self.distributed:
+            dist.barrier(group=self.control_group)
+
+    # ---- lifetime -------------------------------------------------------------------------------
+    def on_shutdown(self, action: Any) -> None:
+        """Run ``action()`` when this world shuts down (before the group is destroyed)."""
+        self._on_shutdown.append(action)
+
+    def shutdown(self, wait_for_peers: float = 0.0) -> None:
+        """Stop the heartbeat, run the shutdown actions, destroy the group this world formed."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop(wait_for_peers=wait_for_peers if self.hosts_store else 0.0)
+            self.heartbeat = None
+        actions, self._on_shutdown = self._on_shutdown, []
+        for action in reversed(actions):
+            action()
+        if self.owns_group and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+            self.owns_group = False
