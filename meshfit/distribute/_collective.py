@@ -197,13 +197,12 @@ class CollectiveStrategy(Strategy):
                 dist.all_reduce(tensor)
         return tensor
 
+    # objects and barriers travel on the control plane (gloo), never through the device backend
     def broadcast_object(self, obj: Any) -> Any:
         if not self._distributed:
             return obj
-        holder = [obj]
         with self.guard():
-            dist.broadcast_object_list(holder, src=0)
-        return holder[0]
+            return self.world.broadcast_object(obj)
 
     def broadcast_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         if not self._distributed:
@@ -220,15 +219,13 @@ class CollectiveStrategy(Strategy):
     def all_gather_object(self, obj: Any) -> list[Any]:
         if not self._distributed:
             return [obj]
-        out: list[Any] = [None] * self._world
         with self.guard():
-            dist.all_gather_object(out, obj)
-        return out
+            return self.world.all_gather_object(obj)
 
     def barrier(self) -> None:
         if self._distributed:
             with self.guard():
-                dist.barrier()
+                self.world.barrier()
 
     # ---- placement ---------------------------------------------------------------------------
     def setup_module(self, module: torch.nn.Module, jit_compile: bool = False) -> Placement:

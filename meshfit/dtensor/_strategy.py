@@ -111,20 +111,20 @@ class MeshStrategy(CollectiveStrategy):
         """
         if self._world == 1:
             return tensor
+        # The mesh's groups are the device plane (NCCL on a CUDA mesh): the tensor goes to the device.
+        moved = tensor.to(self._device) if tensor.device != self._device else tensor
         if self._batch and self.num_replicas_in_sync > 1:
-            dist.all_reduce(tensor, group=self._group_of(self._batch))
+            dist.all_reduce(moved, group=self._group_of(self._batch))
         for axis, size in zip(self.mesh.axis_names, self.mesh.shape, strict=True):
             if axis != self._batch and size > 1:
-                dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group_of(axis))
+                dist.all_reduce(moved, op=dist.ReduceOp.MAX, group=self._group_of(axis))
+        if moved is not tensor:
+            tensor.copy_(moved)
         return tensor
 
     def all_gather_world(self, obj: Any) -> list[Any]:
         """Every process's ``obj``, by global rank."""
-        if self._world == 1:
-            return [obj]
-        out: list[Any] = [None] * self._world
-        dist.all_gather_object(out, obj)
-        return out
+        return self.world.all_gather_object(obj)  # the control plane
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every data shard's ``obj`` (from the process at coordinate 0 of the other axes), by replica."""

@@ -1,0 +1,68 @@
+"""Per step, fit on 2 workers makes no control collective beyond one per execution (the agreed
+stop/preemption flags), when no callback reads per-batch logs. Gradients travel inside DDP's
+reducer (the device plane) and are not counted here."""
+
+from __future__ import annotations
+
+import traceback
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from _multiproc import run_distributed
+from torch import nn
+
+import meshfit as mf
+
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_object", "broadcast_object_list",
+               "barrier", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "gather_object")
+
+
+class _Counter(mf.callbacks.Callback):
+    reads_batch_logs = False  # like a progress bar off: nobody reads per-batch logs
+
+    def __init__(self, counts: list[int]) -> None:
+        super().__init__()
+        self.counts, self.at_begin, self.per_execution = counts, 0, []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.at_begin = self.counts[0]
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.per_execution.append(self.counts[0] - self.at_begin)
+
+
+def _worker(rank: int, size: int, steps_per_execution: int) -> list[int]:
+    counts = [0]
+    for name in COLLECTIVES:
+        original = getattr(dist, name)
+
+        def counted(*args, _original=original, **kwargs):
+            # DDP's gradient buckets (the device plane) are all-reduced from its comm hook: not counted
+            if not any("ddp_comm_hooks" in frame.filename for frame in traceback.extract_stack(limit=6)):
+                counts[0] += 1
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, counted)
+    strategy = mf.MultiWorkerMirroredStrategy()
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 4)).astype("float32"), rng.integers(0, 3, size=64)
+    with strategy.scope():
+        torch.manual_seed(0)
+        model = mf.Model(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)))
+        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"], steps_per_execution=steps_per_execution)
+    counter = _Counter(counts)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[counter])
+    return counter.per_execution
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 4])
+def test_fit_makes_one_control_collective_per_execution(steps_per_execution):
+    results = run_distributed(_worker, world_size=2, args=(steps_per_execution,), timeout=180)
+    for per_execution in results:
+        assert len(per_execution) == 8 // steps_per_execution
+        # The first execution may set up (DDP's first forward); after it, exactly the one reduction of
+        # the agreed flags per execution, whatever the number of steps in it.
+        assert per_execution[1:] == [1] * (len(per_execution) - 1), per_execution
