@@ -8,7 +8,7 @@ these, never against `Model` or a concrete strategy: `Model` and the Estimator a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -201,5 +201,9 @@ class LoopLike(Stateful, Protocol):
     data: Any
 
     def checkpoint_items(self) -> dict[str, Stateful]: ...
+
+    def snapshot(self) -> Any: ...
+
+    def resume(self, candidates: Sequence[str], *, fall_back: bool = True) -> str | None: ...
 
     def agree(self, flag: bool) -> bool: ...

@@ -229,9 +229,9 @@ def test_step_backups_with_several_steps_per_execution_save_each_multiple_crosse
     saved: list[int] = []
 
     class Saves(mf.callbacks.CheckpointSaver):
-        def _save(self):
+        def save(self):
             saved.append(self.loop.counters.iterations)
-            super()._save()
+            super().save()
 
     model = make_model(steps_per_execution=4)
     model.fit(x, y, batch_size=10, epochs=3, shuffle=False, verbose=0,

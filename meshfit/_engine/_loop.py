@@ -7,7 +7,7 @@ The loop is `Stateful`: a backup is its state plus its trainable's parts (see `c
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from meshfit._engine._preemption import PreemptionWatch
@@ -63,6 +63,7 @@ class TrainingLoop:
         self.strategy = trainable.strategy
         self.data = data
         self.callbacks = callbacks
+        self._snapshot: Any = None
         self.counters = counters if counters is not None else LoopState()
         self.replica_state = ReplicaState(trainable)
         self._preemption: PreemptionWatch | None = None
@@ -78,6 +79,37 @@ class TrainingLoop:
         self.counters.load_state_dict(state["counters"])
         self.data.load_state_dict(state["data"])
         self.callbacks.load_state_dict(state["callbacks"])
+
+    # ---- resume: the loop owns its state and restores it ------------------------------------
+    def snapshot(self) -> Any:
+        """The `meshfit.train.Checkpoint` of everything a resume needs: `checkpoint_items` (built once,
+        so async saves reuse their staging buffers), in the strategy's `World`."""
+        if self._snapshot is None:
+            from meshfit.train import Checkpoint  # lazily loaded public subpackage
+
+            self._snapshot = Checkpoint(**self.checkpoint_items())
+            self._snapshot.world = self.strategy.world
+        return self._snapshot
+
+    def resume(self, candidates: Sequence[str], *, fall_back: bool = True) -> str | None:
+        """Restore the newest of ``candidates`` (oldest first; collective) into this loop's state.
+
+        Args:
+            candidates: checkpoint paths every process agrees on, oldest first.
+            fall_back: skip a checkpoint that fails verification (a warning on the chief names it)
+                and try the previous one; False restores the newest or raises.
+
+        Returns:
+            The path restored, or None (no candidate, or none intact).
+        """
+        if not candidates:
+            return None
+        if not fall_back:
+            self.snapshot().restore(candidates[-1])
+            return candidates[-1]
+        from meshfit.train import restore_newest_intact  # lazily loaded public subpackage
+
+        return restore_newest_intact(self.snapshot(), list(candidates), self.strategy.is_chief)
 
     def agree(self, flag: bool) -> bool:
         """True on every process when ``flag`` is true on any (one collective on the control plane)."""

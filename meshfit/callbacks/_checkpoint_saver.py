@@ -97,7 +97,7 @@ class CheckpointSaver(Callback):
         self.async_save = check_bool("async_save", async_save)
         self.delete_on_end = check_bool("delete_on_end", delete_on_end)
         self.restored_from: str | None = None
-        self._manager: Any = None
+        self.manager: Any = None  # the CheckpointManager of `directory`, made when training begins
         self._pending: Any = None
         self._saved_at: int | None = None
         self._checked_at = 0  # the step count at the previous batch end
@@ -107,35 +107,35 @@ class CheckpointSaver(Callback):
     def handles_preemption(self) -> bool:
         return self.policy.on_preemption
 
+    # A subclass that restores by itself before training (the Estimator) sets this to False.
+    restore_at_start = True
+
+    def make_manager(self, checkpoint: Any) -> Any:
+        """The `CheckpointManager` of this saver's folder (a subclass may name checkpoints otherwise)."""
+        from meshfit.train import CheckpointManager  # lazily loaded public subpackage
+
+        return CheckpointManager(checkpoint, self.directory, max_to_keep=self.max_to_keep,
+                                 checkpoint_name=self.checkpoint_name)
+
     def on_train_begin(self, logs: dict | None = None) -> None:
-        from meshfit.train import (  # lazily loaded public subpackage
-            Checkpoint,
-            CheckpointManager,
-            claim_backup_dir,
-            restore_newest_intact,
-        )
+        from meshfit.train import claim_backup_dir  # lazily loaded public subpackage
 
         loop = self.loop
         if loop is None:
             raise RuntimeError(f"{type(self).__name__} saves training state: use it in fit's callbacks.")
-        checkpoint = Checkpoint(**loop.checkpoint_items())
         strategy = loop.strategy
         if self.delete_on_end:  # refuse a folder holding files meshfit would not delete
             chief_writes(lambda: claim_backup_dir(self.directory, self.checkpoint_name),
                          is_chief=strategy.is_chief, gather=strategy.all_gather_object,
                          what=f"use {self.directory!r} as the checkpoint folder")
-        self._manager = CheckpointManager(checkpoint, self.directory, max_to_keep=self.max_to_keep,
-                                          checkpoint_name=self.checkpoint_name)
+        self.manager = self.make_manager(loop.snapshot())
         strategy.failure.backup_dir = self.directory
-        candidates = strategy.broadcast_object(self._manager.checkpoints)
-        latest = restore_newest_intact(checkpoint, candidates, strategy.is_chief)
+        latest = None
+        if self.restore_at_start:  # the loop restores its own state; this saver only says from where
+            latest = loop.resume(strategy.broadcast_object(self.manager.checkpoints))
         self.restored_from = latest
-        self._last_save_time = time.monotonic()
-        self._checked_at = loop.counters.iterations
-        if latest is None:
-            return
-        self._saved_at = self._checked_at = loop.counters.iterations
-        if strategy.is_chief:
+        self.reset_clock(saved=latest is not None)
+        if latest is not None and strategy.is_chief:
             counters = loop.counters
             print(f"{type(self).__name__}: resuming from {latest} at epoch {counters.epoch + 1}, "
                   f"batch {counters.step + 1} (iteration {counters.iterations})", flush=True)
@@ -148,20 +148,32 @@ class CheckpointSaver(Callback):
             late = time.monotonic() - self._last_save_time >= policy.every_seconds
             due = self.loop.agree(late) or due
         if due:
-            self._save()
+            self.save()
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self.policy.every_epoch:
-            self._save()
+            self.save()
 
     def save_for_preemption(self) -> None:
         """Called by the loop when a worker got SIGTERM: every replica saves at the same step."""
         if self._saved_at != self.loop.counters.iterations:  # not already saved at this step
-            self._save()
-        self._wait()
+            self.save()
+        self.wait()
+
+    @property
+    def saved_at(self) -> int | None:
+        """The optimizer step of this saver's latest save (or of the checkpoint it resumed from)."""
+        return self._saved_at
+
+    def reset_clock(self, saved: bool = False) -> None:
+        """Count the policy's steps and seconds from now; ``saved``: the current step is saved."""
+        self._last_save_time = time.monotonic()
+        self._checked_at = self.loop.counters.iterations
+        if saved:
+            self._saved_at = self._checked_at
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        self._wait()
+        self.wait()
         if self.delete_on_end:
             strategy = self.loop.strategy
             strategy.barrier()
@@ -169,16 +181,18 @@ class CheckpointSaver(Callback):
                 delete_checkpoints(self.directory, self.checkpoint_name)
             strategy.barrier()
 
-    def _save(self) -> None:
-        self._wait()
+    def save(self) -> None:
+        """Save the loop's state now (collective; in the background with ``async_save``)."""
+        self.wait()
         self._saved_at = self.loop.counters.iterations
         self._last_save_time = time.monotonic()
         if self.async_save:
-            self._pending = self._manager.save(async_save=True)
+            self._pending = self.manager.save(async_save=True)
         else:
-            self._manager.save()
+            self.manager.save()
 
-    def _wait(self) -> None:
+    def wait(self) -> None:
+        """Wait for a background save in flight (its error is raised here)."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending.result()

@@ -245,12 +245,9 @@ class Estimator:
     def _restore_training_state(self, loop: Any) -> str | None:
         """Everything training needs from the latest checkpoint (weights, optimizer, global step,
         data position, random streams); None when there is none."""
-        from meshfit.train import Checkpoint
 
         latest = loop.strategy.broadcast_object(self.latest_checkpoint())
-        if latest is not None:
-            Checkpoint(**loop.checkpoint_items()).restore(latest)
-        return latest
+        return loop.resume([latest] if latest is not None else [], fall_back=False)
 
     @staticmethod
     def _until_step(data: Any, global_step: int, steps: int | None, max_steps: int | None) -> int:

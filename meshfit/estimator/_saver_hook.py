@@ -19,7 +19,6 @@ reader never sees a partial checkpoint; the newest ``keep_checkpoint_max`` kept)
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -102,41 +101,42 @@ class EstimatorCheckpointSaver(CheckpointSaver):
         super().__init__(hook.checkpoint_dir, policy=policy, checkpoint_name=CHECKPOINT_NAME)
         self.hook, self.session = hook, session
 
-    def on_train_begin(self, logs: dict | None = None) -> None:
-        from meshfit.train import Checkpoint, CheckpointManager  # lazily loaded public subpackage
+    restore_at_start = False  # the Estimator restored the latest checkpoint before training began
+
+    def make_manager(self, checkpoint: Any) -> Any:
+        from meshfit.train import CheckpointManager  # lazily loaded public subpackage
 
         loop = self.loop
-        checkpoint = Checkpoint(**loop.checkpoint_items())
-        self._manager = CheckpointManager(checkpoint, self.directory, max_to_keep=self.hook.max_to_keep,
-                                          checkpoint_name=CHECKPOINT_NAME,
-                                          step_counter=lambda: loop.counters.iterations)
-        loop.strategy.failure.backup_dir = self.directory
+        return CheckpointManager(checkpoint, self.directory, max_to_keep=self.hook.max_to_keep,
+                                 checkpoint_name=CHECKPOINT_NAME, step_counter=lambda: loop.counters.iterations)
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        super().on_train_begin(logs)
         for listener in self.hook.listeners:
             listener.begin()
-        latest = self._manager.latest_checkpoint
-        step = loop.counters.iterations
-        self._checked_at, self._last_save_time = step, time.monotonic()  # the policy counts from here
+        latest = self.manager.latest_checkpoint
+        step = self.loop.counters.iterations
         if latest is None or not latest.endswith(f"-{step}"):
-            self._save()  # TF saves the starting step ("Saving checkpoints for 0")
+            self.save()  # TF saves the starting step ("Saving checkpoints for 0")
         else:
-            self._saved_at = step
+            self.reset_clock(saved=True)
 
     def on_train_end(self, logs: dict | None = None) -> None:
         step = self.loop.counters.iterations
-        if self._saved_at != step:
-            self._save()
+        if self.saved_at != step:
+            self.save()
         super().on_train_end(logs)
         for listener in self.hook.listeners:
             listener.end(self.session, step)
 
-    def _save(self) -> None:
+    def save(self) -> None:
         step = self.loop.counters.iterations
         for listener in self.hook.listeners:
             listener.before_save(self.session, step)
         if self.session.is_chief:
             log(f"Saving checkpoints for {step} into {self.directory}/{CHECKPOINT_NAME}.")
-        super()._save()
-        self._wait()  # listeners (an evaluation) read the checkpoint just written
+        super().save()
+        self.wait()  # listeners (an evaluation) read the checkpoint just written
         stop = False
         for listener in self.hook.listeners:
             stop = bool(listener.after_save(self.session, step)) or stop

@@ -10,8 +10,9 @@ from meshfit.train._per_rank import PerRank
 from meshfit.train._reader import CheckpointReader, load_checkpoint
 from meshfit.train._save_future import SaveFuture
 from meshfit.train._storage import SafeFileSystemReader as SafeFileSystemReader
+from meshfit.train._store import CheckpointStore, FileSystemStore
 
 __all__ = [
-    "Checkpoint", "CheckpointManager", "CheckpointReader", "PerRank", "SaveFuture", "latest_checkpoint",
-    "load_checkpoint",
+    "Checkpoint", "CheckpointManager", "CheckpointReader", "CheckpointStore", "FileSystemStore", "PerRank",
+    "SaveFuture", "latest_checkpoint", "load_checkpoint",
 ]

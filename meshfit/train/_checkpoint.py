@@ -24,6 +24,7 @@ from meshfit.distribute import current_world
 from meshfit.train import _background, _storage
 from meshfit.train._per_rank import PerRank, check_shared_tensors_agree, is_trackable, shared_tensor_checksums
 from meshfit.train._save_future import SaveFuture
+from meshfit.train._store import CheckpointStore, FileSystemStore, dcp_error, scratch
 
 _FORMAT = "meshfit.train.Checkpoint"
 _VERSION = 1
@@ -113,6 +114,8 @@ class Checkpoint:
         # The `meshfit.distribute.World` saves and restores run in: set by whoever owns the job (a
         # saver sets its strategy's); None: the job's world, found when first needed.
         self.world: Any = None
+        # Where snapshots go (the storage seam): DCP on a file system unless someone sets another.
+        self.store: CheckpointStore = FileSystemStore(_FORMAT, _VERSION)
 
     def _job_world(self) -> Any:
         if self.world is None:
@@ -129,12 +132,15 @@ class Checkpoint:
         return f"Checkpoint({names})"
 
     @overload
-    def save(self, path: str | os.PathLike, async_save: Literal[False] = False) -> str: ...
+    def save(self, path: str | os.PathLike, async_save: Literal[False] = False, *,
+             on_commit: Callable[[str], None] | None = None) -> str: ...
 
     @overload
-    def save(self, path: str | os.PathLike, async_save: Literal[True]) -> SaveFuture: ...
+    def save(self, path: str | os.PathLike, async_save: Literal[True], *,
+             on_commit: Callable[[str], None] | None = None) -> SaveFuture: ...
 
-    def save(self, path: str | os.PathLike, async_save: bool = False) -> str | SaveFuture:
+    def save(self, path: str | os.PathLike, async_save: bool = False, *,
+             on_commit: Callable[[str], None] | None = None) -> str | SaveFuture:
         """Write a checkpoint directory at ``path``, collectively when a process group exists.
 
         Data goes into ``<path>.tmp``; once every rank has written and DCP has committed its
@@ -150,6 +156,8 @@ class Checkpoint:
                 a background thread. The buffers (one CPU copy of the tensors) stay allocated
                 for the next save. Only one async save is in flight per process: any later save
                 or restore waits for it first.
+            on_commit: called with the path on every rank once the checkpoint is complete (before
+                an async save's future resolves); `CheckpointManager` records its checkpoints so.
 
         Returns:
             The absolute path written, or with ``async_save=True`` a :class:`SaveFuture` whose
@@ -160,18 +168,13 @@ class Checkpoint:
             RuntimeError: writing failed on some rank (the message names each) or rank 0 could not
                 publish the directory; the partial ``.tmp`` directory is removed.
         """
-        return self._save(path, async_save=async_save)
-
-    def _save(self, path: str | os.PathLike, async_save: bool,
-              on_commit: Callable[[str], None] | None = None) -> Any:
-        """``save`` plus ``on_commit(path)``, run on every rank after the rename (before a future resolves)."""
         global _pending_save
         path = os.path.abspath(path_like("path", path))
         if os.path.exists(path) and not os.path.isdir(path):
             raise FileExistsError(f"Invalid `path`: expected a checkpoint directory to write, received path={path!r}, "
                                   "an existing file. Choose another path or remove the file.")
-        tmp = path + _storage.TMP_SUFFIX
         _wait_for_pending_save()
+        store = self.store
         world = self._job_world()
         distributed = world.distributed
         if not distributed:
@@ -179,11 +182,10 @@ class Checkpoint:
         group = world.control_group
         rank = world.rank
         tensors, document = self._collect(rank, distributed, group, path)
-        _rank0_step(lambda: _storage.prepare_directory(tmp, path), distributed, rank, group, f"prepare {tmp!r}")
+        _rank0_step(lambda: store.prepare(path), distributed, rank, group, f"prepare {path!r}")
         if not async_save:
-            _write(tensors, tmp, group, distributed, rank)
-            _rank0_step(lambda: _storage.commit_directory(tmp, path, document), distributed, rank, group,
-                        f"publish {path!r}")
+            store.write(tensors, path, group, distributed, rank)
+            _rank0_step(lambda: store.commit(path, document), distributed, rank, group, f"publish {path!r}")
             if on_commit is not None:
                 on_commit(path)
             return path
@@ -193,13 +195,12 @@ class Checkpoint:
             staged = self._staging.stage(tensors)  # the only copy on this thread; training may go on
         except BaseException:
             if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
+                shutil.rmtree(scratch(path), ignore_errors=True)
             raise
 
         def write_and_commit() -> str:
-            _write(staged, tmp, save_group, distributed, rank)
-            _rank0_step(lambda: _storage.commit_directory(tmp, path, document), distributed, rank,
-                        save_group, f"publish {path!r}")
+            store.write(staged, path, save_group, distributed, rank)
+            _rank0_step(lambda: store.commit(path, document), distributed, rank, save_group, f"publish {path!r}")
             if on_commit is not None:
                 on_commit(path)
             return path
@@ -278,15 +279,16 @@ class Checkpoint:
             return
         path = os.path.abspath(path_like("path", path))
         _wait_for_pending_save()
-        document = _storage.read_document(path, _FORMAT, _VERSION)
+        store = self.store
+        document = store.read_document(path)
         world = self._job_world()
         distributed = world.distributed
         if not distributed:
             _silence_single_process_warning()
         group = world.control_group
         rank = world.rank
-        _storage.verify_everywhere(path, document, distributed, group)
-        reader = _storage.SafeFileSystemReader(path)
+        store.verify(path, document, distributed, group)
+        reader = store.reader(path)
         try:
             stored = reader.read_metadata().state_dict_metadata
         except Exception as error:
@@ -305,7 +307,7 @@ class Checkpoint:
         try:
             dcp.load(destinations, storage_reader=reader, process_group=group, no_dist=not distributed)
         except CheckpointException as error:
-            raise _dcp_error(error, "read", path) from error
+            raise dcp_error(error, "read", path) from error
 
         def load(key: str, as_ndarray: bool) -> Any:
             return destinations[key].numpy() if as_ndarray else destinations[key]
@@ -346,34 +348,6 @@ def _destination(stored: Any, current: Any, key: str, path: str) -> torch.Tensor
             and current.dtype == stored.properties.dtype):
         return current.detach()
     return torch.empty(tuple(stored.size), dtype=stored.properties.dtype)
-
-
-def _write(tensors: dict[str, torch.Tensor], tmp: str, group: Any, distributed: bool, rank: int) -> None:
-    """Every rank writes its DCP shards into ``tmp``; DCP's coordinator commits ``.metadata`` last.
-
-    DCP's final step gathers every rank's write results on rank 0, which writes ``.metadata`` before
-    answering; so when this returns on any rank, all data and the metadata are on disk (the barrier
-    before the rename). A write failure on any rank raises on every rank.
-    """
-    try:
-        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-        planner = DefaultSavePlanner(enable_plan_caching=True)
-        dcp.save(tensors, storage_writer=_storage.DiagnosingWriter(tmp), process_group=group,
-                 no_dist=not distributed, planner=planner)
-    except BaseException as error:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(error, CheckpointException):
-            raise _dcp_error(error, "write", tmp) from error
-        raise
-
-
-def _dcp_error(error: CheckpointException, action: str, path: str) -> RuntimeError:
-    """DCP's ``CheckpointException`` (a ``BaseException``) as a ``RuntimeError`` naming each failed rank."""
-    failures = "; ".join(f"rank {rank}: {type(pair[0]).__name__}: {pair[0]}"
-                         for rank, pair in sorted(error.failures.items()))
-    return RuntimeError(f"Could not {action} checkpoint {path!r}: {failures}")
 
 
 def _rank0_step(step: Callable[[], None], distributed: bool, rank: int, group: Any, what: str) -> None:

@@ -9,9 +9,9 @@ from collections.abc import Callable
 from typing import Any, Literal, overload
 
 import torch
-import torch.distributed as dist
 
-from meshfit._storage import atomic_write_json
+from meshfit._storage import atomic_write_json, remove_tree
+from meshfit.distribute import current_world
 from meshfit.train import _storage
 from meshfit.train._backup import restore_newest_intact
 from meshfit.train._checkpoint import Checkpoint, _wait_for_pending_save
@@ -171,7 +171,7 @@ class CheckpointManager:
                 f"under a new number (save() with no number uses {max(self._next_number, number + 1)}), or "
                 "remove that checkpoint first if it is really meant to be replaced.")
         self._next_number = max(self._next_number, number + 1)
-        return self._checkpoint._save(path, async_save=async_save, on_commit=self._record)
+        return self._checkpoint.save(path, async_save=async_save, on_commit=self._record)
 
     def restore_or_initialize(self) -> str | None:
         """Restore the latest checkpoint if there is one (collective).
@@ -189,7 +189,7 @@ class CheckpointManager:
         candidates = self.checkpoints
         if not candidates:
             return None
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        rank = self._rank()
         restored = restore_newest_intact(self._checkpoint, candidates, is_chief=rank == 0)
         if restored is None:
             self._checkpoint.restore(candidates[-1])  # raises the newest one's error
@@ -216,9 +216,14 @@ class CheckpointManager:
             raise ValueError(f"Invalid `{source}`: expected a non-negative int, received {value!r}.")
         return value
 
+    def _rank(self) -> int:
+        """This process's rank in the job the checkpoint saves in (its `World`)."""
+        world = self._checkpoint.world
+        return (world if world is not None else current_world()).rank
+
     def _record(self, path: str) -> None:
         """After ``path`` is complete on every rank: remember it, prune, write the state file."""
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        rank = self._rank()
         with self._lock:
             self._kept = [p for p in self._kept if p != path] + [path]
             doomed: list[str] = []
@@ -231,7 +236,7 @@ class CheckpointManager:
         for old in doomed:
             # In the foreground: a checkpoint is a few files (one per writing rank), so unlinking them
             # is cheap, and a caller listing the folder after save() returns sees only kept checkpoints.
-            _best_effort(lambda old=old: _storage.remove_tree(old),
+            _best_effort(lambda old=old: remove_tree(old),
                          f"delete old checkpoint {old!r}")
         state = {"latest_checkpoint": os.path.basename(path),
                  "all_checkpoints": [os.path.basename(p) for p in kept]}
