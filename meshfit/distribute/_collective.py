@@ -84,7 +84,8 @@ def join_world(options: CommunicationOptions, rank: int, world_size: int, master
         names = names or [f"rank {r}" for r in range(world_size)]
         agreed = {"backend": backend, "timeout_seconds": float(options.timeout_seconds),
                   "heartbeat_timeout_seconds": options.heartbeat_timeout_seconds, **(settings or {})}
-        store, hosting = form_rendezvous(rank, world_size, master, own_host, backend, timeout, names, agreed)
+        store, hosting, names = form_rendezvous(rank, world_size, master, own_host, backend, timeout, names,
+                                                agreed)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         owns = True
     device = torch.device("cpu")

@@ -157,15 +157,18 @@ def client_for(store: Any, timeout: timedelta) -> Any:
 
 
 def form_rendezvous(rank: int, world_size: int, master: tuple[str, int], own_host: str | None, backend: str,
-                    timeout: timedelta, names: list[str], settings: Mapping[str, Any]) -> tuple[Any, bool]:
+                    timeout: timedelta, names: list[str], settings: Mapping[str, Any]
+                    ) -> tuple[Any, bool, list[str]]:
     """Open the rendezvous store (hosting it on rank 0) and check the workers agree.
 
     Under torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``) the agent already hosts the store at
-    ``master`` and every worker is a client.
+    ``master`` and every worker is a client. A worker whose address the cluster does not list
+    (``own_host`` None: torchrun's or SLURM's variables name rank 0 only) tells the others where it
+    runs, so that messages about it name its machine, as they do under ``TF_CONFIG``.
 
     Returns:
-        ``(store, hosting)``: the store for ``init_process_group(store=...)``, and whether this
-        process hosts it.
+        ``(store, hosting, names)``: the store for ``init_process_group(store=...)``, whether this
+        process hosts it, and each rank's description completed with its address.
     """
     host, port = master
     master_ip = resolve(host, f"The rendezvous address of rank 0 ({names[0]})")
@@ -181,9 +184,19 @@ def form_rendezvous(rank: int, world_size: int, master: tuple[str, int], own_hos
         store = connect_store(master_ip, port, world_size, timeout, names[rank], whom)
     if agent:  # the agent's store outlives restarts: keep each round's keys apart
         store = dist.PrefixStore(f"meshfit/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    mine = names[rank] if own_host else f"{names[rank]} at {_whereabouts(master_ip)}"
+    store.set(f"{_KEY}/names/{rank}", mine)  # before the settings: a peer that read those finds it
     agree_at_start(store, rank, world_size, {**settings, "world_size": world_size,
                                              "rendezvous": _endpoint(host, port)}, names, timeout)
-    return store, hosting
+    described = [mine if r == rank else store.get(f"{_KEY}/names/{r}").decode(errors="replace")[:200]
+                 for r in range(world_size)]
+    return store, hosting, described
+
+
+def _whereabouts(master_ip: str) -> str:
+    """This worker's address as rank 0 sees it (the source of the route to it), host name and pid."""
+    ip = route_source(master_ip) or "?"
+    return f"{ip} ({socket.gethostname()}, pid {os.getpid()})"
 
 
 def store_host_rank(store: Any, hosting: bool) -> int | None:
