@@ -44,7 +44,6 @@ from meshfit.distribute._scope import current_scope_strategy, is_default_strateg
 # not an attribute of the tensor, which must stay picklable)
 _OWNER = WeakIdKeyDictionary()
 # per scope entry: the tensors created in it, to broadcast when it exits
-_LABEL = WeakIdKeyDictionary()  # tensor -> how messages name it ("parameter '1.weight'")
 _CREATED: list[list[weakref.ref]] = []
 _HOOKS: list[Any] = []
 _BATCH_AXIS = "batch"
@@ -62,8 +61,8 @@ def _on_registration(module: torch.nn.Module, name: str, tensor: Any) -> None:
     strategy = current_scope_strategy()
     if strategy is not None and isinstance(tensor, torch.Tensor):
         _record(tensor, strategy)
-        if tensor not in _LABEL:
-            _LABEL[tensor] = f"{name!r} of a {type(module).__name__}"
+        if not hasattr(tensor, "_meshfit_label"):  # how messages name it; `adopt` names it better
+            tensor._meshfit_label = f"{name!r} of a {type(module).__name__}"
 
 
 @contextlib.contextmanager
@@ -95,7 +94,7 @@ def adopt(module: torch.nn.Module, strategy: Any) -> None:
     for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
         for name, tensor in named:
             _record(tensor, strategy)
-            _LABEL[tensor] = f"{kind} {name!r}"
+            tensor._meshfit_label = f"{kind} {name!r}"
 
 
 def owner_of(tensor: torch.Tensor) -> Any:
@@ -114,7 +113,7 @@ def broadcast_initial_values(tensors: Iterable[torch.Tensor], strategy: Any) -> 
         return
     # Tensors of other sizes on another worker would abort gloo: name the first difference instead.
     agree_on_tensors(strategy.all_gather_object,
-                     describe([(_LABEL.get(t, f"tensor #{i + 1}"), t) for i, t in enumerate(pending)]),
+                     describe([(getattr(t, "_meshfit_label", f"tensor #{i + 1}"), t) for i, t in enumerate(pending)]),
                      "models in strategy.scope()", "Build the same model on every worker.")
     with torch.no_grad():
         for group in _by_dtype(pending):
