@@ -86,6 +86,23 @@ def test_dead_peer_in_a_custom_loop_is_named(tmp_path):
     assert "PeerFailureError" in output, output  # raised from strategy.run / reduce, not a raw gloo error
 
 
+def test_under_torchrun_variables_a_dead_peer_is_named_with_its_address(tmp_path):
+    # torchrun's variables name rank 0's address only: the workers tell each other theirs at rendezvous.
+    (port,) = free_ports(1)
+    out = str(tmp_path / "out")
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    procs = [start([CUSTOM, "--kill-rank", "1", "--out", out], child_env(RANK=str(r), LOCAL_RANK=str(r), **env))
+             for r in (0, 1)]
+    try:
+        code, output = finish(procs[0], timeout=120)
+    finally:
+        kill_group(procs[1])
+        finish(procs[1], timeout=30)
+    assert code != 0, output
+    victim_pid = procs[1].pid
+    assert re.search(rf"Worker 1 stopped \(worker 1 at 127\.0\.0\.1 \([^,]+, pid {victim_pid}\)\)", output), output
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", [0, 1], ids=["chief", "worker"])
 def test_frozen_peer_in_a_custom_loop_is_named(tmp_path, victim):

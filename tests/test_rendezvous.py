@@ -82,6 +82,20 @@ def test_a_duplicate_task_index_fails_at_once(tmp_path):
     assert all(code != 0 for code, _ in results), results
 
 
+def test_two_workers_given_index_0_both_fail_within_seconds_naming_it(tmp_path):
+    # The second claimant cannot listen on rank 0's address; it finds this job's rank 0 there and says
+    # so to it, which would otherwise wait out the rendezvous timeout (300 s) for a worker 1.
+    ports = free_ports(2)
+    args = [CUSTOM, "--out", str(tmp_path), "--steps", "5"]
+    procs = [start(args, child_env(TF_CONFIG=tf_config(ports, 0))) for _ in range(2)]
+    started = time.monotonic()
+    results = [finish(p, timeout=120) for p in procs]
+    assert time.monotonic() - started < 30  # the start itself is slow under load; not the 300 s timeout
+    for code, output in results:
+        assert code != 0, output
+        assert f"two workers were started as rank 0 (worker 0 at 127.0.0.1:{ports[0]})" in output, output
+
+
 def test_an_unresolvable_host_is_named(tmp_path):
     ports = free_ports(2)
     workers = [f"no-such-host.invalid:{ports[0]}", f"127.0.0.1:{ports[1]}"]

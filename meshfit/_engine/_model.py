@@ -24,7 +24,7 @@ from meshfit._engine._loop import TrainingLoop, resolve_verbose
 from meshfit._engine._model_weights import WeightsMixin
 from meshfit._engine._state import LoopState
 from meshfit._validation import check_bool, non_negative_int, positive_int
-from meshfit.callbacks import CallbackList, CheckpointSaver, announce_quiet_worker
+from meshfit.callbacks import CallbackList, announce_quiet_worker, checkpoint_settings
 from meshfit.data import batch_size_of, unpack_batch
 from meshfit.distribute import (
     Placement,
@@ -275,7 +275,7 @@ class Model(WeightsMixin):
                 # value, instead of as a hang or a raw collective error several steps later.
                 agree_on_settings(self.strategy, {
                     "steps_per_epoch": data.steps, "epochs": epochs, "initial_epoch": initial_epoch,
-                    "checkpoint policies": [repr(c.policy) for c in cbs if isinstance(c, CheckpointSaver)],
+                    **checkpoint_settings(cbs),
                     "communication_options": repr(getattr(self.strategy, "communication_options", None))}, "fit")
                 loop = TrainingLoop(self, data, cbs, counters=self.loop_state)
                 loop.run(epochs=epochs, initial_epoch=initial_epoch, validate=validate)

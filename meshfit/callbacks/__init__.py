@@ -4,6 +4,7 @@ from meshfit.callbacks._backup_and_restore import BackupAndRestore
 from meshfit.callbacks._callback import Callback
 from meshfit.callbacks._callback_list import CallbackList
 from meshfit.callbacks._checkpoint_saver import CheckpointSaver, SavePolicy
+from meshfit.callbacks._checkpoint_saver import checkpoint_settings as checkpoint_settings  # a seam (fit)
 from meshfit.callbacks._csv_logger import CSVLogger
 from meshfit.callbacks._early_stopping import EarlyStopping
 from meshfit.callbacks._history import History

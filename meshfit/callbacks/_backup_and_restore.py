@@ -43,6 +43,9 @@ class BackupAndRestore(CheckpointSaver):
         self.backup_dir = self.directory
         self.delete_checkpoint = self.delete_on_end
 
+    def agreed_settings(self) -> dict[str, object]:
+        return {"save_freq": self.save_freq, "async_save": self.async_save, "delete_checkpoint": self.delete_checkpoint}
+
     def on_train_begin(self, logs: dict | None = None) -> None:
         if not hasattr(self.loop.data.source, "view"):
             warnings.warn("BackupAndRestore: the input is a torch DataLoader or another iterable; a resume "

@@ -103,6 +103,11 @@ class CheckpointSaver(Callback):
         self._checked_at = 0  # the step count at the previous batch end
         self._last_save_time = time.monotonic()
 
+    def agreed_settings(self) -> dict[str, Any]:
+        """The arguments every worker must pass alike, by the user's argument names (compared by ``fit``)."""
+        return {"policy": self.policy, "async_save": self.async_save, "max_to_keep": self.max_to_keep,
+                "checkpoint_name": self.checkpoint_name, "delete_on_end": self.delete_on_end}
+
     @property
     def handles_preemption(self) -> bool:
         return self.policy.on_preemption
@@ -196,6 +201,18 @@ class CheckpointSaver(Callback):
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending.result()
+
+
+def checkpoint_settings(callbacks: Any) -> dict[str, Any]:
+    """The checkpoint callbacks' settings that must agree between workers, for ``agree_on_settings``:
+    each callback's policy, and each of its arguments by name (``BackupAndRestore's async_save``), so
+    that a mismatch names the argument to fix rather than failing later in a collective save."""
+    savers = [c for c in callbacks if isinstance(c, CheckpointSaver)]
+    settings: dict[str, Any] = {"checkpoint policies": [repr(c.policy) for c in savers]}
+    for index, saver in enumerate(savers):
+        owner = type(saver).__name__ + (f" #{index + 1}" if len(savers) > 1 else "")
+        settings.update({f"{owner}'s {name}": value for name, value in saver.agreed_settings().items()})
+    return settings
 
 
 def delete_checkpoints(directory: str, checkpoint_name: str = "ckpt") -> None:

@@ -32,6 +32,9 @@ def parse_address(address: object, field: str, source: str) -> tuple[str, int]:
                              f"brackets. {fix}")
     if not host:
         raise ValueError(f"Invalid {source}: {field}={address!r} has an empty host. {fix}")
+    if any(c.isspace() or not c.isprintable() for c in host):
+        raise ValueError(f"Invalid {source}: {field}={address!r} has a host with spaces or control "
+                         f"characters ({host!r}), which no machine is named. {fix}")
     if not (port_text.isascii() and port_text.isdigit()) or not 1 <= int(port_text) <= 65535:
         raise ValueError(f"Invalid {source}: {field}={address!r} has port {port_text!r}, which is not a "
                          f"number in 1..65535. {fix}")

@@ -62,4 +62,4 @@ class Prefetcher:
     def close(self) -> None:
         """Stop the thread and drop what it had made."""
         self._stop.set()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=60)  # never left running into interpreter shutdown inside a torch op

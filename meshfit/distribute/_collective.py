@@ -29,6 +29,7 @@ from meshfit.cluster import (
 from meshfit.distribute._gradient_sync import DataParallelSync, ReplicatedSync
 from meshfit.distribute._gradient_weight import GradientWeight, weighted_allreduce_hook
 from meshfit.distribute._heartbeat import Heartbeat, PeerFailureError
+from meshfit.distribute._model_agreement import agree_on_tensors, module_entries
 from meshfit.distribute._placement import Placement
 from meshfit.distribute._rendezvous import client_for, form_rendezvous, store_host_rank
 from meshfit.distribute._scope import clear_process_world, process_world, set_process_world
@@ -84,7 +85,8 @@ def join_world(options: CommunicationOptions, rank: int, world_size: int, master
         names = names or [f"rank {r}" for r in range(world_size)]
         agreed = {"backend": backend, "timeout_seconds": float(options.timeout_seconds),
                   "heartbeat_timeout_seconds": options.heartbeat_timeout_seconds, **(settings or {})}
-        store, hosting = form_rendezvous(rank, world_size, master, own_host, backend, timeout, names, agreed)
+        store, hosting, names = form_rendezvous(rank, world_size, master, own_host, backend, timeout, names,
+                                                agreed)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         owns = True
     device = torch.device("cpu")
@@ -231,6 +233,9 @@ class CollectiveStrategy(Strategy):
     def setup_module(self, module: torch.nn.Module, jit_compile: bool = False) -> Placement:
         """Move ``module`` to this replica's device, compile it if asked, wrap it in DDP with a
         batch-weighting hook (`DataParallelSync`)."""
+        if self._distributed:  # other shapes on another worker would abort gloo in DDP's first broadcast
+            agree_on_tensors(self.all_gather_object, module_entries(module), "models",
+                             "Build the same model on every worker.")
         source = module
         module = compiled(module.to(self._device), jit_compile)
         if not self._distributed or not any(p.requires_grad for p in module.parameters()):

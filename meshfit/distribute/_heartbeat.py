@@ -84,7 +84,8 @@ class Heartbeat:
         self._timeout = float(timeout)
         self._interval = interval or max(0.2, min(1.0, self._timeout / 5))
         self._request_timeout = max(1.0, self._timeout / 2)
-        self._store = _BoundedStore(connect, self._request_timeout)
+        self._stores: list[_BoundedStore] = []  # every connection's thread, joined by `stop`
+        self._store = self._new_store()
         self._state = failure_state
         self._secret = secret
         self._names = list(names) if names is not None else [f"rank {r}" for r in range(world_size)]
@@ -99,6 +100,11 @@ class Heartbeat:
         self._peers = {p: _Peer(now) for p in range(world_size) if p != rank}
         self._thread = threading.Thread(target=self._run, daemon=True, name="meshfit-heartbeat")
         self._thread.start()
+
+    def _new_store(self) -> _BoundedStore:
+        self._stores = [s for s in self._stores if s.alive()]
+        self._stores.append(_BoundedStore(self._connect, self._request_timeout))
+        return self._stores[-1]
 
     # ---- keys ---------------------------------------------------------------------------------
     def _mac(self, rank: int, what: str) -> str:
@@ -172,7 +178,10 @@ class Heartbeat:
                         declared_at = now
                         break
             except Exception as error:  # the store did not answer, or not in time
-                self._store = _BoundedStore(self._connect, self._request_timeout)  # a fresh connection
+                self._store.close()  # its thread ends once the request it is stuck in returns
+                if self._stop.is_set():
+                    return
+                self._store = self._new_store()  # a fresh connection
                 silent = time.monotonic() - last_answer
                 if self._stop.is_set() or declared_at is not None or silent < self._timeout:
                     continue
@@ -245,10 +254,21 @@ class Heartbeat:
         if wait_for_peers > 0 and self.failure is None:
             self._wait_for_peers(wait_for_peers)
         self._stop.set()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=self._request_timeout + self._interval + 1)
         if self.failure is None:
+            if self._store.closed:  # the watchdog dropped it as it stopped
+                self._store = self._new_store()
             with contextlib.suppress(Exception):  # the store may be gone already: nothing to tell
                 self._store.call(lambda store: store.set(self._left_key(self._rank), "1"))
+        # No thread of ours may be inside a store request when the interpreter finalises: a request
+        # returning then ends its thread by pthread_exit, whose unwinding through torch's C++ aborts
+        # the process ("terminate called without an active exception", exit code -6). A request to a
+        # live store returns within moments; one to a frozen store never returns, which is harmless.
+        deadline = time.monotonic() + (self._timeout if self.failure is None else 1.0)
+        for store in self._stores:
+            store.close()
+        for store in self._stores:
+            store.join(max(0.0, deadline - time.monotonic()))
 
     def _wait_for_peers(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -282,12 +302,28 @@ class _BoundedStore:
     def __init__(self, connect: Callable[[], Any], seconds: float) -> None:
         self._connect, self._seconds = connect, seconds
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._serve, daemon=True, name="meshfit-heartbeat-store").start()
+        self.closed = False
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="meshfit-heartbeat-store")
+        self._thread.start()
+
+    def close(self) -> None:
+        """End the thread (and drop its connection) after the requests already queued."""
+        self.closed = True
+        self._jobs.put(None)
+
+    def join(self, seconds: float) -> None:
+        self._thread.join(seconds)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def _serve(self) -> None:
         store = None
         while True:
-            job, box, done = self._jobs.get()
+            item = self._jobs.get()
+            if item is None:
+                return
+            job, box, done = item
             try:
                 if store is None:
                     store = self._connect()

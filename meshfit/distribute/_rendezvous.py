@@ -14,6 +14,7 @@ meshfit's configured timeout (`World.new_group`), never torch's 30-minute defaul
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import ipaddress
 import json
@@ -30,6 +31,7 @@ import torch.distributed as dist
 
 _KEY = "meshfit/rendezvous"
 _WAIT_MESSAGE_EVERY = 5.0
+_PROBE_SECONDS = 5.0  # how long a worker that found rank 0's address taken looks for this job's rank 0 there
 _SIOCGIFADDR = 0x8915
 
 
@@ -157,15 +159,18 @@ def client_for(store: Any, timeout: timedelta) -> Any:
 
 
 def form_rendezvous(rank: int, world_size: int, master: tuple[str, int], own_host: str | None, backend: str,
-                    timeout: timedelta, names: list[str], settings: Mapping[str, Any]) -> tuple[Any, bool]:
+                    timeout: timedelta, names: list[str], settings: Mapping[str, Any]
+                    ) -> tuple[Any, bool, list[str]]:
     """Open the rendezvous store (hosting it on rank 0) and check the workers agree.
 
     Under torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``) the agent already hosts the store at
-    ``master`` and every worker is a client.
+    ``master`` and every worker is a client. A worker whose address the cluster does not list
+    (``own_host`` None: torchrun's or SLURM's variables name rank 0 only) tells the others where it
+    runs, so that messages about it name its machine, as they do under ``TF_CONFIG``.
 
     Returns:
-        ``(store, hosting)``: the store for ``init_process_group(store=...)``, and whether this
-        process hosts it.
+        ``(store, hosting, names)``: the store for ``init_process_group(store=...)``, whether this
+        process hosts it, and each rank's description completed with its address.
     """
     host, port = master
     master_ip = resolve(host, f"The rendezvous address of rank 0 ({names[0]})")
@@ -175,15 +180,50 @@ def form_rendezvous(rank: int, world_size: int, master: tuple[str, int], own_hos
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     hosting = rank == 0 and not agent
     if hosting:
-        store = host_store(master_ip, port, world_size, timeout)
+        try:
+            store = host_store(master_ip, port, world_size, timeout)
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                _refuse_a_second_rank_0(master_ip, port, world_size, settings, names)
+            raise
     else:
         whom = "torchrun's rendezvous store" if agent else f"{names[0]}, which hosts the rendezvous store"
         store = connect_store(master_ip, port, world_size, timeout, names[rank], whom)
     if agent:  # the agent's store outlives restarts: keep each round's keys apart
         store = dist.PrefixStore(f"meshfit/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    mine = names[rank] if own_host else f"{names[rank]} at {_whereabouts(master_ip)}"
+    store.set(f"{_KEY}/names/{rank}", mine)  # before the settings: a peer that read those finds it
     agree_at_start(store, rank, world_size, {**settings, "world_size": world_size,
                                              "rendezvous": _endpoint(host, port)}, names, timeout)
-    return store, hosting
+    described = [mine if r == rank else store.get(f"{_KEY}/names/{r}").decode(errors="replace")[:200]
+                 for r in range(world_size)]
+    return store, hosting, described
+
+
+def _whereabouts(master_ip: str) -> str:
+    """This worker's address as rank 0 sees it (the source of the route to it), host name and pid."""
+    ip = route_source(master_ip) or "?"
+    return f"{ip} ({socket.gethostname()}, pid {os.getpid()})"
+
+
+def _refuse_a_second_rank_0(ip: str, port: int, world_size: int, settings: Mapping[str, Any],
+                            names: list[str]) -> None:
+    """Rank 0's address is taken: if by this job's rank 0 (two workers given its index), say so to both.
+
+    The address holds a meshfit rendezvous of this cluster when its rank 0 posted the same list of
+    training tasks; then this worker posts the abort that rank 0 and the others read while they wait,
+    and raises. Anything else (another program, another job) returns: the caller reports the port.
+    """
+    try:
+        store = dist.TCPStore(ip, port, world_size, False, timedelta(seconds=_PROBE_SECONDS))
+        store.wait([f"{_KEY}/settings/0"], timedelta(seconds=_PROBE_SECONDS))
+        theirs = json.loads(store.get(f"{_KEY}/settings/0"))
+    except (dist.DistError, RuntimeError, OSError, ValueError):
+        return
+    if theirs.get("training_tasks") != settings.get("training_tasks") or theirs.get("world_size") != world_size:
+        return
+    _abort(store, f"two workers were started as rank 0 ({names[0]}): each task needs its own task index in "
+                  "TF_CONFIG (or RANK)")
 
 
 def store_host_rank(store: Any, hosting: bool) -> int | None:

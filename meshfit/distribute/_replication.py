@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.nn.parameter import is_lazy
 from torch.utils.weak import WeakIdKeyDictionary
 
+from meshfit.distribute._model_agreement import agree_on_tensors, describe
 from meshfit.distribute._placement import take_reduced
 from meshfit.distribute._scope import current_scope_strategy, is_default_strategy, process_world
 
@@ -60,6 +61,8 @@ def _on_registration(module: torch.nn.Module, name: str, tensor: Any) -> None:
     strategy = current_scope_strategy()
     if strategy is not None and isinstance(tensor, torch.Tensor):
         _record(tensor, strategy)
+        if not hasattr(tensor, "_meshfit_label"):  # how messages name it; `adopt` names it better
+            tensor._meshfit_label = f"{name!r} of a {type(module).__name__}"
 
 
 @contextlib.contextmanager
@@ -88,8 +91,10 @@ def tracking_scope(strategy: Any) -> Iterator[None]:
 
 def adopt(module: torch.nn.Module, strategy: Any) -> None:
     """Record ``module``'s parameters and buffers as ``strategy``'s (``Model(module)`` in a scope)."""
-    for tensor in [*module.parameters(), *module.buffers()]:
-        _record(tensor, strategy)
+    for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+        for name, tensor in named:
+            _record(tensor, strategy)
+            tensor._meshfit_label = f"{kind} {name!r}"
 
 
 def owner_of(tensor: torch.Tensor) -> Any:
@@ -106,6 +111,10 @@ def broadcast_initial_values(tensors: Iterable[torch.Tensor], strategy: Any) -> 
                and not _is_dtensor(t)]
     if not pending:
         return
+    # Tensors of other sizes on another worker would abort gloo: name the first difference instead.
+    agree_on_tensors(strategy.all_gather_object,
+                     describe([(getattr(t, "_meshfit_label", f"tensor #{i + 1}"), t) for i, t in enumerate(pending)]),
+                     "models in strategy.scope()", "Build the same model on every worker.")
     with torch.no_grad():
         for group in _by_dtype(pending):
             flat = torch.cat([t.detach().reshape(-1).to("cpu") for t in group])

@@ -8,8 +8,10 @@ examples each rank trained on to ``<out>/seen-<rank>-<restart>.txt``.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -108,7 +110,12 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--heartbeat", type=float, default=4.0)
     parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument("--report-threads", action="store_true",
+                        help="print the meshfit threads still alive after every other exit handler")
     args = parser.parse_args()
+    if args.report_threads:  # registered first, so it runs last
+        atexit.register(lambda: print("meshfit threads at exit: " + repr(sorted(
+            t.name for t in threading.enumerate() if t.name.startswith("meshfit-"))), flush=True))
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
     options = mf.CommunicationOptions(heartbeat_timeout_seconds=args.heartbeat)
