@@ -6,6 +6,7 @@ is all the state a resume needs, because every batch can be computed from it dir
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +27,10 @@ from meshfit.data import (
     to_tensor,
 )
 from meshfit.distribute import DistributedDataset, InputContext
+
+
+class EndOfData(Exception):
+    """Data of unknown length (a ``DataLoader`` over an ``IterableDataset``) ran out in this pass."""
 
 
 def _is_array_like(x: Any) -> bool:
@@ -67,9 +72,20 @@ class _StreamSource:
     def _read(self, index: int, pass_index: int) -> tuple[Any, int]:
         if self._iterator is None or self._at != (pass_index, index):
             self._iterator, skip = iter(self.loader), index
-            for _ in range(skip):
-                next(self._iterator)
-        element = to_tensor(next(self._iterator))
+            try:
+                for _ in range(skip):
+                    next(self._iterator)
+                element = next(self._iterator)
+            except StopIteration:
+                self._iterator, self._at = None, (-1, -1)
+                raise EndOfData from None
+        else:
+            try:
+                element = next(self._iterator)
+            except StopIteration:
+                self._iterator, self._at = None, (-1, -1)
+                raise EndOfData from None
+        element = to_tensor(element)
         if isinstance(element, list):
             element = tuple(element)
         self._at = (pass_index, index + 1)
@@ -89,15 +105,21 @@ class DataHandler:
     Args:
         x, y, sample_weight: the user's input, as ``Model.fit`` takes it.
         batch_size: global batch size for array inputs (default 32).
-        steps: steps per epoch (``steps_per_epoch``/``steps``); required for infinite data.
+        steps: steps per epoch (``steps_per_epoch``/``steps``). As in Keras 3, an epoch also ends
+            where the pass over finite data ends (the next epoch starts a new pass); without it an
+            epoch is one pass, however long (data of unknown length runs until it ends).
         shuffle: shuffle array inputs every epoch (``"batch"``: whole batches).
         strategy: the strategy whose replica this is.
         argument: the name of the steps argument, for error messages.
+        unbounded_ok: infinite data without ``steps`` is one endless epoch (Keras allows it in ``fit``;
+            meshfit when a callback may stop training).
     """
 
     def __init__(self, x: Any, y: Any, sample_weight: Any, batch_size: int | None, steps: int | None,
-                 shuffle: bool, strategy: DistributionStrategy, argument: str = "steps_per_epoch") -> None:
+                 shuffle: bool, strategy: DistributionStrategy, argument: str = "steps_per_epoch",
+                 unbounded_ok: bool = False) -> None:
         self.strategy = strategy
+        self._argument = argument
         # Like a fresh tf.data iterator, each fit() on the same dataset object starts a new pass
         # (reshuffled) instead of replaying the batches the previous call trained on.
         training = argument == "steps_per_epoch"
@@ -106,13 +128,17 @@ class DataHandler:
         length = self.source.length()
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0):
             raise ValueError(f"Invalid `{argument}`: expected a positive int or None, received {argument}={steps!r}.")
-        if steps is None and length is None:
+        if steps is None and length is None and not unbounded_ok and not isinstance(self.source, _StreamSource):
+            stop = " (or, in fit, a callback that stops training, such as EarlyStopping)" if training else ""
             raise ValueError(f"The input data is infinite (e.g. it ends with .repeat()), so `{argument}` must "
-                             f"be given: received {argument}=None. Pass the number of batches per epoch.")
+                             f"be given{stop}: received {argument}=None. Pass the number of batches per epoch.")
         if length == 0:
             raise ValueError("The input data is empty: it yields no batch.")
-        self.steps = steps if steps is not None else length
+        self.steps: int | None = steps if steps is not None else length  # None: until the data ends
+        self.steps_per_epoch = steps
         self._length = length
+        self.exhausted = False  # the pass of unknown length ended (EndOfData) in this epoch
+        self._warned = False
         self.pass_index, self.index = (self._origin._start_pass() if self._origin is not None else 0), 0
         self._check_same_length_everywhere(length, steps, argument)
         self._prefetcher: Prefetcher | None = None
@@ -135,7 +161,9 @@ class DataHandler:
             if len(lengths) != 1:
                 raise ValueError(f"Invalid input: x, y and sample_weight must have the same number of samples, "
                                  f"received lengths {sorted(lengths)}.")
-            dataset = Dataset.from_tensor_slices(parts if len(parts) > 1 else parts[0])
+            # Keras packs a list/tuple x alone as ``(x,)``: several inputs, not ``(x, y)``.
+            alone = len(parts) > 1 or isinstance(x, (list, tuple))
+            dataset = Dataset.from_tensor_slices(parts if alone else parts[0])
             dataset = batch_and_shuffle(dataset, lengths.pop(), batch_size or 32, shuffle,
                                         seed=_shuffle_seed() if shuffle else None)
             return self.strategy.experimental_distribute_dataset(dataset)
@@ -192,8 +220,49 @@ class DataHandler:
             index += offset
         return self.source.replica_batch(index, pass_index)
 
+    @property
+    def length_known(self) -> bool:
+        """Whether the data's batches per pass are known (False: a stream read until it ends)."""
+        return self._length is not None or not isinstance(self.source, _StreamSource)
+
+    def execution_size(self, step: int, steps_per_execution: int) -> int:
+        """How many steps the next execution of an epoch at ``step`` runs (Keras 3's rule).
+
+        At most ``steps_per_execution``, never past ``steps`` nor past the end of the pass: an
+        epoch ends where the pass ends, and the next epoch starts a new one. 0: the epoch is over.
+        Warns once when ``steps`` asked for more batches than the pass had left.
+        """
+        count = steps_per_execution if self.steps is None else min(steps_per_execution, self.steps - step)
+        if self._length is not None:
+            count = min(count, self._length - self.index)
+        if self.exhausted or (self._length is not None and self.index >= self._length):
+            self.ran_out(step)
+            return 0
+        return max(count, 0)
+
+    def ran_out(self, step: int) -> None:
+        """The pass ended at ``step`` of the epoch: warn once if ``steps`` wanted more (as Keras does)."""
+        if self.steps_per_epoch is not None and step < self.steps_per_epoch and not self._warned:
+            self._warned = True
+            warnings.warn("Your input ran out of data; the epoch ended early. Make sure that your data can "
+                          f"generate at least `{self._argument}` batches (the next epoch starts a new pass); "
+                          "you may need .repeat() on your dataset.", stacklevel=4)
+
+    def mark_exhausted(self) -> None:
+        """Another replica's data ended: this pass is over here too."""
+        self.exhausted = True
+
+    def start_epoch(self) -> None:
+        """An epoch begins: after a finished pass, a new one."""
+        self.pass_index, self.index = self._normalized()
+        self.exhausted = False
+
     def next_batch(self) -> tuple[Any, int]:
-        """This replica's next batch and the global batch size; advances the position."""
+        """This replica's next batch and the global batch size; advances the position.
+
+        Raises:
+            EndOfData: data of unknown length ended; the position moves to the next pass.
+        """
         self.pass_index, self.index = self._normalized()
         size = self.source.prefetch_size()
         if size:
@@ -202,7 +271,11 @@ class DataHandler:
                 self._prefetcher = Prefetcher(self._produce, 0, size)
             batch = self._prefetcher.get()
         else:
-            batch = self.source.replica_batch(self.index, self.pass_index)
+            try:
+                batch = self.source.replica_batch(self.index, self.pass_index)
+            except EndOfData:
+                self.exhausted = True
+                raise
         self.index += 1
         return batch
 
@@ -212,8 +285,11 @@ class DataHandler:
         return self.source.replica_batch(index, pass_index)[0]
 
     def end_epoch(self) -> None:
-        """Close the pass when an epoch is the whole data (no ``steps_per_epoch``)."""
-        if self._length is not None and self.steps == self._length:
+        """Close the pass when it ended in this epoch (the next epoch starts a new one, as in Keras 3);
+        an epoch that ended at ``steps`` inside the pass leaves the next epoch to continue it."""
+        if self.exhausted:
+            self.pass_index, self.index, self.exhausted = self.pass_index + 1, 0, False
+        else:
             self.pass_index, self.index = self._normalized()
 
     def close(self) -> None:

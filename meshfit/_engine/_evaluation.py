@@ -2,39 +2,72 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
-from meshfit._engine._step_logs import reduce_logs
+from meshfit._engine._executions import next_batch, steps_per_execution
+from meshfit._engine._step_logs import as_logs, merge_returned, reduce_logs
 from meshfit._protocols import CallbackListLike, Trainable
 from meshfit.data import batch_size_of, map_structure
 
 
 def evaluate(trainable: Trainable, data: Any, callbacks: Any) -> dict[str, float]:
-    """Loss and metrics over ``data`` (this replica's batches), reduced over all replicas."""
-    strategy = trainable.strategy
+    """Loss and metrics over ``data`` (this replica's batches), reduced over all replicas.
+
+    As Keras's ``evaluate``: a ``test_step`` override that returns a dict of its own (other names
+    than the logged metrics') makes that dict the result.
+    """
     module = trainable.module
     was_training = module.training
     trainable.reset_metrics()
     callbacks.on_test_begin()
     logs: dict[str, float] = {}
+    returned: Any = None
     try:
         module.eval()
         with torch.no_grad():
-            for step in range(data.steps):
-                callbacks.on_test_batch_begin(step)
-                strategy.check_alive()
-                batch, _ = data.next_batch()
-                if batch_size_of(batch):
-                    trainable.test_step(strategy.distribute_batch(batch))
+            for returned in _executions(trainable, data, callbacks.on_test_batch_begin, trainable.test_step,
+                                        empty_ok=False):
                 logs, _ = reduce_logs(trainable)
-                callbacks.on_test_batch_end(step, logs)
+                merge_returned(trainable, logs, returned[1])
+                callbacks.on_test_batch_end(returned[0], logs)
     finally:
         module.train(was_training)
+    if returned is not None and isinstance(returned[1], Mapping) and \
+            set(returned[1]) != {m.name for m in trainable.logged_metrics()}:
+        logs = as_logs(returned[1])
     callbacks.on_test_end(logs)
     return logs
+
+
+def _executions(trainable: Trainable, data: Any, on_begin: Callable[[int], None], step_fn: Callable[[Any], Any],
+                empty_ok: bool) -> Iterator[tuple[int, Any]]:
+    """Run ``step_fn`` over ``data`` in executions of ``steps_per_execution`` steps (Keras 3's
+    indices); yields ``(nominal end index, what the execution's last step returned)`` per execution."""
+    strategy, n, step = trainable.strategy, steps_per_execution(trainable), 0
+    while (count := data.execution_size(step, n)) > 0:
+        strategy.check_alive()
+        fetched = next_batch(trainable, data)
+        if fetched is None:
+            break
+        begin, returned = step, None
+        on_begin(begin)
+        for done in range(count):
+            if done:
+                strategy.check_alive()
+                fetched = next_batch(trainable, data)
+                if fetched is None:
+                    break
+            batch = fetched[0]
+            if empty_ok or batch_size_of(batch):
+                returned = step_fn(strategy.distribute_batch(batch))
+            step += 1
+        yield begin + n - 1, returned
+        if fetched is None:
+            break
 
 
 def predict(trainable: Trainable, data: Any, callbacks: CallbackListLike | Any) -> Any:
@@ -43,17 +76,18 @@ def predict(trainable: Trainable, data: Any, callbacks: CallbackListLike | Any) 
     module = trainable.module
     was_training = module.training
     outputs: list[Any] = []
+
+    def step_fn(batch: Any) -> Any:
+        out = trainable.predict_step(batch)
+        outputs.append(map_structure(lambda t: t.detach().cpu().numpy(), out))
+        return out
+
     callbacks.on_predict_begin()
     try:
         module.eval()
         with torch.no_grad():
-            for step in range(data.steps):
-                callbacks.on_predict_batch_begin(step)
-                strategy.check_alive()
-                batch, _ = data.next_batch()
-                out = trainable.predict_step(strategy.distribute_batch(batch))
-                outputs.append(map_structure(lambda t: t.detach().cpu().numpy(), out))
-                callbacks.on_predict_batch_end(step, {"outputs": out})
+            for end, out in _executions(trainable, data, callbacks.on_predict_batch_begin, step_fn, empty_ok=True):
+                callbacks.on_predict_batch_end(end, {"outputs": out})
     finally:
         module.train(was_training)
     callbacks.on_predict_end()

@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from meshfit._engine._executions import next_batch, steps_per_execution
 from meshfit._engine._preemption import PreemptionWatch
 from meshfit._engine._state import LoopState, RandomState
-from meshfit._engine._step_logs import agree, as_logs, reduce_logs
+from meshfit._engine._step_logs import agree, merge_returned, reduce_logs
 from meshfit._protocols import CallbackListLike, Stateful, Trainable
 from meshfit._runtime import PREEMPTED_EXIT_CODE, keep_freed_memory
 from meshfit.data import batch_size_of
@@ -156,16 +157,23 @@ class TrainingLoop:
                 epoch = counters.epoch
                 if counters.step == 0:
                     trainable.reset_metrics()
+                    self.data.start_epoch()
                 cbs.on_epoch_begin(epoch)
                 trainable.module.train()
                 stopped = False
-                while counters.step < self.data.steps and not self._reached(until_step):
-                    logs, stopped = self._train_steps(batch_logs, until_step)
-                    if stopped:
+                while not stopped and not self._reached(until_step):
+                    count = self.data.execution_size(counters.step, steps_per_execution(trainable))
+                    if until_step is not None:
+                        count = min(count, until_step - counters.iterations)
+                    if count <= 0:
                         break
-                if counters.step < self.data.steps and not stopped:
+                    logs, stopped = self._train_steps(batch_logs, count, logs)
+                ended = self.data.exhausted
+                if not stopped and self.data.execution_size(counters.step, 1) > 0:
                     break  # until_step reached inside the epoch: no epoch end
                 epoch_logs = self._end_epoch(epoch, logs, validate)
+                if ended and epochs is None:
+                    break  # the Estimator trains until its input ends
             cbs.on_train_end(epoch_logs or logs)
             self.strategy.barrier()
         finally:
@@ -179,28 +187,36 @@ class TrainingLoop:
     def _reached(self, until_step: int | None) -> bool:
         return until_step is not None and self.counters.iterations >= until_step
 
-    def _train_steps(self, batch_logs: bool, until_step: int | None) -> tuple[dict[str, float], bool]:
-        """One execution: ``steps_per_execution`` steps (fewer at an epoch's end or ``until_step``)
-        between two batch-callback calls; returns the logs and whether every replica agreed to stop."""
+    def _train_steps(self, batch_logs: bool, count: int,
+                     logs: dict[str, float]) -> tuple[dict[str, float], bool]:
+        """One execution: up to ``count`` steps between two batch-callback calls (fewer where data of
+        unknown length ends); returns the logs and whether every replica agreed to stop."""
         trainable, strategy, counters, cbs = self.trainable, self.strategy, self.counters, self.callbacks
-        count = min(getattr(trainable, "steps_per_execution", 1), self.data.steps - counters.step)
-        if until_step is not None:
-            count = min(count, until_step - counters.iterations)
-        cbs.on_train_batch_begin(counters.step)
-        for _ in range(count):
-            strategy.check_alive()
-            batch, global_size = self.data.next_batch()
+        strategy.check_alive()
+        fetched = next_batch(trainable, self.data)
+        if fetched is None:
+            return logs, False  # the data ended before this execution: Keras calls no hook for it
+        begin = counters.step
+        cbs.on_train_batch_begin(begin)
+        returned = None
+        for done in range(count):
+            if done:
+                strategy.check_alive()
+                fetched = next_batch(trainable, self.data)
+                if fetched is None:
+                    break
+            batch, global_size = fetched
             with strategy.batch_weight(batch_size_of(batch), global_size):
                 returned = trainable.train_step(strategy.distribute_batch(batch))
             counters.step += 1
             counters.iterations += 1
             strategy.failure.step = counters.iterations
-        step = counters.step - 1  # Keras gives the execution's last batch to on_train_batch_end
         logs, (preempt, stop) = reduce_logs(trainable, [float(self._preemption.requested),
                                                         float(trainable.stop_training)], with_metrics=batch_logs)
-        logs.update(as_logs(returned))
+        merge_returned(trainable, logs, returned)
         trainable.stop_training = stop > 0
-        cbs.on_train_batch_end(step, logs)
+        # Keras's nominal index: the execution's last step, also when it ran fewer.
+        cbs.on_train_batch_end(begin + steps_per_execution(trainable) - 1, logs)
         if preempt > 0:
             self._stop_for_preemption()
         # A stop asked for in on_train_batch_end reaches the other replicas with the next step's

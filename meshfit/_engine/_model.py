@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -23,6 +25,7 @@ from meshfit._engine._fit_arguments import (
 from meshfit._engine._loop import TrainingLoop, resolve_verbose
 from meshfit._engine._model_weights import WeightsMixin
 from meshfit._engine._state import LoopState
+from meshfit._engine._step_logs import MetricResults
 from meshfit._validation import check_bool, non_negative_int, positive_int
 from meshfit.callbacks import CallbackList, announce_quiet_worker, checkpoint_settings
 from meshfit.data import batch_size_of, unpack_batch
@@ -93,6 +96,7 @@ class Model(WeightsMixin):
         self.loop_state = LoopState()
         self.steps_per_execution = 1  # training steps between two batch-callback calls (compile's argument)
         self._input_example: Any = None  # one example of the batch built on, for summary()'s shapes
+        self._warned_untrainable = False  # once a fit: "The model does not have any trainable weights"
 
     # ---- compile -------------------------------------------------------------------------
     def compile(self, optimizer: Any = "rmsprop", loss: Any = None, metrics: list[Any] | None = None,
@@ -140,6 +144,8 @@ class Model(WeightsMixin):
 
     def saveable_parts(self) -> dict[str, Any]:
         """The model's own parts of a backup: the module's weights and the optimizer's state."""
+        if self.optimizer is not None and not self.optimizer.built:  # a module without parameters
+            return {"module": self.module}
         return {"module": self.module, "optimizer": self.optimizer}
 
     @property
@@ -171,20 +177,43 @@ class Model(WeightsMixin):
                 self.module.train(was_training)
             self.placement = self.strategy.setup_module(self.module, jit_compile=self.jit_compile)
         if self.optimizer is not None and not self.optimizer.built:  # also: compiled again after fit
-            self.optimizer.build(self.module.parameters())
+            params = list(self.module.parameters())
+            if params:  # nothing to optimise: no optimizer (train_step skips the update)
+                self.optimizer.build(params)
 
     # ---- steps (override these like Keras's train_step) ----------------------------------
-    def compute_loss(self, x: Any, y: Any, y_pred: Any, sample_weight: Any = None) -> torch.Tensor:
-        """The loss of one (per-replica) batch: the mean over its examples."""
+    def compute_loss(self, x: Any = None, y: Any = None, y_pred: Any = None, sample_weight: Any = None,
+                     training: bool = True) -> torch.Tensor:
+        """The loss of one (per-replica) batch: the mean over its examples (Keras's helper).
+
+        Like Keras 3's, it computes the loss only; the step updates the loss tracker.
+        """
+        if self.loss is None:
+            raise ValueError("No loss to compute. Provide a `loss` argument in `compile()`.")
         return self.loss(y, y_pred, sample_weight=sample_weight)
 
-    def train_step(self, data: Any) -> dict[str, Any] | None:
-        """One optimisation step on this replica's batch; updates the metrics.
+    def compute_metrics(self, x: Any, y: Any, y_pred: Any, sample_weight: Any = None) -> Mapping[str, Any]:
+        """Update the compiled metrics with one batch; returns `get_metrics_result()` (Keras's helper)."""
+        if y is not None:
+            y_pred = y_pred.detach()
+            for metric in self._compiled_metrics:
+                metric.update_state(y, y_pred, sample_weight=sample_weight)
+        return self.get_metrics_result()
+
+    def get_metrics_result(self) -> Mapping[str, Any]:
+        """``{name: result}`` of the logged metrics on this replica (``fit`` logs them reduced over all)."""
+        return MetricResults(self.logged_metrics())
+
+    def train_step(self, data: Any) -> Mapping[str, Any] | None:
+        """One optimisation step on this replica's batch; updates the metrics and returns their results.
 
         Override it as in Keras (``y_pred = self(x)`` runs the strategy-wrapped module while
-        training). A returned dict is merged into the step's logs.
+        training; ``self.compute_loss`` / ``self.compute_metrics`` as Keras's). A returned dict with
+        other names than the metrics' is logged as it is.
         """
         x, y, sample_weight = unpack_batch(data)
+        if not any(p.requires_grad for p in self.module.parameters()):
+            return self._forward_only_step(x, y, sample_weight)
         # Freed, as Keras leaves an unused variable's gradient None (the optimizer skips it); the
         # re-allocation costs no page faults because training keeps freed memory in the heap
         # (meshfit/_runtime/_allocator.py).
@@ -196,34 +225,42 @@ class Model(WeightsMixin):
                 # gradient all-reduce (with zeros), so that every replica takes the same step.
                 (y_pred.sum() * 0.0).backward()
                 self.optimizer.step()
-                return
+                return None
             loss = self.compute_loss(x, y, y_pred, sample_weight)
         loss.backward()
         self.optimizer.step()
-        self._update_metrics(loss, x, y, y_pred, sample_weight)
-        return None
+        self._loss_tracker.update_state(loss.detach(), sample_weight=batch_size_of(y_pred))
+        return self.compute_metrics(x, y, y_pred, sample_weight)
 
-    def test_step(self, data: Any) -> None:
-        """One evaluation step on this replica's batch; updates the metrics."""
+    def _forward_only_step(self, x: Any, y: Any, sample_weight: Any) -> Mapping[str, Any]:
+        """Keras's step for a model with no trainable weights: forward, loss, metrics, no update."""
+        if not self._warned_untrainable:
+            self._warned_untrainable = True
+            warnings.warn("The model does not have any trainable weights: fit runs the forward pass and logs "
+                          "the loss and metrics, without an update.", stacklevel=3)
+        with torch.no_grad(), mixed_precision.autocast(self.strategy.device):
+            y_pred = self(x)
+            loss = self.compute_loss(x, y, y_pred, sample_weight) if batch_size_of(y_pred) else None
+        if loss is not None:
+            self._loss_tracker.update_state(loss.detach(), sample_weight=batch_size_of(y_pred))
+            self.compute_metrics(x, y, y_pred, sample_weight)
+        return self.get_metrics_result()
+
+    def test_step(self, data: Any) -> Mapping[str, Any] | None:
+        """One evaluation step on this replica's batch; updates the metrics and returns their results."""
         x, y, sample_weight = unpack_batch(data)
         with mixed_precision.autocast(self.strategy.device):
             y_pred = self.module(x)
             loss = self.compute_loss(x, y, y_pred, sample_weight) if self.loss is not None else None
-        self._update_metrics(loss, x, y, y_pred, sample_weight)
+        if loss is not None:
+            self._loss_tracker.update_state(loss.detach(), sample_weight=batch_size_of(y_pred))
+        return self.compute_metrics(x, y, y_pred, sample_weight)
 
     def predict_step(self, data: Any) -> Any:
         """The module's output for one batch."""
         x, _, _ = unpack_batch(data)
         with mixed_precision.autocast(self.strategy.device):
             return mixed_precision.to_variable_dtype(self.module(x))
-
-    def _update_metrics(self, loss: Any, x: Any, y: Any, y_pred: Any, sample_weight: Any) -> None:
-        if loss is not None:
-            self._loss_tracker.update_state(loss.detach(), sample_weight=batch_size_of(y_pred))
-        if y is not None:
-            y_pred = y_pred.detach()
-            for metric in self._compiled_metrics:
-                metric.update_state(y, y_pred, sample_weight=sample_weight)
 
     def reset_metrics(self) -> None:
         for metric in self.metrics:
@@ -244,6 +281,7 @@ class Model(WeightsMixin):
         """
         self._require_compiled("fit")
         check_training_strategy(self, "fit")
+        self._warned_untrainable = False
         non_negative_int("epochs", epochs)
         non_negative_int("initial_epoch", initial_epoch)
         shuffle = check_shuffle(shuffle)
@@ -259,12 +297,14 @@ class Model(WeightsMixin):
             if validation is None or not validates_after(epoch, validation_freq):
                 return {}
             val_x, val_y, val_w = validation
+            # fit's callbacks get the test hooks, as Keras passes them to its internal evaluate.
             logs = self.evaluate(val_x, val_y, sample_weight=val_w, batch_size=validation_batch_size or batch_size,
-                                 verbose=0, steps=validation_steps, return_dict=True)
+                                 verbose=0, steps=validation_steps, callbacks=cbs, return_dict=True)
             return {f"val_{k}": v for k, v in logs.items()}
 
         with self.strategy.guard():
-            data = DataHandler(x, y, sample_weight, batch_size, steps_per_epoch, shuffle, self.strategy)
+            data = DataHandler(x, y, sample_weight, batch_size, steps_per_epoch, shuffle, self.strategy,
+                               unbounded_ok=bool(callbacks))  # a callback may stop an endless epoch
             if class_weight is not None:
                 data = ClassWeightedData(data, class_weight)
             try:
@@ -316,6 +356,8 @@ class Model(WeightsMixin):
     def _inference_callbacks(self, data: DataHandler, verbose: int, callbacks: Any) -> CallbackList:
         """Build the model from the first batch; the callbacks of one evaluate/predict pass."""
         self.build(unpack_batch(data.peek())[0])
+        if isinstance(callbacks, CallbackList):  # fit's own list, for its validation
+            return callbacks
         return CallbackList(callbacks, add_progbar=verbose != 0, model=self, verbose=verbose, epochs=1,
                             steps=data.steps)
 

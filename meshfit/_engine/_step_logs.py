@@ -52,6 +52,37 @@ def as_logs(returned: Any) -> dict[str, Any]:
     return {k: float(v) if isinstance(v, torch.Tensor) and v.numel() == 1 else v for k, v in returned.items()}
 
 
+class MetricResults(Mapping):
+    """``{name: metric.result()}``, each result computed when read (a step returns it at no cost)."""
+
+    def __init__(self, metrics: Sequence[MetricLike]) -> None:
+        self._metrics = {m.name: m for m in metrics}
+
+    def __getitem__(self, name: str) -> Any:
+        return self._metrics[name].result()
+
+    def __iter__(self) -> Any:
+        return iter(self._metrics)
+
+    def __len__(self) -> int:
+        return len(self._metrics)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+def merge_returned(trainable: Trainable, logs: dict[str, Any], returned: Any) -> dict[str, Any]:
+    """Add what a step returned to ``logs``, as Keras does (``_get_metrics_result_or_logs``).
+
+    A dict with exactly the logged metrics' names (what ``super().train_step`` and
+    ``compute_metrics`` return) is read from the metrics, reduced over replicas; anything else a
+    Keras-style override returned is logged as it is.
+    """
+    if isinstance(returned, Mapping) and set(returned) != {m.name for m in trainable.logged_metrics()}:
+        logs.update(as_logs(returned))
+    return logs
+
+
 def agree(trainable: Trainable, flag: bool) -> bool:
     """True on every replica when it is true on any (e.g. a chief-only callback stopped training)."""
     return reduce_logs(trainable, [float(flag)], with_metrics=False)[1][0] > 0
