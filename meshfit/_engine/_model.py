@@ -15,6 +15,7 @@ from meshfit._engine._evaluation import evaluate as run_evaluation
 from meshfit._engine._evaluation import predict as run_prediction
 from meshfit._engine._fit_arguments import (
     ClassWeightedData,
+    check_class_weight,
     check_shuffle,
     check_validation_freq,
     split_validation,
@@ -248,6 +249,7 @@ class Model(WeightsMixin):
         non_negative_int("initial_epoch", initial_epoch)
         shuffle = check_shuffle(shuffle)
         validation_freq = check_validation_freq(validation_freq)
+        class_weights = check_class_weight(class_weight, sample_weight)
         requested_verbose, verbose = verbose, resolve_verbose(verbose, self.strategy.is_chief)
         announce_quiet_worker(self.strategy, requested_verbose)
         if validation_split and validation_data is None:
@@ -265,8 +267,8 @@ class Model(WeightsMixin):
 
         with self.strategy.guard():
             data = DataHandler(x, y, sample_weight, batch_size, steps_per_epoch, shuffle, self.strategy)
-            if class_weight is not None:
-                data = ClassWeightedData(data, class_weight)
+            if class_weights is not None:
+                data = ClassWeightedData(data, class_weights)
             try:
                 self.build(unpack_batch(data.peek())[0])
                 cbs = CallbackList(callbacks, add_history=True, add_progbar=verbose != 0, model=self,
