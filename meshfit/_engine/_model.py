@@ -9,6 +9,7 @@ from torch import nn
 
 from meshfit import mixed_precision
 from meshfit._engine import _summary
+from meshfit._engine._call_inputs import convert_call_inputs
 from meshfit._engine._data_handler import DataHandler
 from meshfit._engine._data_handler import _is_array_like as is_array_like
 from meshfit._engine._evaluation import evaluate as run_evaluation
@@ -322,7 +323,12 @@ class Model(WeightsMixin):
                             steps=data.steps)
 
     def __call__(self, *args: Any, training: bool | None = None, **kwargs: Any) -> Any:
-        """Run the module; ``training=True``/``False`` runs it in train/eval mode for this call (Keras's flag)."""
+        """Run the module; ``training=True``/``False`` runs it in train/eval mode for this call (Keras's flag).
+
+        Numpy arrays among the arguments become tensors on the module's device, floating ones in its
+        dtype, as Keras converts a layer's inputs.
+        """
+        args, kwargs = convert_call_inputs(self.module, self.strategy, args, kwargs)
         if training is None:
             return self._forward(*args, **kwargs)
         modes = {module: module.training for module in self.module.modules()}
