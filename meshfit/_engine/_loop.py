@@ -166,6 +166,10 @@ class TrainingLoop:
                 if counters.step < self.data.steps and not stopped:
                     break  # until_step reached inside the epoch: no epoch end
                 epoch_logs = self._end_epoch(epoch, logs, validate)
+            # Keras's fit: the optimizer's moving averages (use_ema) replace the weights before on_train_end.
+            finalize = getattr(getattr(trainable, "optimizer", None), "finalize_variable_values", None)
+            if callable(finalize):
+                finalize()
             cbs.on_train_end(epoch_logs or logs)
             self.strategy.barrier()
         finally:

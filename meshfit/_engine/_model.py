@@ -173,7 +173,7 @@ class Model(WeightsMixin):
                 self.module.train(was_training)
             self.placement = self.strategy.setup_module(self.module, jit_compile=self.jit_compile)
         if self.optimizer is not None and not self.optimizer.built:  # also: compiled again after fit
-            self.optimizer.build(self.module.parameters())
+            self.optimizer.build(self.module.named_parameters())  # names: exclude_from_weight_decay
 
     # ---- steps (override these like Keras's train_step) ----------------------------------
     def compute_loss(self, x: Any, y: Any, y_pred: Any, sample_weight: Any = None) -> torch.Tensor:
