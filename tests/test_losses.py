@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import meshfit as mf
-
 from meshfit.losses import (
     BinaryCrossentropy,
     CategoricalCrossentropy,
