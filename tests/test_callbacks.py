@@ -272,11 +272,12 @@ def test_checkpoint_auto_mode_maximises_accuracy_and_respects_threshold(tmp_path
     assert minimise.best == 0.5
 
 
-def test_checkpoint_missing_monitor_warns_and_does_not_save(tmp_path):
+def test_checkpoint_missing_monitor_warns_and_saves_as_keras(tmp_path):
+    # Keras 3's _should_save_model: "Can save best model only with val_loss available." then saves (issue 25).
     model = StandInModel()
     with pytest.warns(UserWarning, match="val_loss"):
         run_fit([ModelCheckpoint(str(tmp_path / "m"), save_best_only=True)], model, [{"loss": 1.0}])
-    assert model.saved == []
+    assert model.saved == [str(tmp_path / "m")]
 
 
 def test_checkpoint_saves_on_every_worker(tmp_path):
@@ -295,9 +296,11 @@ def test_checkpoint_rejects_bad_save_freq(save_freq):
         ModelCheckpoint("m", save_freq=save_freq)
 
 
-def test_checkpoint_rejects_bad_mode_and_filepath():
-    with pytest.raises(ValueError, match=r"Invalid `mode` for ModelCheckpoint.*received mode='best'"):
-        ModelCheckpoint("m", mode="best")
+def test_checkpoint_falls_back_to_auto_on_a_bad_mode_and_rejects_a_bad_filepath():
+    # Keras 3's MonitorCallback: an unknown mode warns and falls back to "auto" (issue 25 point 9).
+    with pytest.warns(UserWarning, match=r"ModelCheckpoint mode 'best' is unknown, fallback to auto mode"):
+        checkpoint = ModelCheckpoint("m", mode="best")
+    assert checkpoint.mode == "auto" and checkpoint.monitor_op is np.less  # val_loss
     with pytest.raises(TypeError, match="Invalid `filepath`"):
         ModelCheckpoint(None)
     with pytest.raises(ValueError, match="could not format"):
@@ -380,8 +383,8 @@ def test_early_stopping_state_dict_resumes_where_it_was():
 def test_early_stopping_rejects_bad_arguments():
     with pytest.raises(ValueError, match=r"Invalid `patience`: expected an int >= 0, received patience=-1\."):
         EarlyStopping(patience=-1)
-    with pytest.raises(ValueError, match=r"Invalid `mode` for EarlyStopping"):
-        EarlyStopping(mode="maximum")
+    with pytest.warns(UserWarning, match=r"EarlyStopping mode 'maximum' is unknown, fallback to auto mode"):
+        assert EarlyStopping(mode="maximum", monitor="val_accuracy").monitor_op is np.greater  # Keras: warns
     with pytest.raises(ValueError, match=r"Invalid `start_from_epoch`"):
         EarlyStopping(start_from_epoch=-2)
 

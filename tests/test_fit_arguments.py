@@ -67,13 +67,11 @@ def test_class_weight_gives_the_weighted_loss_of_a_hand_computation(digits):
     # One batch of all 100: the logged loss is Keras's sum(w * l) / n for the weights before the update.
     history = model.fit(x, y, batch_size=100, epochs=1, class_weight=class_weight, verbose=0)
     assert history.history["loss"][0] == pytest.approx(float((weights * losses).sum() / 100), rel=1e-6)
-    # With sample_weight too, the two multiply (Keras 2's rule).
-    sample_weight = np.linspace(0.5, 1.5, 100).astype("float32")
+    # Keys that are ints in another type weigh the same classes, as Keras's int(key) reads them.
     model = make_model()
-    history = model.fit(x, y, batch_size=100, epochs=1, class_weight=class_weight, sample_weight=sample_weight,
+    history = model.fit(x, y, batch_size=100, epochs=1, class_weight={"0": 2.0, 1.0: 0.5, np.int64(3): 4.0},
                         verbose=0)
-    both = weights * torch.from_numpy(sample_weight).double()
-    assert history.history["loss"][0] == pytest.approx(float((both * losses).sum() / 100), rel=1e-6)
+    assert history.history["loss"][0] == pytest.approx(float((weights * losses).sum() / 100), rel=1e-6)
     # One-hot targets pick their class by argmax.
     model = mf.Model(nn.Linear(64, 10))
     torch.manual_seed(0)
@@ -87,6 +85,30 @@ def test_class_weight_gives_the_weighted_loss_of_a_hand_computation(digits):
     assert history.history["loss"][0] == pytest.approx(float((weights * raw).sum() / 100), rel=1e-5)
     with pytest.raises(ValueError, match=r"Invalid `class_weight`.*'a'"):
         make_model().fit(x, y, class_weight={"a": 1.0}, verbose=0)
+
+
+def test_class_weight_follows_keras_3_with_sample_weight_and_empty_dicts(digits):
+    x, y = digits
+    sample_weight = np.linspace(0.5, 1.5, 100).astype("float32")
+    # Keras 3: "You cannot `class_weight` and `sample_weight` at the same time." (both adapters)
+    with pytest.raises(ValueError, match=r"Invalid `class_weight`: it cannot be combined with `sample_weight`"):
+        make_model().fit(x, y, class_weight={0: 2.0}, sample_weight=sample_weight, verbose=0)
+    with pytest.raises(ValueError, match=r"cannot be combined with `sample_weight`"):
+        make_model().fit(x, y, class_weight={}, sample_weight=sample_weight, verbose=0)
+    yielding = mf.data.Dataset.from_tensor_slices((x, y, sample_weight)).batch(25)
+    with pytest.raises(ValueError, match=r"the data yields sample weights"):
+        make_model().fit(yielding, class_weight={0: 2.0}, verbose=0)
+    # An empty dict weighs every class 1: the same run as no class_weight.
+    plain, empty = make_model(), make_model()
+    expected = plain.fit(x, y, batch_size=25, shuffle=False, verbose=0).history
+    assert empty.fit(x, y, batch_size=25, shuffle=False, class_weight={}, verbose=0).history == expected
+    for a, b in zip(plain.get_weights(), empty.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    make_model().fit(yielding, class_weight={}, verbose=0)  # as Keras's dataset adapter: `if class_weight:`
+    # Keras truncates int(0.5) to 0 and takes "0.0" as invalid; meshfit refuses a fraction rather than truncate.
+    for key in (0.5, "0.0", -1, True):
+        with pytest.raises(ValueError, match=r"Invalid `class_weight`: keys must be class indices"):
+            make_model().fit(x, y, class_weight={key: 1.0}, verbose=0)
 
 
 class _TorchWeighted(torch.utils.data.Dataset):
@@ -203,7 +225,8 @@ class InterruptAtStep(mf.callbacks.Callback):
 def test_every_argument_together_resumes_bitwise_under_backup_and_restore(digits, tmp_path, monkeypatch):
     x, y = digits
     w = np.linspace(0.5, 1.5, 100).astype("float32")
-    arguments = dict(validation_split=0.2, class_weight={0: 2.0, 7: 0.5}, sample_weight=w, shuffle="batch",
+    # class_weight is not combined with sample_weight here: Keras 3 refuses the two together.
+    arguments = dict(validation_split=0.2, sample_weight=w, shuffle="batch",
                      validation_freq=[2, 4], initial_epoch=1, epochs=5, batch_size=16, verbose=0)
     fresh_process_shuffles(monkeypatch)
     reference = make_model(steps_per_execution=2)

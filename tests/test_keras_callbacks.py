@@ -146,8 +146,8 @@ def test_lambda_callback_calls_each_function_with_keras_arguments(data):
                                      "epoch_begin", "batch_end", "batch_end", "epoch_end", "train_end"]
     assert calls[2][1] == 0 and calls[3][1] == 1 and calls[2][2] > 0
     assert calls[4] == ("epoch_end", 0, ["accuracy", "loss"])
-    with pytest.raises(ValueError, match="Invalid `on_epoch_finish`"):
-        mf.callbacks.LambdaCallback(on_epoch_finish=print)
+    # Keras 3 keeps other keywords as attributes (test_lambda_callback_with_additional_kwargs; issue 25).
+    assert mf.callbacks.LambdaCallback(custom_method=print).custom_method is print
     with pytest.raises(TypeError, match="Invalid `on_epoch_end`"):
         mf.callbacks.LambdaCallback(on_epoch_end=3)
 

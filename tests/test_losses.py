@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import meshfit as mf
 from meshfit.losses import (
     BinaryCrossentropy,
     CategoricalCrossentropy,
@@ -175,3 +178,38 @@ def test_serialize_gives_none_for_modules_and_callables():
 def test_deserialize_rejects_unknown_class():
     with pytest.raises(ValueError, match=r"received class_name='Foo'"):
         deserialize({"class_name": "Foo", "config": {}})
+
+
+# ---- issue 25, point 12: the string losses help with logits --------------------------------------
+def _fit_once(module, loss, y):
+    model = mf.Model(module)
+    model.compile("sgd", loss)
+    model.fit(np.ones((4, 3), "f4"), y, batch_size=2, epochs=2, verbose=0)
+
+
+def test_probability_losses_warn_once_on_logits():
+    torch.manual_seed(0)
+    labels = np.array([0, 1, 2, 0])
+    with pytest.warns(UserWarning, match=r"from_logits=False.*not probabilities.*"
+                                         r"SparseCategoricalCrossentropy\(from_logits=True\)") as caught:
+        _fit_once(nn.Linear(3, 3), "sparse_categorical_crossentropy", labels)
+    assert sum("not probabilities" in str(w.message) for w in caught) == 1  # once, not every step
+    with pytest.warns(UserWarning, match=r"CategoricalCrossentropy\(from_logits=True\)"):
+        _fit_once(nn.Linear(3, 3), "categorical_crossentropy", np.eye(3, dtype="f4")[labels])
+    with pytest.warns(UserWarning, match=r"BinaryCrossentropy\(from_logits=True\)"):
+        BinaryCrossentropy()(torch.tensor([1.0, 0.0]), torch.tensor([2.5, -1.0]))
+    # Probabilities (a softmax), and from_logits=True on logits, stay silent.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _fit_once(nn.Sequential(nn.Linear(3, 3), nn.Softmax(dim=-1)), "sparse_categorical_crossentropy", labels)
+        _fit_once(nn.Linear(3, 3), mf.losses.SparseCategoricalCrossentropy(from_logits=True), labels)
+
+
+def test_categorical_crossentropy_with_integer_labels_names_the_sparse_loss():
+    with pytest.raises(ValueError, match=r"Invalid targets for `categorical_crossentropy`: expected one-hot targets "
+                                         r"of the predictions' shape \(2, 3\), received targets of shape \(2,\)\. "
+                                         r"For integer class labels use loss='sparse_categorical_crossentropy'"):
+        CategoricalCrossentropy()(torch.tensor([0, 2]), torch.full((2, 3), 1 / 3))
+    with pytest.raises(ValueError, match=r"received targets of shape \(2, 1\).*sparse_categorical_crossentropy"):
+        _fit_once(nn.Sequential(nn.Linear(3, 3), nn.Softmax(dim=-1)), "categorical_crossentropy",
+                  np.array([[0], [1], [2], [0]], "f4"))

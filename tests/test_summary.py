@@ -128,3 +128,37 @@ def test_call_with_training_flag_sets_the_mode_for_that_call_only():
     dropped = model(x, training=True)
     assert (dropped == 0).any()  # dropout on
     assert not module.training and not module[1].training
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.dense = nn.Linear(3, 4)
+
+    def forward(self, tokens, features, scale=None):
+        out = self.embed(tokens).sum(1) + self.dense(features)
+        return out if scale is None else out * scale
+
+
+def test_call_converts_numpy_inputs_as_keras_does():
+    # Keras converts a layer's numpy inputs to tensors; float ones take the layer's dtype (float32 here,
+    # although numpy's default is float64), integer ones keep theirs.
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 4), nn.Dropout(0.9))
+    model = mf.Model(module)
+    x = np.random.default_rng(0).normal(size=(5, 8))  # float64
+    expected = module[0](torch.as_tensor(x, dtype=torch.float32))
+    out = model(x)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.float32
+    module.eval()
+    assert torch.equal(model(x), expected)
+    assert torch.equal(model(x, training=False), expected)
+    assert (model(x, training=True) == 0).any()  # converted, then run in train mode
+    two = mf.Model(_TwoInputs())
+    tokens, features = np.array([[1, 2], [3, 4]]), np.ones((2, 3), "f8")
+    reference = two.module(torch.as_tensor(tokens), torch.ones(2, 3))
+    assert torch.equal(two(tokens, features), reference)  # int64 tokens stay integers for the embedding
+    assert torch.equal(two(tokens, features=features, scale=np.float64(2.0) * np.ones(1)), reference * 2)
+    double = mf.Model(nn.Linear(8, 1).double())
+    assert double(x.astype("f4")).dtype == torch.float64  # the module's dtype, as Keras's input_dtype

@@ -2,9 +2,10 @@
 ``validation_freq`` and ``shuffle``, checked and applied as Keras does.
 
 - ``validation_split``: the *last* fraction of the arrays (before any shuffling) is held out.
-- ``class_weight``: each training example's weight is multiplied by its class's weight (classes
-  absent from the dict weigh 1). Applied to every batch the data yields (arrays, `Dataset`, torch
-  data alike), so a Keras-style ``train_step`` override receives them as ``sample_weight``.
+- ``class_weight``: each training example's weight is its class's weight (classes absent from the
+  dict weigh 1; ``{}`` weighs all 1). Applied to every batch the data yields (arrays, `Dataset`, torch
+  data alike), so a Keras-style ``train_step`` override receives them as ``sample_weight``. As in
+  Keras 3 it cannot be combined with sample weights (passed or yielded by the data): ValueError.
 - ``validation_freq``: an int N (every N epochs) or a collection of 1-based epochs.
 """
 
@@ -73,22 +74,50 @@ def split_validation(x: Any, y: Any, sample_weight: Any, validation_split: Any,
     return part(0, split_at), part(split_at, None)
 
 
-def class_weight_table(class_weight: Any) -> torch.Tensor:
-    """A float64 tensor ``table[class] = weight`` (1 for classes the dict does not name)."""
-    if not isinstance(class_weight, Mapping) or not class_weight:
+def _class_index(key: Any, class_weight: Any) -> int:
+    """``key`` as a class index: an int, or a value that is one in another type (``"0"``, ``0.0``), as Keras
+    converts them with ``int(key)``; a fraction or a negative index is refused rather than truncated."""
+    try:
+        index = int(key)
+        exact = index == float(key)
+    except (TypeError, ValueError, OverflowError):
+        index, exact = -1, False
+    if isinstance(key, bool) or not exact or index < 0:
+        raise ValueError(f"Invalid `class_weight`: keys must be class indices (ints >= 0, or strings/floats "
+                         f"holding one), received key {key!r} in class_weight={class_weight!r}.")
+    return index
+
+
+def class_weight_table(class_weight: Any) -> torch.Tensor | None:
+    """A float64 tensor ``table[class] = weight`` (1 for classes the dict does not name); None for ``{}``."""
+    if not isinstance(class_weight, Mapping):
         raise ValueError("Invalid `class_weight`: expected a dict from class index to weight such as "
                          f"{{0: 1.0, 1: 5.0}}, received class_weight={class_weight!r}.")
+    weights: dict[int, float] = {}
     for key, value in class_weight.items():
-        if not is_int(key) or key < 0:
-            raise ValueError(f"Invalid `class_weight`: keys must be class indices (ints >= 0), received key "
-                             f"{key!r} in class_weight={class_weight!r}.")
+        index = _class_index(key, class_weight)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ValueError(f"Invalid `class_weight`: weights must be finite numbers >= 0, received "
-                             f"{key}: {value!r}.")
-    table = torch.ones(max(class_weight) + 1, dtype=torch.float64)
-    for key, value in class_weight.items():
-        table[key] = float(value)
+                             f"{key!r}: {value!r}.")
+        if index in weights:
+            raise ValueError(f"Invalid `class_weight`: keys {index} name the same class twice in "
+                             f"class_weight={class_weight!r}.")
+        weights[index] = float(value)
+    if not weights:  # Keras: an empty dict weighs every class 1
+        return None
+    table = torch.ones(max(weights) + 1, dtype=torch.float64)
+    for index, value in weights.items():
+        table[index] = value
     return table
+
+
+def check_class_weight(class_weight: Any, sample_weight: Any) -> torch.Tensor | None:
+    """`class_weight_table`, refusing ``sample_weight`` alongside (Keras 3 raises for both)."""
+    if class_weight is not None and sample_weight is not None:
+        raise ValueError("Invalid `class_weight`: it cannot be combined with `sample_weight`, as in Keras, "
+                         f"received class_weight={class_weight!r} and a sample_weight. Multiply the class "
+                         "weights into sample_weight yourself, or pass only one of them.")
+    return None if class_weight is None else class_weight_table(class_weight)
 
 
 def _classes(y: torch.Tensor) -> torch.Tensor:
@@ -98,7 +127,7 @@ def _classes(y: torch.Tensor) -> torch.Tensor:
     elif y.dim() > 2:
         raise ValueError(f"`class_weight` needs targets of shape (n,), (n, 1) or one-hot (n, classes); received "
                          f"targets of shape {tuple(y.shape)}. Pass sample_weight instead.")
-    return y.to(torch.int64)
+    return (y.round() if y.is_floating_point() else y).to(torch.int64)  # Keras rounds float labels
 
 
 def weigh_batch(batch: Any, table: torch.Tensor) -> Any:
@@ -110,11 +139,11 @@ def weigh_batch(batch: Any, table: torch.Tensor) -> Any:
     classes = _classes(y).cpu()
     known = classes < len(table)
     weights = torch.where(known, table[classes.clamp(0, len(table) - 1)], torch.ones((), dtype=table.dtype))
-    weights = weights.to(torch.get_default_dtype())
-    if sample_weight is not None:  # both: Keras 2 multiplies them
-        sample_weight = torch.as_tensor(sample_weight).to(weights.dtype)
-        weights = sample_weight * weights.reshape(-1, *[1] * (sample_weight.dim() - 1))
-    return x, y, weights
+    if sample_weight is not None:  # Keras 3's dataset adapter raises too
+        raise ValueError("Invalid `class_weight`: the data yields sample weights (x, y, sample_weight), and "
+                         "Keras cannot combine class_weight with sample_weight. Multiply the class weights "
+                         "into the yielded weights, or drop class_weight.")
+    return x, y, weights.to(torch.get_default_dtype())
 
 
 def batch_and_shuffle(dataset: Any, count: int, batch_size: int, shuffle: bool | str,
@@ -128,9 +157,9 @@ def batch_and_shuffle(dataset: Any, count: int, batch_size: int, shuffle: bool |
 class ClassWeightedData:
     """A `DataHandler` whose training batches carry class weights; everything else is the handler's."""
 
-    def __init__(self, data: Any, class_weight: Any) -> None:
+    def __init__(self, data: Any, table: torch.Tensor) -> None:
         self._data = data
-        self._table = class_weight_table(class_weight)
+        self._table = table
 
     def next_batch(self) -> tuple[Any, int]:
         batch, global_size = self._data.next_batch()

@@ -174,6 +174,10 @@ class TrainingLoop:
                 epoch_logs = self._end_epoch(epoch, logs, validate)
                 if ended and epochs is None:
                     break  # the Estimator trains until its input ends
+            # Keras's fit: the optimizer's moving averages (use_ema) replace the weights before on_train_end.
+            finalize = getattr(getattr(trainable, "optimizer", None), "finalize_variable_values", None)
+            if callable(finalize):
+                finalize()
             cbs.on_train_end(epoch_logs or logs)
             self.strategy.barrier()
         finally:

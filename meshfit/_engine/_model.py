@@ -11,12 +11,14 @@ from torch import nn
 
 from meshfit import mixed_precision
 from meshfit._engine import _summary
+from meshfit._engine._call_inputs import convert_call_inputs
 from meshfit._engine._data_handler import DataHandler
 from meshfit._engine._data_handler import _is_array_like as is_array_like
 from meshfit._engine._evaluation import evaluate as run_evaluation
 from meshfit._engine._evaluation import predict as run_prediction
 from meshfit._engine._fit_arguments import (
     ClassWeightedData,
+    check_class_weight,
     check_shuffle,
     check_validation_freq,
     split_validation,
@@ -177,7 +179,7 @@ class Model(WeightsMixin):
                 self.module.train(was_training)
             self.placement = self.strategy.setup_module(self.module, jit_compile=self.jit_compile)
         if self.optimizer is not None and not self.optimizer.built:  # also: compiled again after fit
-            params = list(self.module.parameters())
+            params = list(self.module.named_parameters())  # names: exclude_from_weight_decay
             if params:  # nothing to optimise: no optimizer (train_step skips the update)
                 self.optimizer.build(params)
 
@@ -286,6 +288,7 @@ class Model(WeightsMixin):
         non_negative_int("initial_epoch", initial_epoch)
         shuffle = check_shuffle(shuffle)
         validation_freq = check_validation_freq(validation_freq)
+        class_weights = check_class_weight(class_weight, sample_weight)
         requested_verbose, verbose = verbose, resolve_verbose(verbose, self.strategy.is_chief)
         announce_quiet_worker(self.strategy, requested_verbose)
         if validation_split and validation_data is None:
@@ -305,8 +308,8 @@ class Model(WeightsMixin):
         with self.strategy.guard():
             data = DataHandler(x, y, sample_weight, batch_size, steps_per_epoch, shuffle, self.strategy,
                                unbounded_ok=bool(callbacks))  # a callback may stop an endless epoch
-            if class_weight is not None:
-                data = ClassWeightedData(data, class_weight)
+            if class_weights is not None:
+                data = ClassWeightedData(data, class_weights)
             try:
                 self.build(unpack_batch(data.peek())[0])
                 cbs = CallbackList(callbacks, add_history=True, add_progbar=verbose != 0, model=self,
@@ -362,7 +365,12 @@ class Model(WeightsMixin):
                             steps=data.steps)
 
     def __call__(self, *args: Any, training: bool | None = None, **kwargs: Any) -> Any:
-        """Run the module; ``training=True``/``False`` runs it in train/eval mode for this call (Keras's flag)."""
+        """Run the module; ``training=True``/``False`` runs it in train/eval mode for this call (Keras's flag).
+
+        Numpy arrays among the arguments become tensors on the module's device, floating ones in its
+        dtype, as Keras converts a layer's inputs.
+        """
+        args, kwargs = convert_call_inputs(self.module, self.strategy, args, kwargs)
         if training is None:
             return self._forward(*args, **kwargs)
         modes = {module: module.training for module in self.module.modules()}

@@ -35,6 +35,9 @@ class BackupAndRestore(CheckpointSaver):
 
     def __init__(self, backup_dir: str | os.PathLike, save_freq: str | int = "epoch",
                  delete_checkpoint: bool = True, async_save: bool = False) -> None:
+        if backup_dir is None or (isinstance(backup_dir, (str, os.PathLike)) and not os.fspath(backup_dir)):
+            raise ValueError(f"Invalid `backup_dir`: expected a non-empty path (str or os.PathLike), received "
+                             f"backup_dir={backup_dir!r}. Name a folder for this job's backups.")  # Keras: ValueError
         path_like("backup_dir", backup_dir)
         self.save_freq = epoch_or_positive_int("save_freq", save_freq)
         policy = (SavePolicy(every_epoch=True) if save_freq == "epoch" else SavePolicy(every_steps=save_freq))

@@ -6,14 +6,9 @@ import numbers
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 if TYPE_CHECKING:  # annotations only: the model and the loop import the callbacks
     from meshfit._protocols import LoopLike as TrainingLoop
     from meshfit._protocols import ModelLike as Model
-
-# Substrings of a metric name whose larger values are better ("auto" mode of monitoring callbacks).
-_HIGHER_IS_BETTER = ("acc", "auc", "precision", "recall", "fmeasure", "f1")
 
 
 class Callback:
@@ -141,19 +136,3 @@ def _is_chief(model: Model) -> bool:
     """Whether this process writes shared files: True without a model or strategy."""
     strategy = getattr(model, "strategy", None)
     return True if strategy is None else bool(strategy.is_chief)
-
-
-def _monitor_op(monitor: str, mode: str, owner: str):
-    """``np.greater`` or ``np.less`` for ``mode``; "auto" guesses from the metric's name."""
-    if mode not in ("auto", "min", "max"):
-        raise ValueError(
-            f"Invalid `mode` for {owner}: expected 'auto', 'min' or 'max', received mode={mode!r}."
-        )
-    if mode == "max":
-        return np.greater
-    if mode == "min":
-        return np.less
-    name = monitor.removeprefix("val_").lower()
-    if "loss" not in name and any(part in name for part in _HIGHER_IS_BETTER):
-        return np.greater
-    return np.less

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any
 
 import numpy as np
 
-from meshfit.callbacks._callback import Callback, _is_chief, _monitor_op, _to_float
+from meshfit.callbacks._callback import Callback, _is_chief, _to_float
+from meshfit.callbacks._monitor import best_from_state, best_to_state, check_mode, is_improvement, monitor_op
 
 
 class EarlyStopping(Callback):
@@ -24,8 +24,9 @@ class EarlyStopping(Callback):
         min_delta: Smallest change that counts as an improvement (its sign is ignored).
         patience: Epochs without improvement before stopping.
         verbose: 1 prints when it stops and when it restores weights (on the chief only).
-        mode: ``"min"``, ``"max"``, or ``"auto"`` (max for accuracy, AUC, precision, recall
-            and F1-like names, min otherwise).
+        mode: ``"min"``, ``"max"``, or ``"auto"`` (the loss and errors down; accuracy, AUC,
+            precision, recall and F1-like metrics up; another name is an error when ``fit``
+            starts). An unknown mode warns and falls back to ``"auto"``, as in Keras.
         baseline: A value to beat: training stops if ``patience`` epochs pass without beating it.
         restore_best_weights: Restore the weights of the best epoch at the end of training
             (``model.get_weights()`` / ``model.set_weights()``).
@@ -36,7 +37,8 @@ class EarlyStopping(Callback):
         best_epoch: The 0-based epoch with the best value.
 
     Raises:
-        ValueError: If ``mode`` is invalid or ``patience`` / ``start_from_epoch`` is negative.
+        ValueError: If ``patience`` / ``start_from_epoch`` is negative; at ``fit``'s start, if
+            ``mode="auto"`` cannot tell the direction of ``monitor``.
 
     Example:
         >>> early_stopping = EarlyStopping(monitor="loss", patience=2)
@@ -73,27 +75,29 @@ class EarlyStopping(Callback):
         self.baseline = baseline
         self.restore_best_weights = restore_best_weights
         self.start_from_epoch = start_from_epoch
-        self.monitor_op = _monitor_op(monitor, mode, "EarlyStopping")
-        # Signed so that `value - min_delta` must still beat the reference in either direction.
-        self.min_delta = abs(min_delta) if self.monitor_op is np.greater else -abs(min_delta)
+        self.mode = check_mode(mode, "EarlyStopping")
+        self.monitor_op = monitor_op(monitor, self.mode, "EarlyStopping")  # None: told when fit starts
+        self.min_delta = abs(min_delta)
         self._restored = False
         self._reset()
 
     def _reset(self) -> None:
         self.wait = 0
         self.stopped_epoch = 0
-        self.best = math.inf if self.monitor_op is np.less else -math.inf
+        self.best: float | None = None  # Keras 3: the first value seen is the best so far
         self.best_weights: list[Any] | None = None
         self.best_epoch = 0
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         """Starts watching afresh, unless state was just restored for a resumed run."""
+        self._require_monitor_op()
         if not self._restored:
             self._reset()
         self._restored = False
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         """Compares the epoch's value with the best and stops training when patience runs out."""
+        self._require_monitor_op()
         current = self._monitor_value(logs)
         if current is None or epoch < self.start_from_epoch:
             return
@@ -126,8 +130,12 @@ class EarlyStopping(Callback):
             self._say(f"Restoring model weights from the end of the best epoch: {self.best_epoch + 1}.")
             self.model.set_weights(self.best_weights)
 
-    def _is_improvement(self, value: float, reference: float) -> bool:
-        return bool(self.monitor_op(value - self.min_delta, reference))
+    def _require_monitor_op(self) -> None:
+        if self.monitor_op is None:
+            self.monitor_op = monitor_op(self.monitor, self.mode, "EarlyStopping", self.model, required=True)
+
+    def _is_improvement(self, value: float, reference: float | None) -> bool:
+        return is_improvement(self.monitor_op, value, reference, self.min_delta)
 
     def _monitor_value(self, logs: dict | None) -> float | None:
         logs = logs or {}
@@ -149,7 +157,7 @@ class EarlyStopping(Callback):
         """The wait count, best value and epoch, stopped epoch and best weights."""
         return {
             "wait": self.wait,
-            "best": float(self.best),
+            "best": best_to_state(self.best),
             "best_epoch": self.best_epoch,
             "stopped_epoch": self.stopped_epoch,
             # An empty list stands for "none yet", so every value is a number or an array.
@@ -159,7 +167,7 @@ class EarlyStopping(Callback):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores `state_dict`'s values; the next `on_train_begin` keeps them."""
         self.wait = int(state["wait"])
-        self.best = float(state["best"])
+        self.best = best_from_state(state["best"])
         self.best_epoch = int(state["best_epoch"])
         self.stopped_epoch = int(state["stopped_epoch"])
         self.best_weights = [np.array(w) for w in state["best_weights"]] or None

@@ -18,11 +18,11 @@ class LambdaCallback(Callback):
     Each keyword names a hook and gives the function to call: ``on_epoch_begin(epoch, logs)``,
     ``on_epoch_end(epoch, logs)``, ``on_train_batch_begin(batch, logs)`` (or ``on_batch_begin``),
     ``on_train_batch_end(batch, logs)`` (or ``on_batch_end``), ``on_train_begin(logs)``,
-    ``on_train_end(logs)``, and the test and predict hooks likewise.
+    ``on_train_end(logs)``, and the test and predict hooks likewise. Other keywords become
+    attributes of the callback, as in Keras.
 
     Raises:
-        ValueError: If a keyword is not a hook name.
-        TypeError: If a value is not callable.
+        TypeError: If a hook's value is not callable.
 
     Example:
         >>> seen = []
@@ -40,9 +40,9 @@ class LambdaCallback(Callback):
             if function is None:
                 continue
             hook = _ALIASES.get(name, name)
-            if hook not in known:
-                raise ValueError(f"Invalid `{name}`: expected a hook name, one of "
-                                 f"{sorted(known | set(_ALIASES))}, received {name}=...")
+            if hook not in known:  # Keras keeps any other keyword as an attribute (self.__dict__.update)
+                setattr(self, name, function)
+                continue
             if not callable(function):
                 raise TypeError(f"Invalid `{name}`: expected a function, received {name}={function!r}.")
             self._functions[hook] = function

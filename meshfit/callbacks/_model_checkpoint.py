@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 from typing import Any
 
-import numpy as np
-
-from meshfit.callbacks._callback import Callback, _is_chief, _monitor_op, _to_float
+from meshfit.callbacks._callback import Callback, _is_chief, _to_float
+from meshfit.callbacks._monitor import best_from_state, best_to_state, check_mode, is_improvement, monitor_op
 
 
 class ModelCheckpoint(Callback):
@@ -25,15 +23,18 @@ class ModelCheckpoint(Callback):
             ``"ckpt/model-{epoch:02d}-{val_loss:.2f}"``.
         monitor: The log key that decides "best", e.g. ``"val_loss"``.
         verbose: 1 prints a line for every save (on the chief only).
-        save_best_only: Save only when ``monitor`` improves on the best value so far.
+        save_best_only: Save only when ``monitor`` improves on the best value so far (the first
+            value seen always does). When ``monitor`` is missing from the logs it warns and saves,
+            as Keras does.
         save_weights_only: Call ``model.save_weights`` instead of ``model.save``.
-        mode: ``"min"``, ``"max"``, or ``"auto"`` (max for accuracy, AUC, precision, recall
-            and F1-like names, min otherwise).
+        mode: ``"min"``, ``"max"``, or ``"auto"`` (the loss and errors down; accuracy, AUC,
+            precision, recall and F1-like metrics up; with ``save_best_only`` another name is an
+            error when ``fit`` starts). An unknown mode warns and falls back to ``"auto"``.
         save_freq: ``"epoch"``, or an int: save every that many batches, counted across epochs.
         initial_value_threshold: With ``save_best_only``, a value the first save must beat.
 
     Raises:
-        ValueError: If ``save_freq`` or ``mode`` is invalid.
+        ValueError: If ``save_freq`` is invalid.
         TypeError: If ``filepath`` is not a string or path.
 
     Example:
@@ -71,11 +72,10 @@ class ModelCheckpoint(Callback):
         self.save_best_only = save_best_only
         self.save_weights_only = save_weights_only
         self.save_freq = save_freq
-        self.monitor_op = _monitor_op(monitor, mode, "ModelCheckpoint")
-        if initial_value_threshold is not None:
-            self.best = float(initial_value_threshold)
-        else:
-            self.best = math.inf if self.monitor_op is np.less else -math.inf
+        self.mode = check_mode(mode, "ModelCheckpoint")
+        self.monitor_op = monitor_op(monitor, self.mode, "ModelCheckpoint")  # None: told when fit starts
+        # Keras: the threshold, or None (the first value is the best); kept across fit calls.
+        self.best = None if initial_value_threshold is None else float(initial_value_threshold)
         self._current_epoch = 0
         self._batches_since_save = 0
         self._last_batch_seen = -1
@@ -84,6 +84,15 @@ class ModelCheckpoint(Callback):
     def reads_batch_logs(self) -> bool:
         """Only batch-level saves look at a step's logs."""
         return self.save_freq != "epoch"
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        """With ``save_best_only``, tells the monitor's direction now (an error if it cannot be told)."""
+        if self.save_best_only:
+            self._require_monitor_op()
+
+    def _require_monitor_op(self) -> None:
+        if self.monitor_op is None:
+            self.monitor_op = monitor_op(self.monitor, self.mode, "ModelCheckpoint", self.model, required=True)
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         """Remembers the epoch, for ``{epoch}`` in batch-level saves."""
@@ -126,22 +135,22 @@ class ModelCheckpoint(Callback):
         where = f"Epoch {epoch + 1}" + ("" if batch is None else f", batch {batch + 1}")
         if self.save_best_only:
             current = logs.get(self.monitor)
-            if current is None:
+            self._require_monitor_op()
+            best = "None" if self.best is None else f"{self.best:.5f}"
+            if current is None:  # Keras warns and saves
                 warnings.warn(
-                    f"ModelCheckpoint: can save the best model only with `{self.monitor}` available; "
-                    f"skipping (available keys: {sorted(logs)}).",
+                    f"ModelCheckpoint: can save the best model only with `{self.monitor}` available; saving "
+                    f"anyway, as Keras does (available keys: {sorted(logs)}).",
                     stacklevel=2,
                 )
+                self._say(f"{where}: saving model to {filepath}", batch)
+            elif not is_improvement(self.monitor_op, current, self.best):
+                self._say(f"{where}: {self.monitor} did not improve from {best}", batch)
                 return
-            if not self.monitor_op(current, self.best):
-                self._say(f"{where}: {self.monitor} did not improve from {self.best:.5f}", batch)
-                return
-            self._say(
-                f"{where}: {self.monitor} improved from {self.best:.5f} to {current:.5f}, "
-                f"saving model to {filepath}",
-                batch,
-            )
-            self.best = float(current)
+            else:
+                self._say(f"{where}: {self.monitor} improved from {best} to {current:.5f}, "
+                          f"saving model to {filepath}", batch)
+                self.best = float(current)
         else:
             self._say(f"{where}: saving model to {filepath}", batch)
         dirname = os.path.dirname(filepath)
@@ -160,7 +169,7 @@ class ModelCheckpoint(Callback):
     def state_dict(self) -> dict[str, Any]:
         """The best value so far and the batch counters."""
         return {
-            "best": float(self.best),
+            "best": best_to_state(self.best),
             "batches_since_save": self._batches_since_save,
             "last_batch_seen": self._last_batch_seen,
             "current_epoch": self._current_epoch,
@@ -168,7 +177,7 @@ class ModelCheckpoint(Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores `state_dict`'s values."""
-        self.best = float(state["best"])
+        self.best = best_from_state(state["best"])
         self._batches_since_save = int(state["batches_since_save"])
         self._last_batch_seen = int(state["last_batch_seen"])
         self._current_epoch = int(state["current_epoch"])

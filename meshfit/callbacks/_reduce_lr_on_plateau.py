@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any
 
-import numpy as np
-
 from meshfit._validation import finite_float, non_negative_int
-from meshfit.callbacks._callback import Callback, _is_chief, _monitor_op, _to_float
+from meshfit.callbacks._callback import Callback, _is_chief, _to_float
+from meshfit.callbacks._monitor import best_from_state, best_to_state, check_mode, is_improvement, monitor_op
 
 
 class ReduceLROnPlateau(Callback):
@@ -26,7 +24,8 @@ class ReduceLROnPlateau(Callback):
         factor: The multiplier, in ``(0, 1)``.
         patience: Epochs without improvement before a reduction.
         verbose: 1 prints each reduction (on the chief only).
-        mode: ``"min"``, ``"max"`` or ``"auto"`` (from the metric's name).
+        mode: ``"min"``, ``"max"`` or ``"auto"`` (from the metric; an unknown name is an error when
+            ``fit`` starts, an unknown mode warns and falls back to ``"auto"``, as in Keras).
         min_delta: The smallest change that counts as an improvement.
         cooldown: Epochs to wait after a reduction before counting again.
         min_lr: The lowest rate.
@@ -54,21 +53,22 @@ class ReduceLROnPlateau(Callback):
         self.min_delta = abs(finite_float("min_delta", min_delta))
         self.cooldown = non_negative_int("cooldown", cooldown)
         self.min_lr = finite_float("min_lr", min_lr, minimum=0.0)
-        self.monitor_op = _monitor_op(monitor, mode, "ReduceLROnPlateau")
+        self.mode = check_mode(mode, "ReduceLROnPlateau")
+        self.monitor_op = monitor_op(monitor, self.mode, "ReduceLROnPlateau")  # None: told when fit starts
         self._reset()
 
     def _reset(self) -> None:
         self.wait = 0
         self.cooldown_counter = 0
-        self.best = math.inf if self.monitor_op is np.less else -math.inf
+        self.best: float | None = None  # Keras 3: the first value seen is the best so far
 
     def _improves(self, current: float) -> bool:
-        if self.monitor_op is np.less:
-            return current < self.best - self.min_delta
-        return current > self.best + self.min_delta
+        return is_improvement(self.monitor_op, current, self.best, self.min_delta)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         """Starts watching afresh (a restore right after brings back a resumed run's state)."""
+        if self.monitor_op is None:
+            self.monitor_op = monitor_op(self.monitor, self.mode, "ReduceLROnPlateau", self.model, required=True)
         self._reset()
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
@@ -104,10 +104,10 @@ class ReduceLROnPlateau(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         """The wait and cooldown counts and the best value so far."""
-        return {"wait": self.wait, "cooldown_counter": self.cooldown_counter, "best": float(self.best)}
+        return {"wait": self.wait, "cooldown_counter": self.cooldown_counter, "best": best_to_state(self.best)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores `state_dict`'s values."""
         self.wait = int(state["wait"])
         self.cooldown_counter = int(state["cooldown_counter"])
-        self.best = float(state["best"])
+        self.best = best_from_state(state["best"])

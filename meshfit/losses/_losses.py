@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any
 
 import torch
@@ -59,6 +60,26 @@ def reduce_weighted(
     if reduction == "sum":
         return total
     return total / max(values.numel(), 1)
+
+
+def _warn_if_logits(loss: Loss, y_pred: torch.Tensor) -> None:
+    """Warn once per loss when ``from_logits=False`` meets outputs outside ``[0, 1]``: logits, almost surely
+    (Keras warns for the opposite mistake). Looked at on the first batch only: one host sync per loss."""
+    if loss.from_logits or loss._outputs_checked:
+        return
+    loss._outputs_checked = True
+    local = (y_pred.to_local() if hasattr(y_pred, "to_local") else y_pred).detach()  # no collective for a DTensor
+    with torch.no_grad():
+        outside = local.numel() > 0 and bool(((local < 0) | (local > 1)).any())
+    if outside:
+        warnings.warn(
+            f"`{loss.name}` received from_logits=False (Keras's default), but the predictions are not "
+            f"probabilities: they hold values outside [0, 1] (min {float(local.min()):.3g}, max "
+            f"{float(local.max()):.3g}), as logits do, and training on them learns little. If the module "
+            f"outputs logits, use meshfit.losses.{type(loss).__name__}(from_logits=True); else end it "
+            "with a softmax (sigmoid for binary).",
+            stacklevel=4,
+        )
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -150,6 +171,7 @@ class SparseCategoricalCrossentropy(Loss):
         super().__init__(name, reduction)
         check_bool("from_logits", from_logits)
         self.from_logits = from_logits
+        self._outputs_checked = False
         self.axis = axis
 
     def call(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
@@ -158,6 +180,7 @@ class SparseCategoricalCrossentropy(Loss):
             y_true = y_true.squeeze(-1)
         scores = torch.movedim(y_pred, self.axis, 1) if y_pred.ndim > 1 else y_pred
         target = y_true.long()
+        _warn_if_logits(self, y_pred)
         if self.from_logits:
             return F.cross_entropy(scores, target, reduction="none")
         probs = scores / scores.sum(dim=1, keepdim=True)
@@ -191,11 +214,19 @@ class CategoricalCrossentropy(Loss):
         super().__init__(name, reduction)
         check_bool("from_logits", from_logits)
         self.from_logits = from_logits
+        self._outputs_checked = False
         self.label_smoothing = _check_smoothing(label_smoothing)
         self.axis = axis
 
     def call(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
         """Per-sample cross-entropy."""
+        if y_true.shape != y_pred.shape:
+            raise ValueError(
+                f"Invalid targets for `{self.name}`: expected one-hot targets of the predictions' shape "
+                f"{tuple(y_pred.shape)}, received targets of shape {tuple(y_true.shape)}. For integer class "
+                "labels use loss='sparse_categorical_crossentropy' (meshfit.losses.SparseCategoricalCrossentropy), "
+                "or one-hot encode them.")
+        _warn_if_logits(self, y_pred)
         target = y_true.to(y_pred.dtype)
         if self.label_smoothing:
             classes = y_pred.shape[self.axis]
@@ -230,11 +261,13 @@ class BinaryCrossentropy(Loss):
         super().__init__(name, reduction)
         check_bool("from_logits", from_logits)
         self.from_logits = from_logits
+        self._outputs_checked = False
         self.label_smoothing = _check_smoothing(label_smoothing)
 
     def call(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
         """Per-sample binary cross-entropy."""
         y_true, y_pred = squeeze_or_expand(y_true, y_pred)
+        _warn_if_logits(self, y_pred)
         target = y_true.to(y_pred.dtype)
         if self.label_smoothing:
             target = target * (1.0 - self.label_smoothing) + 0.5 * self.label_smoothing

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from typing import Any
 
@@ -29,6 +30,8 @@ class SGD(Optimizer):
         weight_decay: L2 penalty, or `None`.
         mesh: a `meshfit.dtensor.Mesh`, as DTensor Keras optimizers take (the state of a DTensor
             parameter has its layout either way).
+        **kwargs: Keras's arguments common to every optimizer: `clipnorm`, `clipvalue`,
+            `global_clipnorm`, `use_ema`, `ema_momentum`, `ema_overwrite_frequency` (see `Optimizer`).
     """
 
     torch_class = torch.optim.SGD
@@ -42,8 +45,9 @@ class SGD(Optimizer):
         weight_decay: float | None = None,
         *,
         mesh: Any = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(learning_rate)
+        super().__init__(learning_rate, **kwargs)
         self.mesh = _check_mesh(mesh)
         self.momentum = _check_number("momentum", momentum, _UNIT)
         self.nesterov = _check_bool("nesterov", nesterov)
@@ -64,6 +68,8 @@ class Adam(Optimizer):
         weight_decay: L2 penalty, or `None`.
         mesh: a `meshfit.dtensor.Mesh`, as DTensor Keras optimizers take (the state of a DTensor
             parameter has its layout either way).
+        **kwargs: Keras's arguments common to every optimizer: `clipnorm`, `clipvalue`,
+            `global_clipnorm`, `use_ema`, `ema_momentum`, `ema_overwrite_frequency` (see `Optimizer`).
     """
 
     torch_class: type[torch.optim.Optimizer] = torch.optim.Adam
@@ -80,8 +86,9 @@ class Adam(Optimizer):
         weight_decay: float | None = None,
         *,
         mesh: Any = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(learning_rate)
+        super().__init__(learning_rate, **kwargs)
         self.mesh = _check_mesh(mesh)
         self.beta_1 = _check_number("beta_1", beta_1, _UNIT)
         self.beta_2 = _check_number("beta_2", beta_2, _UNIT)
@@ -105,6 +112,8 @@ class AdamW(Adam):
         beta_2: Decay of the second-moment estimate, in `[0, 1)`.
         epsilon: Positive constant for numerical stability.
         amsgrad: Whether to use the AMSGrad variant.
+        **kwargs: Keras's arguments common to every optimizer: `clipnorm`, `clipvalue`,
+            `global_clipnorm`, `use_ema`, `ema_momentum`, `ema_overwrite_frequency` (see `Optimizer`).
     """
 
     torch_class = torch.optim.AdamW
@@ -117,9 +126,10 @@ class AdamW(Adam):
         beta_2: float = 0.999,
         epsilon: float = 1e-7,
         amsgrad: bool = False,
+        **kwargs: Any,
     ) -> None:
         _check_number("weight_decay", weight_decay, _NON_NEGATIVE)
-        super().__init__(learning_rate, beta_1, beta_2, epsilon, amsgrad, weight_decay)
+        super().__init__(learning_rate, beta_1, beta_2, epsilon, amsgrad, weight_decay, **kwargs)
 
 
 class RMSprop(Optimizer):
@@ -132,6 +142,8 @@ class RMSprop(Optimizer):
         epsilon: Positive constant for numerical stability.
         centered: Whether to normalise by the gradient's estimated variance.
         weight_decay: L2 penalty, or `None`.
+        **kwargs: Keras's arguments common to every optimizer: `clipnorm`, `clipvalue`,
+            `global_clipnorm`, `use_ema`, `ema_momentum`, `ema_overwrite_frequency` (see `Optimizer`).
     """
 
     torch_class = torch.optim.RMSprop
@@ -145,8 +157,9 @@ class RMSprop(Optimizer):
         epsilon: float = 1e-7,
         centered: bool = False,
         weight_decay: float | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(learning_rate)
+        super().__init__(learning_rate, **kwargs)
         self.rho = _check_number("rho", rho, _UNIT)
         self.momentum = _check_number("momentum", momentum, _UNIT)
         self.epsilon = _check_number("epsilon", epsilon, _POSITIVE)
@@ -162,6 +175,8 @@ class Adagrad(Optimizer):
         initial_accumulator_value: Non-negative starting value of the accumulators.
         epsilon: Positive constant for numerical stability.
         weight_decay: L2 penalty, or `None`.
+        **kwargs: Keras's arguments common to every optimizer: `clipnorm`, `clipvalue`,
+            `global_clipnorm`, `use_ema`, `ema_momentum`, `ema_overwrite_frequency` (see `Optimizer`).
     """
 
     torch_class = torch.optim.Adagrad
@@ -173,8 +188,9 @@ class Adagrad(Optimizer):
         initial_accumulator_value: float = 0.1,
         epsilon: float = 1e-7,
         weight_decay: float | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(learning_rate)
+        super().__init__(learning_rate, **kwargs)
         self.initial_accumulator_value = _check_number(
             "initial_accumulator_value", initial_accumulator_value, _NON_NEGATIVE
         )
@@ -183,29 +199,53 @@ class Adagrad(Optimizer):
 
 
 class TorchOptimizer(Optimizer):
-    """Wraps an already-built `torch.optim.Optimizer` (`built` is True; `build` is a no-op).
+    """Wraps a `torch.optim.Optimizer`: a built one (`built` is True; `build` is a no-op), or a torch
+    optimizer *class*, built on the model's parameters with the class's default learning rate.
+
+    Its parameter groups keep their rates' ratios to the first group's when a callback or a schedule
+    sets `learning_rate`.
 
     Args:
-        optimizer: The torch optimizer.
+        optimizer: The torch optimizer, or its class (``torch.optim.Adam``).
+        **kwargs: `clipnorm`, `clipvalue`, `global_clipnorm`, `use_ema`, ... as for every `Optimizer`.
 
     Raises:
-        TypeError: If `optimizer` is not a `torch.optim.Optimizer`.
+        TypeError: If `optimizer` is neither a `torch.optim.Optimizer` nor a subclass of it.
+        ValueError: If a class has no default learning rate.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer | type[torch.optim.Optimizer], **kwargs: Any) -> None:
+        if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+            super().__init__(_default_rate(optimizer), **kwargs)
+            self.torch_class = optimizer
+            return
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
-                f"Invalid `optimizer`: expected a torch.optim.Optimizer, received optimizer={optimizer!r}."
+                "Invalid `optimizer`: expected a torch.optim.Optimizer or a subclass of it, received "
+                f"optimizer={optimizer!r}."
             )
-        super().__init__(float(optimizer.param_groups[0]["lr"]))
+        super().__init__(float(optimizer.param_groups[0]["lr"]), **kwargs)
         self._torch_optimizer = optimizer
         self.torch_class = type(optimizer)
+        self._on_built()
 
     def build(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]]) -> None:
-        """No-op: the wrapped optimizer already holds its parameters."""
+        """Build a class given at construction on `params`; no-op for a built torch optimizer."""
+        if self._torch_optimizer is None:
+            super().build(params)
 
     def __repr__(self) -> str:
-        return f"TorchOptimizer({type(self._torch_optimizer).__name__})"
+        return f"TorchOptimizer({self.torch_class.__name__})"
+
+
+def _default_rate(torch_class: type[torch.optim.Optimizer]) -> float:
+    lr = inspect.signature(torch_class.__init__).parameters.get("lr")
+    default = None if lr is None else lr.default
+    if isinstance(default, bool) or not isinstance(default, (int, float)) or default <= 0:
+        raise ValueError(f"Invalid `optimizer`: the class {torch_class.__name__} has no default learning rate to "
+                         f"build it with; pass {torch_class.__name__}(model.parameters(), lr=...) or a meshfit "
+                         "optimizer such as mf.optimizers.Adam(learning_rate=...).")
+    return float(default)
 
 
 _CLASSES: dict[str, type[Optimizer]] = {cls.__name__: cls for cls in (SGD, Adam, AdamW, RMSprop, Adagrad)}

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch.nn.parameter import is_lazy
 
-from meshfit.distribute import broadcast_initial_values, owner_of, synchronize_gradients
+from meshfit.distribute import synchronize_gradients
+from meshfit.optimizers._clipping import GradientClipping
+from meshfit.optimizers._ema import MovingAverage, check_ema
+from meshfit.optimizers._torch_build import (
+    accepts_foreach,
+    broadcast_lazy_params,
+    fusable,
+    place_state_like_params,
+)
+from meshfit.optimizers._weight_decay import WeightDecayExclusion, exempt_groups, split_named
 from meshfit.optimizers.schedules import _schedules
 
 
@@ -55,10 +63,22 @@ class Optimizer:
     Args:
         learning_rate: Positive step size, or a `meshfit.optimizers.schedules.LearningRateSchedule`:
             then each update uses ``schedule(iterations)``, and the schedule's position is
-            `iterations`, part of `state_dict()`.
+            `iterations`, part of `state_dict()`. With several torch parameter groups, each
+            group keeps its ratio to the first group's rate when the rate changes.
+        clipnorm: Clip each gradient to this L2 norm (Keras's argument).
+        clipvalue: Clip each gradient element to ``[-clipvalue, clipvalue]``.
+        global_clipnorm: Clip all gradients together to this global L2 norm
+            (``tf.clip_by_global_norm``). At most one of the three is set. Clipping applies to the
+            gradients after they are reduced across replicas, so it sees the global batch's gradient.
+        use_ema: Keep an exponential moving average of the weights (Keras 3); it is part of
+            `state_dict()`, and ``fit`` overwrites the weights with it when training ends
+            (`finalize_variable_values`).
+        ema_momentum: ``average = ema_momentum * average + (1 - ema_momentum) * weight``.
+        ema_overwrite_frequency: Overwrite the weights with their averages every this many updates.
 
     Raises:
-        ValueError: If `learning_rate` is not a positive number or a schedule.
+        ValueError: If `learning_rate` is not a positive number or a schedule, or the clipping or
+            EMA arguments are invalid (two clipping arguments together).
 
     Example:
         >>> import torch, meshfit.optimizers as optimizers
@@ -72,7 +92,15 @@ class Optimizer:
     config_keys: tuple[str, ...] = ()
     fuses: bool = False  # update with torch's fused kernel where it applies (see `build`)
 
-    def __init__(self, learning_rate: float | _schedules.LearningRateSchedule) -> None:
+    def __init__(self, learning_rate: float | _schedules.LearningRateSchedule, *, clipnorm: float | None = None,
+                 clipvalue: float | None = None, global_clipnorm: float | None = None, use_ema: bool = False,
+                 ema_momentum: float = 0.99, ema_overwrite_frequency: int | None = None) -> None:
+        self._clipping = GradientClipping(clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm)
+        self.use_ema, self.ema_momentum, self.ema_overwrite_frequency = check_ema(
+            use_ema, ema_momentum, ema_overwrite_frequency)
+        self._moving_average: MovingAverage | None = None
+        self._exclusion: WeightDecayExclusion | None = None
+        self._lr_ratios: list[float] | None = None  # each group's rate over the first's (torch optimizers)
         self._schedule = learning_rate if isinstance(learning_rate, _schedules.LearningRateSchedule) else None
         if self._schedule is not None:  # a warm-up may start at 0
             self._learning_rate = float(self._schedule(0))
@@ -81,6 +109,27 @@ class Optimizer:
         self._torch_optimizer: torch.optim.Optimizer | None = None
         self._param_ids: list[int] = []
         self.iterations = 0
+
+    clipnorm = property(lambda self: self._clipping.clipnorm, doc="Keras's per-gradient norm limit, or None.")
+    clipvalue = property(lambda self: self._clipping.clipvalue, doc="Keras's per-element limit, or None.")
+    global_clipnorm = property(lambda self: self._clipping.global_clipnorm, doc="The global norm limit, or None.")
+
+    def exclude_from_weight_decay(self, var_list: Iterable[torch.Tensor] | None = None,
+                                  var_names: Iterable[str] | None = None) -> None:
+        """Exempt parameters from weight decay, as Keras's method (call it before the optimizer is built).
+
+        Args:
+            var_list: Parameters to exempt.
+            var_names: Strings searched (``re.search``) in each parameter's path in its module
+                (``Model`` builds the optimizer on ``module.named_parameters()``), e.g. ``["bias", "ln"]``.
+
+        Raises:
+            ValueError: If the optimizer is already built.
+        """
+        if self.built:
+            raise ValueError(f"`exclude_from_weight_decay()` can only be configured before the optimizer is built, "
+                             f"as in Keras; this {type(self).__name__} is built. Call it right after creating it.")
+        self._exclusion = WeightDecayExclusion(var_list, var_names)
 
     def _torch_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `torch_class` besides `params` and `lr`."""
@@ -107,8 +156,9 @@ class Optimizer:
             )
         return self._torch_optimizer
 
-    def build(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]]) -> None:
-        """Create the torch optimizer on `params` (tensors or torch param-group dicts).
+    def build(self, params: Iterable[Any]) -> None:
+        """Create the torch optimizer on `params` (tensors, torch param-group dicts, or
+        ``(name, tensor)`` pairs from ``named_parameters()``, whose names `exclude_from_weight_decay` reads).
 
         Args:
             params: The parameters to optimise; lazy modules must be materialised first.
@@ -116,7 +166,7 @@ class Optimizer:
         Raises:
             ValueError: If a parameter is still lazy, or the optimizer was built on other parameters.
         """
-        params = list(params)
+        params, names = split_named(list(params))
         flat = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
         if any(is_lazy(p) for p in flat):
             raise ValueError(
@@ -132,20 +182,36 @@ class Optimizer:
                 "create a new optimizer for another model."
             )
         kwargs = self._torch_kwargs()
+        if self._exclusion is not None and kwargs.get("weight_decay"):
+            params = exempt_groups(params, names, self._exclusion)
         plain = all(type(p) is torch.nn.Parameter or type(p) is torch.Tensor for p in flat)
-        if plain and self.fuses and _fusable(self.torch_class, flat) and "foreach" not in kwargs:
+        if plain and self.fuses and fusable(self.torch_class, flat) and "foreach" not in kwargs:
             # One fused kernel per parameter for the whole update (Adam: 0.41 -> ~0.1 ms a step on
             # keras.io's MLP). Deterministic, so resumed runs stay bitwise; it rounds differently
             # from torch's default for-loop/foreach Adam (a few ulp), hence only for Adam-family
             # optimizers, where Keras's own kernels differ from torch's anyway.
             kwargs.setdefault("fused", True)
-        elif plain and _accepts_foreach(self.torch_class):
+        elif plain and accepts_foreach(self.torch_class):
             # One kernel per operation over all parameters instead of one per parameter: torch picks
             # this only on GPUs; on CPUs it is bitwise the same update, 1.7x faster on a small MLP.
             kwargs.setdefault("foreach", True)
         self._torch_optimizer = self.torch_class(params, lr=self._learning_rate, **kwargs)
         self._param_ids = ids
-        _broadcast_lazy_params(flat)
+        broadcast_lazy_params(flat)
+        self._on_built()
+
+    def _on_built(self) -> None:
+        """Set up what follows the torch optimizer's parameters: group rate ratios, the moving average."""
+        groups = self.torch_optimizer.param_groups
+        base = float(groups[0]["lr"])
+        self._lr_ratios = [float(g["lr"]) / base if base > 0 else 1.0 for g in groups]
+        if self.use_ema:
+            self._moving_average = MovingAverage(self._params(), self.ema_momentum, self.ema_overwrite_frequency)
+
+    def _set_rate(self, rate: float) -> None:
+        ratios = self._lr_ratios or []
+        for i, group in enumerate(self.torch_optimizer.param_groups):
+            group["lr"] = rate * ratios[i] if i < len(ratios) else rate
 
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self._require_built("step()").param_groups for p in group["params"]]
@@ -161,14 +227,24 @@ class Optimizer:
         if closure is not None:  # evaluated once here, so that its gradients can be synchronised
             with torch.enable_grad():
                 loss = closure()
-        synchronize_gradients(self._params())
+        params = self._params()
+        synchronize_gradients(params)
+        if self._clipping.active:  # after the reduction: every replica clips the global gradient
+            self._clipping.clip_([p.grad for p in params if p.grad is not None])
         if self._schedule is not None:
-            rate = float(self._schedule(self.iterations))
-            for group in optimizer.param_groups:
-                group["lr"] = rate
+            self._set_rate(float(self._schedule(self.iterations)))
         optimizer.step()
+        if self._moving_average is not None:
+            self._moving_average.update(self.iterations)
         self.iterations += 1
         return loss
+
+    def finalize_variable_values(self, var_list: Any = None) -> None:
+        """Overwrite the weights with their moving averages when `use_ema` (Keras's method; ``fit``
+        calls it when training ends). ``var_list`` is accepted for Keras's signature: the optimizer's
+        own parameters are the ones averaged."""
+        if self._moving_average is not None:
+            self._moving_average.finalize()
 
     def apply_gradients(self, grads_and_vars: Iterable[tuple[torch.Tensor | None, torch.Tensor]]) -> int:
         """Apply gradients to variables, as Keras's ``optimizer.apply_gradients``.
@@ -238,12 +314,15 @@ class Optimizer:
                             "callback.")
         self._learning_rate = _check_number("learning_rate", value, _POSITIVE)
         if self._torch_optimizer is not None:
-            for group in self._torch_optimizer.param_groups:
-                group["lr"] = self._learning_rate
+            self._set_rate(self._learning_rate)
 
     def state_dict(self) -> dict[str, Any]:
-        """`{"iterations": int, "optimizer": torch_optimizer.state_dict()}`."""
-        return {"iterations": self.iterations, "optimizer": self._require_built("state_dict()").state_dict()}
+        """`{"iterations": int, "optimizer": torch_optimizer.state_dict()}`, and ``"ema"`` (the moving
+        averages by parameter index) with `use_ema`."""
+        state = {"iterations": self.iterations, "optimizer": self._require_built("state_dict()").state_dict()}
+        if self._moving_average is not None:
+            state["ema"] = self._moving_average.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore from `state_dict()`; a bare torch optimizer state dict is accepted too.
@@ -256,6 +335,8 @@ class Optimizer:
         if "optimizer" in state_dict:
             opt.load_state_dict(state_dict["optimizer"])
             self.iterations = int(state_dict.get("iterations", 0))
+            if self._moving_average is not None and "ema" in state_dict:
+                self._moving_average.load_state_dict(state_dict["ema"])
         elif "param_groups" in state_dict:
             opt.load_state_dict(state_dict)
         else:
@@ -263,7 +344,7 @@ class Optimizer:
                 "Invalid `state_dict`: expected the output of Optimizer.state_dict() or a torch optimizer "
                 f"state dict, received keys {sorted(state_dict)}."
             )
-        _place_state_like_params(opt)
+        place_state_like_params(opt)
 
     def get_config(self) -> dict[str, Any]:
         """The constructor arguments, JSON-serialisable."""
@@ -271,7 +352,10 @@ class Optimizer:
         if self._schedule is not None:
             # A user's own schedule class is named too; loading it back needs that class.
             learning_rate = {"class_name": type(self._schedule).__name__, "config": self._schedule.get_config()}
-        return {"learning_rate": learning_rate, **{key: getattr(self, key) for key in self.config_keys}}
+        ema = {"use_ema": self.use_ema, "ema_momentum": self.ema_momentum,
+               "ema_overwrite_frequency": self.ema_overwrite_frequency}
+        return {"learning_rate": learning_rate, **{key: getattr(self, key) for key in self.config_keys},
+                **self._clipping.config(), **ema}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Optimizer:
@@ -294,41 +378,3 @@ def _check_mesh(mesh: Any) -> Any:
     if not isinstance(mesh, Mesh):
         raise TypeError(f"Invalid `mesh`: expected a meshfit.dtensor.Mesh, received mesh={mesh!r}.")
     return mesh
-
-
-def _place_state_like_params(optimizer: torch.optim.Optimizer) -> None:
-    """Give full-size state tensors their DTensor parameter's layout (a checkpoint restored into a
-    fresh optimizer has no state to load into in place, so it arrives as full plain tensors)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    for param, state in optimizer.state.items():
-        if not isinstance(param, DTensor):
-            continue
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == param.shape:
-                state[key] = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements,
-                                               src_data_rank=None)
-
-
-def _broadcast_lazy_params(params: list[torch.Tensor]) -> None:
-    """Rank 0's values of parameters created in a multi-replica scope that were lazy at its exit."""
-    by_strategy: dict[int, tuple[Any, list[torch.Tensor]]] = {}
-    for p in params:
-        strategy = owner_of(p)
-        if strategy is not None and strategy.num_replicas_in_sync > 1:
-            by_strategy.setdefault(id(strategy), (strategy, []))[1].append(p)
-    for strategy, group in by_strategy.values():
-        broadcast_initial_values(group, strategy)
-
-
-
-def _fusable(torch_class: type, params: list[torch.Tensor]) -> bool:
-    """Whether torch's fused kernel can update ``params`` (floating point, on a CPU or a GPU)."""
-    if "fused" not in inspect.signature(torch_class.__init__).parameters or not params:
-        return False
-    return all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
-
-
-def _accepts_foreach(torch_class: type) -> bool:
-    """Whether a torch optimizer class takes ``foreach=`` (every built-in one does)."""
-    return "foreach" in inspect.signature(torch_class.__init__).parameters

@@ -16,8 +16,8 @@ def get(identifier: str | Optimizer | torch.optim.Optimizer | dict[str, Any]) ->
 
     Args:
         identifier: `"sgd"`, `"adam"`, `"adamw"`, `"rmsprop"` or `"adagrad"` (any case), an
-            `Optimizer` (returned as is), a built `torch.optim.Optimizer` (wrapped in
-            `TorchOptimizer`), or a dict from `serialize`.
+            `Optimizer` (returned as is), a built `torch.optim.Optimizer` or a torch optimizer class
+            such as ``torch.optim.Adam`` (wrapped in `TorchOptimizer`), or a dict from `serialize`.
 
     Returns:
         The optimizer, unbuilt unless it wraps a torch optimizer.
@@ -33,8 +33,9 @@ def get(identifier: str | Optimizer | torch.optim.Optimizer | dict[str, Any]) ->
     """
     if isinstance(identifier, Optimizer):
         return identifier
-    if isinstance(identifier, torch.optim.Optimizer):
-        return TorchOptimizer(identifier)
+    if isinstance(identifier, torch.optim.Optimizer) or (
+            isinstance(identifier, type) and issubclass(identifier, torch.optim.Optimizer)):
+        return TorchOptimizer(identifier)  # a class is built on the model's parameters
     if isinstance(identifier, str):
         cls = _LOOKUP.get(identifier.lower())
         if cls is None:
@@ -45,7 +46,7 @@ def get(identifier: str | Optimizer | torch.optim.Optimizer | dict[str, Any]) ->
     if isinstance(identifier, dict):
         return deserialize(identifier)
     raise TypeError(
-        "Invalid `optimizer`: expected a name, a meshfit Optimizer or a torch.optim.Optimizer, "
+        "Invalid `optimizer`: expected a name, a meshfit Optimizer, a torch.optim.Optimizer or its class, "
         f"received optimizer={identifier!r} of type {type(identifier).__name__}."
     )
 

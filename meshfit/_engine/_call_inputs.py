@@ -1,0 +1,38 @@
+"""Numpy inputs of ``model(x)`` as tensors on the module's device and dtype, as Keras converts them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch.nn.parameter import is_lazy
+
+from meshfit.data import leaves, map_structure
+
+
+def _placement(module: torch.nn.Module, strategy: Any) -> tuple[torch.device, torch.dtype]:
+    """The device and floating dtype of the module's first floating parameter or buffer (else the strategy's
+    device and torch's default dtype)."""
+    for tensor in (*module.parameters(), *module.buffers()):
+        if tensor.is_floating_point() and not is_lazy(tensor):
+            return tensor.device, tensor.dtype
+    return strategy.device, torch.get_default_dtype()
+
+
+def convert_call_inputs(module: torch.nn.Module, strategy: Any, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """``(args, kwargs)`` with numpy arrays (in any nesting) as tensors: floating ones in the module's
+    floating dtype (Keras casts to the layer's input dtype), integer and bool ones keeping theirs; all on
+    the module's device. Tensors and other values are passed through unchanged."""
+    if not any(isinstance(leaf, np.ndarray) for leaf in leaves((args, kwargs))):
+        return args, kwargs
+    device, dtype = _placement(module, strategy)
+
+    def convert(leaf: Any) -> Any:
+        if not isinstance(leaf, np.ndarray) or leaf.dtype.kind not in "biuf":
+            return leaf
+        tensor = torch.from_numpy(np.ascontiguousarray(leaf))
+        return tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
+
+    return map_structure(convert, args), map_structure(convert, kwargs)
+
