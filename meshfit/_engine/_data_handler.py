@@ -26,6 +26,7 @@ from meshfit.data import (
     to_tensor,
 )
 from meshfit.distribute import DistributedDataset, InputContext
+from meshfit.distribute._torch_loader import LoaderPlan, PerReplicaLoader
 
 
 def _is_array_like(x: Any) -> bool:
@@ -45,8 +46,9 @@ class _StreamSource:
     the iterable from the start of the pass and skips the batches already seen.
     """
 
-    def __init__(self, loader: Any, context: InputContext) -> None:
+    def __init__(self, loader: Any, context: InputContext, plan: LoaderPlan) -> None:
         self.loader, self.num_replicas, self.replica_id = loader, context.num_input_pipelines, context.input_pipeline_id
+        self.plan = plan  # which examples this replica reads (distribute/_torch_loader.py)
         self._iterator: Iterator[Any] | None = None
         self._at: tuple[int, int] = (-1, -1)
         self._last: tuple[tuple[int, int], tuple[Any, int]] | None = None
@@ -66,7 +68,7 @@ class _StreamSource:
 
     def _read(self, index: int, pass_index: int) -> tuple[Any, int]:
         if self._iterator is None or self._at != (pass_index, index):
-            self._iterator, skip = iter(self.loader), index
+            self._iterator, skip = self.plan.iterate(pass_index), index
             for _ in range(skip):
                 next(self._iterator)
         element = to_tensor(next(self._iterator))
@@ -77,6 +79,8 @@ class _StreamSource:
         n, r = self.num_replicas, self.replica_id
         if n == 1:
             return element, size
+        if self.plan.sharded:
+            return element, size * n  # a DistributedSampler's shares are equal
         return slice_rows(element, r * size // n, (r + 1) * size // n), size
 
     def prefetch_size(self) -> int:
@@ -144,7 +148,10 @@ class DataHandler:
                              "Dataset/DataLoader), received x=None.")
         if isinstance(x, torch.utils.data.DataLoader) or (hasattr(x, "__iter__") and not hasattr(x, "__getitem__")):
             self._reject_extra(x, y, sample_weight, batch_size)
-            return _StreamSource(x, self.strategy.input_context())
+            context, per_replica = self.strategy.input_context(), isinstance(x, PerReplicaLoader)
+            plan = LoaderPlan(x.loader if per_replica else x, context, self.strategy.broadcast_object,
+                              self.strategy.all_gather_object, per_replica=per_replica)
+            return _StreamSource(plan.loader, context, plan)
         if hasattr(x, "__getitem__") and hasattr(x, "__len__"):
             if y is not None:
                 raise ValueError("Invalid `y`: a torch Dataset yields (x, y) pairs itself; pass y=None.")
