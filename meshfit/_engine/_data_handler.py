@@ -137,8 +137,11 @@ class DataHandler:
             parts = tuple(p for p in (x, y, sample_weight) if p is not None)
             lengths = {len(leaf) for leaf in _leaves(parts)}
             if len(lengths) != 1:
+                named = ", ".join(f"{name}: {sorted({len(leaf) for leaf in _leaves(value)})}"
+                                  for name, value in (("x", x), ("y", y), ("sample_weight", sample_weight))
+                                  if value is not None)
                 raise ValueError(f"Invalid input: x, y and sample_weight must have the same number of samples, "
-                                 f"received lengths {sorted(lengths)}.")
+                                 f"received lengths {sorted(lengths)} ({named}).")
             dataset = Dataset.from_tensor_slices(parts if len(parts) > 1 else parts[0])
             dataset = batch_and_shuffle(dataset, lengths.pop(), batch_size or 32, shuffle,
                                         seed=_shuffle_seed() if shuffle else None)
