@@ -341,7 +341,7 @@ def _save_to_different_paths(rank: int, world: int, root: str) -> str:
 
 
 def test_ranks_saving_sharded_state_to_different_paths_is_an_error(tmp_path):
-    messages = run_distributed(_save_to_different_paths, world_size=2, args=(str(tmp_path),), timeout=120)
+    messages = run_distributed(_save_to_different_paths, world_size=2, args=(str(tmp_path),), timeout=240)
     assert all("rank 0:" in m and "rank 1:" in m for m in messages)
     assert all("write_filepath" in m for m in messages)  # says what to change in the tutorial's code
     assert latest_checkpoint(str(tmp_path / "worker0")) is None
