@@ -25,8 +25,7 @@ from meshfit.data import (
     slice_rows,
     to_tensor,
 )
-from meshfit.distribute import DistributedDataset, InputContext
-from meshfit.distribute._torch_loader import LoaderPlan, PerReplicaLoader
+from meshfit.distribute import DistributedDataset, InputContext, LoaderPlan, PerReplicaLoader
 
 
 def _is_array_like(x: Any) -> bool:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from meshfit.data._structure import leaves, to_tensor
+from meshfit.data import leaves, to_tensor
 from meshfit.distribute._values import InputContext
 
 _SEEDED_SAMPLERS = (torch.utils.data.RandomSampler, torch.utils.data.SubsetRandomSampler,
