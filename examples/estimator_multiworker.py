@@ -135,7 +135,9 @@ result = mf.estimator.train_and_evaluate(
     eval_spec=mf.estimator.EvalSpec(input_fn=input_fn, steps=args.eval_steps, throttle_secs=args.throttle_secs,
                                     start_delay_secs=args.start_delay_secs)
 )
-print(result)
+eval_result, _ = result  # (None, []) on a training worker of a cluster: the evaluator task evaluates
+if eval_result is not None:
+    print(f"{config.task_type or 'local'} {config.task_id}: evaluation of the final checkpoint: {eval_result}")
 
 if args.results:
     results = {"task": [config.task_type, config.task_id], "train_and_evaluate": result[0]}

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from meshfit._runtime import main as launch
+from meshfit._version import __version__
 
 
 def _demo(argv: list[str]) -> int:
@@ -42,8 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"launch": "run a script on N local workers, each with its own TF_CONFIG",
                 "demo": "train the seed CNN with 2 workers and fault tolerance"}
+    if argv and argv[0] in ("-V", "--version"):
+        print(f"meshfit {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        usage = "usage: meshfit {launch,demo} ...\n\n" + "\n".join(f"  {k:8s}{v}" for k, v in commands.items())
+        usage = "usage: meshfit [--version] {launch,demo} ...\n\n" + "\n".join(f"  {k:8s}{v}" for k, v in commands.items())
         if argv and argv[0] not in ("-h", "--help"):
             print(f"meshfit: unknown command {argv[0]!r}\n\n{usage}", file=sys.stderr)
             return 2

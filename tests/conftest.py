@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 import sys
 
 import pytest
@@ -13,6 +15,42 @@ if ROOT not in sys.path:
 TESTS = os.path.dirname(os.path.abspath(__file__))
 if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
+
+# `make test-quick` runs `-m "not slow"`: a test is slow when it starts processes (gloo groups through
+# run_distributed, scripts, meshfit launch) directly or through a helper of its module, or is marked.
+_STARTS_PROCESSES = re.compile(r"\b(run_distributed|start|subprocess\.\w+|Popen|spawn_local_replicas|"
+                               r"_cli\.main|launch_main)\(")
+
+
+def _process_starters(module: object) -> set[str]:
+    """Names of the module's functions that start processes, directly or through each other."""
+    functions = {name: _source(value) for name, value in vars(module).items()
+                 if inspect.isfunction(value) and value.__module__ == getattr(module, "__name__", None)}
+    starters = {name for name, source in functions.items() if _STARTS_PROCESSES.search(source)}
+    while True:
+        more = {name for name, source in functions.items() if name not in starters
+                and any(re.search(rf"\b{re.escape(s)}\(", source) for s in starters)}
+        if not more:
+            return starters
+        starters |= more
+
+
+def _source(function: object) -> str:
+    try:
+        return inspect.getsource(function)
+    except (OSError, TypeError):
+        return ""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    starters: dict[int, set[str]] = {}
+    for item in items:
+        function, module = getattr(item, "function", None), getattr(item, "module", None)
+        if function is None or module is None:
+            continue
+        names = starters.setdefault(id(module), _process_starters(module))
+        if function.__name__ in names:
+            item.add_marker(pytest.mark.slow)
 
 
 def _children(pid: int) -> set[int]:

@@ -328,14 +328,20 @@ def test_two_rank_save_restore_per_rank_state_and_restore_on_one_process(tmp_pat
 
 
 def _save_to_different_paths(rank: int, world: int, root: str) -> str:
-    ckpt = Checkpoint(step=torch.tensor(rank))
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    # Sharded state has no whole copy on any rank (replicated state may go to per-rank paths:
+    # tests/test_own_copies.py, seed 000's write_filepath dance).
+    mesh = init_device_mesh("cpu", (world,))
+    ckpt = Checkpoint(table=distribute_tensor(torch.arange(4.0), mesh, [Shard(0)]))
     with pytest.raises(ValueError, match="same path") as info:
         ckpt.save(os.path.join(root, f"worker{rank}", "ckpt-1"))
     return str(info.value)
 
 
-def test_ranks_saving_to_different_paths_is_an_error(tmp_path):
-    messages = run_distributed(_save_to_different_paths, world_size=2, args=(str(tmp_path),), timeout=120)
+def test_ranks_saving_sharded_state_to_different_paths_is_an_error(tmp_path):
+    messages = run_distributed(_save_to_different_paths, world_size=2, args=(str(tmp_path),), timeout=240)
     assert all("rank 0:" in m and "rank 1:" in m for m in messages)
     assert all("write_filepath" in m for m in messages)  # says what to change in the tutorial's code
     assert latest_checkpoint(str(tmp_path / "worker0")) is None

@@ -213,6 +213,7 @@ def test_a_model_created_outside_the_scope_does_not_train_silently():
     assert len(errors) == 2, errors
     for message in errors:
         assert "outside `strategy.scope()`" in message and "with strategy.scope():" in message
+        assert "in this process" not in message  # the replicas are processes
 
 
 def test_compile_under_another_strategys_scope_is_an_error():

@@ -168,6 +168,9 @@ def test_mirrored_strategy_from_a_plain_script_starts_its_second_replica(tmp_pat
     # strategy.cluster_resolver: each replica process is a worker of the job; only replica 0 is chief
     assert "rank 0 of 2 done (task worker 0, chief True)" in output, output
     assert "rank 1 of 2 done (task worker 1, chief False)" in output, output
+    # the second replica's output is prefixed, as meshfit launch prefixes its workers'
+    # (replica 0 is this process: its own prints are not redirected, so lines may interleave)
+    assert output.count("rank 1 of 2 done") == output.count("[replica 1] rank 1 of 2 done") == 1, output
     for a, b in zip(_load(out, 0), _load(out, 1), strict=True):
         np.testing.assert_array_equal(a, b)
 

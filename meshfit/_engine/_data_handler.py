@@ -26,7 +26,7 @@ from meshfit.data import (
     slice_rows,
     to_tensor,
 )
-from meshfit.distribute import DistributedDataset, InputContext
+from meshfit.distribute import DistributedDataset, InputContext, LoaderPlan, PerReplicaLoader
 
 
 class EndOfData(Exception):
@@ -50,8 +50,9 @@ class _StreamSource:
     the iterable from the start of the pass and skips the batches already seen.
     """
 
-    def __init__(self, loader: Any, context: InputContext) -> None:
+    def __init__(self, loader: Any, context: InputContext, plan: LoaderPlan) -> None:
         self.loader, self.num_replicas, self.replica_id = loader, context.num_input_pipelines, context.input_pipeline_id
+        self.plan = plan  # which examples this replica reads (distribute/_torch_loader.py)
         self._iterator: Iterator[Any] | None = None
         self._at: tuple[int, int] = (-1, -1)
         self._last: tuple[tuple[int, int], tuple[Any, int]] | None = None
@@ -71,7 +72,7 @@ class _StreamSource:
 
     def _read(self, index: int, pass_index: int) -> tuple[Any, int]:
         if self._iterator is None or self._at != (pass_index, index):
-            self._iterator, skip = iter(self.loader), index
+            self._iterator, skip = self.plan.iterate(pass_index), index
             try:
                 for _ in range(skip):
                     next(self._iterator)
@@ -93,6 +94,8 @@ class _StreamSource:
         n, r = self.num_replicas, self.replica_id
         if n == 1:
             return element, size
+        if self.plan.sharded:
+            return element, size * n  # a DistributedSampler's shares are equal
         return slice_rows(element, r * size // n, (r + 1) * size // n), size
 
     def prefetch_size(self) -> int:
@@ -159,8 +162,11 @@ class DataHandler:
             parts = tuple(p for p in (x, y, sample_weight) if p is not None)
             lengths = {len(leaf) for leaf in _leaves(parts)}
             if len(lengths) != 1:
+                named = ", ".join(f"{name}: {sorted({len(leaf) for leaf in _leaves(value)})}"
+                                  for name, value in (("x", x), ("y", y), ("sample_weight", sample_weight))
+                                  if value is not None)
                 raise ValueError(f"Invalid input: x, y and sample_weight must have the same number of samples, "
-                                 f"received lengths {sorted(lengths)}.")
+                                 f"received lengths {sorted(lengths)} ({named}).")
             # Keras packs a list/tuple x alone as ``(x,)``: several inputs, not ``(x, y)``.
             alone = len(parts) > 1 or isinstance(x, (list, tuple))
             dataset = Dataset.from_tensor_slices(parts if alone else parts[0])
@@ -172,7 +178,10 @@ class DataHandler:
                              "Dataset/DataLoader), received x=None.")
         if isinstance(x, torch.utils.data.DataLoader) or (hasattr(x, "__iter__") and not hasattr(x, "__getitem__")):
             self._reject_extra(x, y, sample_weight, batch_size)
-            return _StreamSource(x, self.strategy.input_context())
+            context, per_replica = self.strategy.input_context(), isinstance(x, PerReplicaLoader)
+            plan = LoaderPlan(x.loader if per_replica else x, context, self.strategy.broadcast_object,
+                              self.strategy.all_gather_object, per_replica=per_replica)
+            return _StreamSource(plan.loader, context, plan)
         if hasattr(x, "__getitem__") and hasattr(x, "__len__"):
             if y is not None:
                 raise ValueError("Invalid `y`: a torch Dataset yields (x, y) pairs itself; pass y=None.")

@@ -148,20 +148,22 @@ class ChildGroup:
         self.children: list[Child] = []
 
     def start(self, task_type: str, index: int, command: Sequence[str], env: Mapping[str, str],
-              capture: bool = True) -> Child:
+              capture: bool = True, own_session: bool | None = None) -> Child:
         """Start ``command``.
 
-        With ``capture`` (the launcher), the child leads its own session, reads no stdin, and its
-        output lines are prefixed with its name; without (self-spawned replicas), it shares our
-        terminal, session and signals, as the script it is a copy of.
+        With ``capture``, the child reads no stdin and its output lines are prefixed with its name;
+        without, it shares our terminal. ``own_session`` (default: ``capture``): the child leads its
+        own session (the launcher's workers); self-spawned replicas share our session and signals,
+        as the script they are copies of, while their output is prefixed as the launcher's is.
         """
+        own_session = capture if own_session is None else own_session
         pipe = subprocess.PIPE if capture else None
         live = capture and _stdout_is_terminal()
         if live:
             env = {**env, FORWARDED_TERMINAL_ENV: "1"}
         proc = subprocess.Popen(list(command), env=dict(env), stdin=subprocess.DEVNULL if capture else None,
-                                stdout=pipe, stderr=pipe, start_new_session=capture)
-        child = Child(task_type, index, proc, own_session=capture)
+                                stdout=pipe, stderr=pipe, start_new_session=own_session)
+        child = Child(task_type, index, proc, own_session=own_session)
         if capture:
             prefix = f"[{child.name}] ".encode()
             for stream, to_stderr in ((proc.stdout, False), (proc.stderr, True)):
@@ -240,7 +242,8 @@ def spawn_local_replicas(world: int, address: str, env: Mapping[str, str] | None
     """Run this process's command line again as replicas ``1 .. world-1`` of a local group.
 
     Each replica gets `REPLICA_RANK_ENV` (its rank), `REPLICA_ADDR_ENV` (``address``, where replica 0
-    hosts the rendezvous) and `REPLICA_PARENT_ENV` (this process's pid), and inherits stdout/stderr.
+    hosts the rendezvous) and `REPLICA_PARENT_ENV` (this process's pid); its output lines are
+    prefixed ``[replica N]``, as `meshfit launch` prefixes its workers'.
 
     Args:
         world: the number of replicas including this one (replica 0).
@@ -264,7 +267,7 @@ def spawn_local_replicas(world: int, address: str, env: Mapping[str, str] | None
         child_env = dict(os.environ, **(env or {}), **{REPLICA_RANK_ENV: str(rank), REPLICA_ADDR_ENV: address,
                                                        REPLICA_PARENT_ENV: str(os.getpid())})
         child_env.setdefault("OMP_NUM_THREADS", "1")
-        group.start("replica", rank, [sys.executable, *sys.argv], child_env, capture=False)
+        group.start("replica", rank, [sys.executable, *sys.argv], child_env, own_session=False)
     return LocalReplicas(group)
 
 

@@ -28,6 +28,8 @@ from meshfit.distribute._scope import current_world as current_world
 from meshfit.distribute._scope import process_world as process_world
 from meshfit.distribute._strategy import OneDeviceStrategy, Strategy, get_strategy
 from meshfit.distribute._strategy import compiled as compiled
+from meshfit.distribute._torch_loader import LoaderPlan as LoaderPlan
+from meshfit.distribute._torch_loader import PerReplicaLoader as PerReplicaLoader
 from meshfit.distribute._values import (
     CommunicationImplementation,
     CommunicationOptions,

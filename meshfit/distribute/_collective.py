@@ -33,6 +33,7 @@ from meshfit.distribute._model_agreement import agree_on_tensors, module_entries
 from meshfit.distribute._placement import Placement
 from meshfit.distribute._rendezvous import client_for, form_rendezvous, store_host_rank
 from meshfit.distribute._scope import clear_process_world, process_world, set_process_world
+from meshfit.distribute._startup import quiet_c10d_retries, share_cores
 from meshfit.distribute._strategy import Strategy, compiled
 from meshfit.distribute._values import CommunicationImplementation, CommunicationOptions
 from meshfit.distribute._world import World
@@ -64,6 +65,12 @@ def choose_backend(options: CommunicationOptions) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def _all_gather_object(obj: Any) -> list[Any]:
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 def join_world(options: CommunicationOptions, rank: int, world_size: int, master: tuple[str, int] | None, *,
                local_rank: int = 0, names: list[str] | None = None, own_host: str | None = None,
                settings: dict[str, Any] | None = None, cluster_resolver: Any = None) -> World:
@@ -85,14 +92,17 @@ def join_world(options: CommunicationOptions, rank: int, world_size: int, master
         names = names or [f"rank {r}" for r in range(world_size)]
         agreed = {"backend": backend, "timeout_seconds": float(options.timeout_seconds),
                   "heartbeat_timeout_seconds": options.heartbeat_timeout_seconds, **(settings or {})}
-        store, hosting, names = form_rendezvous(rank, world_size, master, own_host, backend, timeout, names,
-                                                agreed)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        with quiet_c10d_retries():  # meshfit says whom it waits for; torch's retry log would drown it
+            store, hosting, names = form_rendezvous(rank, world_size, master, own_host, backend, timeout, names,
+                                                    agreed)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         owns = True
     device = torch.device("cpu")
     if "nccl" in backend:
         device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
         torch.cuda.set_device(device)
+    if owns:
+        share_cores(_all_gather_object, rank)
     world = World(rank=rank, size=world_size, device=device, backend=backend, timeout=timeout,
                   names=tuple(names or [f"rank {r}" for r in range(world_size)]), is_chief=rank == 0,
                   cluster_resolver=cluster_resolver or SingleProcessClusterResolver(), owns_group=owns)

@@ -12,13 +12,14 @@ from typing import Any
 
 import torch
 
-from meshfit.data import map_structure
+from meshfit.data import Dataset, map_structure
 from meshfit.distribute._distributed_dataset import DistributedDataset, agree_on_shuffle_seeds
 from meshfit.distribute._failure import FailureState
 from meshfit.distribute._gradient_sync import ReplicatedSync
 from meshfit.distribute._placement import Placement
 from meshfit.distribute._replication import tracking_scope
 from meshfit.distribute._scope import _DEFAULT, _SCOPE_STACK
+from meshfit.distribute._torch_loader import PerReplicaLoader
 from meshfit.distribute._values import InputContext, PerReplica, ReduceOp, local_results, regroup
 from meshfit.distribute._world import World
 
@@ -222,9 +223,16 @@ class Strategy:
         return DistributedDataset(dataset, context, options)
 
     def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Any], options: Any = None) -> Any:
-        """Build this replica's pipeline with ``dataset_fn(InputContext)``; it batches per replica."""
+        """Build this replica's pipeline with ``dataset_fn(InputContext)``; it batches per replica.
+
+        ``dataset_fn`` may return a torch ``DataLoader`` (or an iterable of batches) that reads this
+        replica's share itself, e.g. over an ``IterableDataset`` that shards by rank.
+        """
         context = self.input_context()
-        return DistributedDataset.from_per_replica(dataset_fn(context), context)
+        dataset = dataset_fn(context)
+        if not isinstance(dataset, Dataset) and hasattr(dataset, "__iter__"):
+            return PerReplicaLoader(dataset, context)
+        return DistributedDataset.from_per_replica(dataset, context)
 
     def check_alive(self) -> None:
         """Raise if a peer is known to have stopped (distributed strategies watch heartbeats)."""

@@ -7,9 +7,10 @@ or ``TF_CONFIG``); this strategy then arranges the processes in the mesh's axes.
 The axis named ``"batch"`` is the data-parallel axis: its coordinate is the data-shard identity
 (`input_context`), metrics and other sums are reduced over it. Two ways to run a step:
 
-- **every weight replicated** (no key shards anything): plain parameters and DDP's bucketed
-  all-reduce over the ``batch`` axis, the `MultiWorkerMirroredStrategy` fast path;
-- **some weight sharded**: every parameter is a DTensor on the whole mesh; the module's inputs
+- **no layout given** (no map, or an empty one: every weight replicated): plain parameters and DDP's
+  bucketed all-reduce over the ``batch`` axis, the `MultiWorkerMirroredStrategy` fast path;
+- **layouts given** (some key, sharded or replicated): every parameter is a DTensor on the whole mesh,
+  as `apply_layouts` makes them; the module's inputs
   become batch-sharded DTensors and its outputs this process's rows again, at the module's
   boundary (forward hooks), so losses, metrics and ``train_step`` overrides see plain tensors.
   DTensor's autograd sums the gradients of replicated weights over ``batch``.
@@ -144,7 +145,9 @@ class MeshStrategy(CollectiveStrategy):
         source = module = module.to(self._device)
         layout_map = self.layout_map if self.layout_map is not None else LayoutMap(self.mesh)
         layouts = resolve_layouts(module, layout_map)
-        if any(not layout.is_fully_replicated() for layout in layouts.values()):
+        # Layouts given (any key, even all replicated: the seed's Dense(kernel_layout=unsharded...)) make
+        # DTensor parameters, as apply_layouts per layer does, so pack()ed inputs meet them in custom loops.
+        if len(layout_map) or any(not layout.is_fully_replicated() for layout in layouts.values()):
             self._sharded = True
             apply_layouts(module, layout_map)
             _Boundary(self).install(module)

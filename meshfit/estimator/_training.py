@@ -55,9 +55,10 @@ def train_and_evaluate(estimator: Any, train_spec: TrainSpec, eval_spec: EvalSpe
     Locally (one training task and no evaluator task): one ``train`` that evaluates after each checkpoint
     (at most every ``throttle_secs``) and once at the end. On a cluster: the chief and workers
     train (the chief writes the checkpoints); the ``evaluator`` task evaluates each new complete
-    checkpoint, waiting ``start_delay_secs`` first and ``throttle_secs`` between evaluations, and
-    writes the results to ``model_dir/eval`` for TensorBoard. It stops once it has evaluated the
-    final checkpoint (``max_steps`` reached, or training reported finished).
+    checkpoint, waiting ``start_delay_secs`` first and ``throttle_secs`` between evaluations (both cut
+    short once training has finished), and writes the results to ``model_dir/eval`` for TensorBoard.
+    It stops once it has evaluated the final checkpoint (``max_steps`` reached, or training reported
+    finished).
 
     Returns:
         ``(eval results, [])`` locally and on the evaluator (the last evaluation); ``(None, [])``
@@ -110,7 +111,7 @@ def _run_evaluator(estimator: Any, train_spec: TrainSpec, eval_spec: EvalSpec) -
     """Evaluate each new checkpoint until the final one is evaluated."""
     if eval_spec.start_delay_secs:
         log(f"Waiting {eval_spec.start_delay_secs} secs before starting training.")
-        time.sleep(eval_spec.start_delay_secs)
+        _sleep_while_training(eval_spec.start_delay_secs, estimator.model_dir)
     result: dict[str, Any] | None = None
     evaluated: str | None = None
     said = ""
@@ -145,4 +146,15 @@ def _run_evaluator(estimator: Any, train_spec: TrainSpec, eval_spec: EvalSpec) -
             log("Exiting evaluation: training finished and its last checkpoint is evaluated.")
             return result
         wait = eval_spec.throttle_secs - (time.monotonic() - start)
-        time.sleep(max(wait, 0.2))
+        _sleep_while_training(max(wait, 0.2), estimator.model_dir)
+
+
+def _sleep_while_training(seconds: float, model_dir: str) -> None:
+    """Sleep ``seconds``, or less once training has finished: the delays (``start_delay_secs``,
+    ``throttle_secs``) spare the workers' CPU while they train; the final checkpoint is evaluated at once
+    (a launcher stops an evaluator soon after training ends)."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        if _finished_checkpoint(model_dir) is not None:
+            return
+        time.sleep(min(left, 0.5))

@@ -8,6 +8,7 @@ import shutil
 import threading
 import warnings
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from types import MappingProxyType
 from typing import Any, Literal, overload
 
@@ -22,6 +23,7 @@ from meshfit._storage import tagged_json as _tree
 from meshfit._validation import path_like
 from meshfit.distribute import current_world
 from meshfit.train import _background, _storage
+from meshfit.train._own_copies import is_sharded, refuse_different_paths, save_own_copy, whole_tensors
 from meshfit.train._per_rank import PerRank, check_shared_tensors_agree, is_trackable, shared_tensor_checksums
 from meshfit.train._save_future import SaveFuture
 from meshfit.train._store import CheckpointStore, FileSystemStore, dcp_error, scratch
@@ -133,14 +135,14 @@ class Checkpoint:
 
     @overload
     def save(self, path: str | os.PathLike, async_save: Literal[False] = False, *,
-             on_commit: Callable[[str], None] | None = None) -> str: ...
+             on_commit: Callable[..., None] | None = None) -> str: ...
 
     @overload
     def save(self, path: str | os.PathLike, async_save: Literal[True], *,
-             on_commit: Callable[[str], None] | None = None) -> SaveFuture: ...
+             on_commit: Callable[..., None] | None = None) -> SaveFuture: ...
 
     def save(self, path: str | os.PathLike, async_save: bool = False, *,
-             on_commit: Callable[[str], None] | None = None) -> str | SaveFuture:
+             on_commit: Callable[..., None] | None = None) -> str | SaveFuture:
         """Write a checkpoint directory at ``path``, collectively when a process group exists.
 
         Data goes into ``<path>.tmp``; once every rank has written and DCP has committed its
@@ -156,7 +158,9 @@ class Checkpoint:
                 a background thread. The buffers (one CPU copy of the tensors) stay allocated
                 for the next save. Only one async save is in flight per process: any later save
                 or restore waits for it first.
-            on_commit: called with the path on every rank once the checkpoint is complete (before
+            on_commit: called with the path on every rank once the checkpoint is complete (and
+                ``own_copy=True`` when the ranks saved replicated state to different paths, each a
+                whole copy: seed 000's ``write_filepath`` dance; see ``_own_copies.py``) (before
                 an async save's future resolves); `CheckpointManager` records its checkpoints so.
 
         Returns:
@@ -181,7 +185,19 @@ class Checkpoint:
             _silence_single_process_warning()
         group = world.control_group
         rank = world.rank
-        tensors, document = self._collect(rank, distributed, group, path)
+        tensors, document, own_paths = self._collect(rank, distributed, group, path)
+        if own_paths is not None:  # TF's write_filepath dance: each rank writes a whole copy (_own_copies.py)
+            def write() -> None:
+                _silence_single_process_warning()  # DCP without its group: this rank writes everything
+                store.prepare(path)
+                store.write(tensors, path, None, False, 0)
+                store.commit(path, document)
+            save_own_copy(write, own_paths, rank, group)
+            if on_commit is not None:
+                on_commit(path, own_copy=True)
+            done: Future[str] = Future()  # written before returning, also with async_save
+            done.set_result(path)
+            return SaveFuture(path, done) if async_save else path
         _rank0_step(lambda: store.prepare(path), distributed, rank, group, f"prepare {path!r}")
         if not async_save:
             store.write(tensors, path, group, distributed, rank)
@@ -211,10 +227,11 @@ class Checkpoint:
         return future
 
     def _collect(self, rank: int, distributed: bool, group: Any,
-                 path: str) -> tuple[dict[str, torch.Tensor], dict]:
-        """This rank's tensors for DCP and the JSON document rank 0 writes (per-rank trees gathered).
+                 path: str) -> tuple[dict[str, torch.Tensor], dict, list[str] | None]:
+        """This rank's tensors for DCP, the JSON document rank 0 writes (per-rank trees gathered), and
+        every rank's path when they differ (then the tensors are this rank's whole copy).
 
-        Every rank must save to the same path: a checkpoint whose shards went to different folders
+        Sharded state must be saved to one path: a checkpoint whose shards went to different folders
         would look complete and fail to restore, so differing paths are an error on every rank.
         """
         tensors: dict[str, torch.Tensor] = {}
@@ -222,6 +239,7 @@ class Checkpoint:
         own_per_rank: dict[str, Any] = {}
         shared_crcs: dict[str, str] = {}
         owners: dict[str, str] = {}
+        per_rank_keys: list[str] = []
         for name, (target, per_rank) in self._trackables.items():
             kind = "tensor" if isinstance(target, torch.Tensor) else "stateful"
             state = target.detach() if kind == "tensor" else target.state_dict()
@@ -231,6 +249,7 @@ class Checkpoint:
             entries[name] = {"kind": kind, "per_rank": per_rank}
             if per_rank:
                 own_per_rank[name] = tree
+                per_rank_keys += [k for k in tensors if k not in before]
             else:
                 entries[name]["state"] = tree
                 if distributed:
@@ -238,21 +257,19 @@ class Checkpoint:
                     shared_crcs.update(shared_tensor_checksums(target, added, tensors))
                     owners.update(dict.fromkeys(added, name))
         world = dist.get_world_size(group) if distributed else 1
-        mine = json.dumps({"path": path, "trees": own_per_rank, "crcs": shared_crcs})
+        mine = json.dumps({"path": path, "trees": own_per_rank, "crcs": shared_crcs, "sharded": is_sharded(tensors)})
         gathered = [json.loads(t) for t in (_storage.all_gather_text(mine, group) if distributed else [mine])]
         paths = [g["path"] for g in gathered]
-        if len(set(paths)) > 1:
-            listing = ", ".join(f"rank {r}: {p!r}" for r, p in enumerate(paths))
-            raise ValueError(f"Every rank must save a checkpoint to the same path; received {listing}. "
-                             "Pass one path (on a file system all workers share) on every rank: a meshfit "
-                             "checkpoint is collective, each worker writes its own shards into that one "
-                             "directory. Drop TensorFlow's per-worker temp dir (the tutorial's write_filepath "
-                             "and the rmtree of it on non-chief workers): save to checkpoint_dir everywhere.")
+        own_copies = len(set(paths)) > 1
+        if own_copies and any(g["sharded"] for g in gathered):
+            refuse_different_paths(paths)
+        if own_copies:
+            tensors = whole_tensors(tensors, per_rank_keys, group)
         check_shared_tensors_agree([g["crcs"] for g in gathered], owners)
         for name in own_per_rank:
             entries[name]["ranks"] = [g["trees"][name] for g in gathered]
         document = {"format": _FORMAT, "version": _VERSION, "world_size": world, "trackables": entries}
-        return tensors, document
+        return tensors, document, (paths if own_copies else None)
 
     def restore(self, path: str | os.PathLike | None) -> None:
         """Load the checkpoint at ``path`` into the tracked objects, in place (collective).

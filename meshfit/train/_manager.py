@@ -221,8 +221,9 @@ class CheckpointManager:
         world = self._checkpoint.world
         return (world if world is not None else current_world()).rank
 
-    def _record(self, path: str) -> None:
-        """After ``path`` is complete on every rank: remember it, prune, write the state file."""
+    def _record(self, path: str, own_copy: bool = False) -> None:
+        """After ``path`` is complete on every rank: remember it, prune, write the state file (rank 0,
+        or every rank when each saved its own copy to its own directory)."""
         rank = self._rank()
         with self._lock:
             self._kept = [p for p in self._kept if p != path] + [path]
@@ -231,7 +232,7 @@ class CheckpointManager:
                 while len(self._kept) > self._max_to_keep:
                     doomed.append(self._kept.pop(0))
             kept = list(self._kept)
-        if rank != 0:
+        if rank != 0 and not own_copy:
             return
         for old in doomed:
             # In the foreground: a checkpoint is a few files (one per writing rank), so unlinking them

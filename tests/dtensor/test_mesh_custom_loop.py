@@ -38,11 +38,11 @@ def _scalar(value):
     return float((value.full_tensor() if isinstance(value, DTensor) else value).detach())
 
 
-def _custom_loop(mesh_dims, sharded):
+def _custom_loop(mesh_dims, sharded, spelling="per_layer", backward=False):
     import meshfit as mf
 
     mesh = mf.dtensor.create_mesh(mesh_dims) if mesh_dims else None
-    model = _module()
+    model = module = _module()
     if mesh is not None:
         unsharded_layout_2d = mf.dtensor.Layout.replicated(mesh, 2)
         unsharded_layout_1d = mf.dtensor.Layout.replicated(mesh, 1)
@@ -52,6 +52,14 @@ def _custom_loop(mesh_dims, sharded):
             layout_map[r"^1\.bias$"] = mf.dtensor.Layout(["model"], mesh)
             layout_map[r"^3\.weight$"] = mf.dtensor.Layout([mf.dtensor.UNSHARDED, "model"], mesh)
             mf.dtensor.apply_layouts(model, layout_map)
+        elif spelling == "layout_map":  # the same replicated layouts as a LayoutMap, the model built in its scope
+            layout_map = mf.dtensor.LayoutMap(mesh)
+            layout_map[r"weight$"] = unsharded_layout_2d
+            layout_map[r"bias$"] = unsharded_layout_1d
+            with layout_map.scope():
+                model = mf.Model(model)
+            model.build(_data()[0][0])
+            module = model.module
         else:  # the seed's Dense(kernel_layout=..., bias_layout=...), one layer at a time
             for layer in (model[1], model[3]):
                 mf.dtensor.apply_layouts(layer, {"weight": unsharded_layout_2d, "bias": unsharded_layout_1d})
@@ -60,17 +68,20 @@ def _custom_loop(mesh_dims, sharded):
     optimizer = mf.optimizers.Adam(0.01, mesh=mesh)
     metrics = {"accuracy": mf.metrics.SparseCategoricalAccuracy(mesh=mesh)}
     loss_fn = mf.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
-    params = list(model.parameters())
+    params = list(module.parameters())
     optimizer.build(params)
 
     def train_step(model, x, y, optimizer, metrics):
         logits = model(x)
         # the sum of the batch-sharded per-example losses: a replicated global loss (scalar)
         loss = loss_fn(y, logits)
-        gradients = torch.autograd.grad(loss, params)
-        for param, gradient in zip(params, gradients, strict=True):
-            param.grad = gradient
-        optimizer.step()
+        if backward:  # the PyTorch spelling
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        else:  # the seed's tape.gradient + apply_gradients
+            gradients = torch.autograd.grad(loss, params)
+            optimizer.apply_gradients(zip(gradients, params, strict=True))
         for metric in metrics.values():
             metric.update_state(y_true=y, y_pred=logits)
         return {"loss": loss / len(x)}
@@ -96,9 +107,11 @@ def _custom_loop(mesh_dims, sharded):
             results[metric_name] = metric.result()
         losses.append(_scalar(results["loss"]))
         pbar.update(step, values=[(k, _scalar(v)) for k, v in results.items()], finalize=False)
-    weights = [_scalar_tensor(p) for p in model.parameters()]
-    layouts = [p.layout.to_string() for p in model.parameters()] if mesh is not None else []
-    return weights, losses, float(metrics["accuracy"].result()), layouts
+    weights = [_scalar_tensor(p) for p in module.parameters()]
+    layouts = [p.layout.to_string() for p in module.parameters()] if mesh is not None else []
+    kinds = sorted({type(p).__mro__[1].__name__ if hasattr(type(p), "_meshfit_layout_class") else type(p).__name__
+                    for p in module.parameters()})
+    return weights, losses, float(metrics["accuracy"].result()), layouts, kinds
 
 
 def _scalar_tensor(param):
@@ -108,8 +121,8 @@ def _scalar_tensor(param):
     return value.detach().numpy().copy()
 
 
-def _on_mesh(rank, world, mesh_dims, sharded):
-    return _custom_loop(mesh_dims, sharded)
+def _on_mesh(rank, world, mesh_dims, sharded, spelling="per_layer", backward=False):
+    return _custom_loop(mesh_dims, sharded, spelling, backward)
 
 
 def _close(a, b, tol=1e-5):
@@ -122,8 +135,8 @@ def one_process():
 
 
 def test_seed_custom_loop_on_a_data_parallel_mesh_equals_one_process(one_process):
-    weights, losses, accuracy, _ = one_process
-    for got_weights, got_losses, got_accuracy, layouts in run_distributed(
+    weights, losses, accuracy, *_ = one_process
+    for got_weights, got_losses, got_accuracy, layouts, _ in run_distributed(
             _on_mesh, world_size=2, args=([("batch", 2)], False), timeout=300):
         assert _close(got_weights, weights)
         assert got_losses == pytest.approx(losses, rel=1e-5)
@@ -132,10 +145,25 @@ def test_seed_custom_loop_on_a_data_parallel_mesh_equals_one_process(one_process
 
 
 def test_seed_custom_loop_on_a_2x2_mesh_with_sharded_weights_equals_one_process(one_process):
-    weights, losses, accuracy, _ = one_process
-    for got_weights, got_losses, got_accuracy, layouts in run_distributed(
+    weights, losses, accuracy, *_ = one_process
+    for got_weights, got_losses, got_accuracy, layouts, _ in run_distributed(
             _on_mesh, world_size=4, args=([("batch", 2), ("model", 2)], True), timeout=300):
         assert _close(got_weights, weights)
         assert got_losses == pytest.approx(losses, rel=1e-5)
         assert got_accuracy == pytest.approx(accuracy)  # over `batch` only: model peers are not counted twice
         assert layouts[0] == "sharding_specs:model,unsharded, mesh:|batch=2,model=2|cpu"
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["apply_gradients", "loss_backward"])
+def test_seed_custom_loop_with_an_all_replicated_layout_map_and_pack(one_process, backward):
+    """Seed 004's flow with a LayoutMap instead of per-layer layouts: the same kind of parameter, and
+    the packed inputs meet it (no "mixed torch.Tensor and DTensor"), with either spelling of a step."""
+    weights, losses, accuracy, *_ = one_process
+    per_layer = run_distributed(_on_mesh, world_size=2, args=([("batch", 2)], False), timeout=300)
+    for got_weights, got_losses, got_accuracy, layouts, kinds in run_distributed(
+            _on_mesh, world_size=2, args=([("batch", 2)], False, "layout_map", backward), timeout=300):
+        assert kinds == per_layer[0][4], (kinds, per_layer[0][4])
+        assert _close(got_weights, weights)
+        assert got_losses == pytest.approx(losses, rel=1e-5)
+        assert got_accuracy == pytest.approx(accuracy)
+        assert layouts[0] == "sharding_specs:unsharded,unsharded, mesh:|batch=2|cpu"

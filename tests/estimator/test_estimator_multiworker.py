@@ -215,3 +215,17 @@ def test_mirrored_strategy_from_a_plain_python_process(tmp_path):
     assert lines[0][2] == lines[1][2]
     # train_and_evaluate ran TF's local loop (not the cluster path, which evaluates nowhere here)
     assert sorted(re.findall(r"replica (\d) evaluated at step (\w+)", out)) == [("0", "6"), ("1", "6")], out
+
+
+def test_the_example_as_shipped_evaluates_under_meshfit_launch_with_an_evaluator(tmp_path):
+    """The example's own delays (start_delay_secs=120, throttle_secs=600) and the launcher's default
+    --evaluator-timeout (60 s): the evaluator still evaluates the final checkpoint before it is stopped."""
+    model_dir = str(tmp_path / "multiworker")
+    proc = start(["-m", "meshfit._cli", "launch", "--workers", "2", "--evaluator", SCRIPT, "--model-dir", model_dir,
+                  "--learning-rate", "0.1", "--train-examples", "1024", "--eval-steps", "2"], child_env())
+    code, out = finish(proc, timeout=420)
+    assert code == 0, out
+    assert "[evaluator 0] evaluator 0: evaluation of the final checkpoint: {" in out, out
+    assert "'global_step': 8" in out.split("evaluation of the final checkpoint:")[1], out
+    assert "still running after" not in out, out  # not stopped by the launcher before evaluating
+    assert "(None, [])" not in out, out

@@ -1,0 +1,159 @@
+"""Which examples each replica reads from a torch ``DataLoader`` (or any iterable of batches).
+
+meshfit splits each global batch across the replicas (the DATA policy), so every replica must
+read the same batches in the same order. A loader is recognised by its sampler:
+
+=================================  ==========================================================
+the loader                         what each replica reads
+=================================  ==========================================================
+``shuffle=True``, or a sampler     the same order everywhere: the sampler's generator is seeded,
+with a ``generator`` (random,      for each pass, from a seed rank 0 draws (from its ``generator``
+subset, weighted), also inside a   when one was given); a resume replays the pass it saved
+``BatchSampler``
+``DistributedSampler`` (also in    already sharded: its own batches, not sliced again;
+a ``BatchSampler``)                ``set_epoch(pass)`` before each pass
+``distribute_datasets_from_        its own batches, not sliced again (an ``IterableDataset``
+function(lambda ctx: loader)``     that shards itself by rank)
+sequential, or anything else       the same batches, sliced; anything meshfit cannot recognise
+(``IterableDataset``, a custom     (``IterableDataset``, custom samplers, plain iterables) is
+sampler, a list of batches)        checked: the first batch of each pass must agree everywhere
+=================================  ==========================================================
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from meshfit.data import leaves, to_tensor
+from meshfit.distribute._values import InputContext
+
+_SEEDED_SAMPLERS = (torch.utils.data.RandomSampler, torch.utils.data.SubsetRandomSampler,
+                    torch.utils.data.WeightedRandomSampler)
+
+
+class PerReplicaLoader:
+    """A loader that ``distribute_datasets_from_function`` built for this replica alone."""
+
+    def __init__(self, loader: Any, context: InputContext) -> None:
+        self.loader, self.context = loader, context
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+
+def _index_samplers(loader: Any) -> list[Any]:
+    """The samplers that choose a DataLoader's examples, outermost first."""
+    if not isinstance(loader, torch.utils.data.DataLoader):
+        return []
+    if loader.batch_sampler is not None and not isinstance(loader.batch_sampler, torch.utils.data.BatchSampler):
+        return [loader.batch_sampler]  # a custom batch sampler: meshfit cannot look inside
+    if loader.batch_sampler is not None:
+        return [loader.batch_sampler.sampler]
+    return [loader.sampler]
+
+
+def _fingerprint(element: Any) -> str:
+    digest = hashlib.blake2b(digest_size=12)
+    for leaf in leaves(to_tensor(element)):
+        if isinstance(leaf, torch.Tensor):
+            leaf = leaf.detach().cpu().contiguous()
+            digest.update(f"{leaf.dtype}{tuple(leaf.shape)}".encode())
+            digest.update(leaf.view(-1).view(torch.uint8).numpy().tobytes() if leaf.numel() else b"")
+        else:
+            digest.update(repr(leaf).encode())
+    return digest.hexdigest()
+
+
+class LoaderPlan:
+    """How this replica reads a loader: whether it is sharded already, and how each pass starts.
+
+    Args:
+        loader: the user's ``DataLoader`` or iterable of batches.
+        context: this replica's ``InputContext``.
+        broadcast: the strategy's ``broadcast_object`` (rank 0's value everywhere).
+        all_gather: the strategy's ``all_gather_object``.
+        per_replica: the loader came from ``distribute_datasets_from_function``.
+    """
+
+    def __init__(self, loader: Any, context: InputContext, broadcast: Callable[[Any], Any],
+                 all_gather: Callable[[Any], list[Any]], per_replica: bool = False) -> None:
+        self.loader, self.all_gather = loader, all_gather
+        self.num_replicas, self.replica_id = context.num_input_pipelines, context.input_pipeline_id
+        samplers = _index_samplers(loader)
+        distributed = [s for s in samplers if isinstance(s, torch.utils.data.DistributedSampler)]
+        seeded = [s for s in samplers if isinstance(s, _SEEDED_SAMPLERS)]
+        self.sharded = per_replica or bool(distributed)
+        self._distributed, self._seeded, self._base_seed = distributed, seeded, 0
+        self.check_first_batch = False
+        if self.num_replicas == 1 or per_replica:
+            return
+        for sampler in distributed:
+            self._check_distributed_sampler(sampler)
+        if seeded:
+            generator = seeded[0].generator
+            own = int(generator.initial_seed()) if generator is not None else int(
+                torch.randint(0, 2**62, (), dtype=torch.int64))
+            self._base_seed = int(broadcast(own))
+        recognised = bool(distributed or seeded) or (
+            samplers and isinstance(samplers[0], torch.utils.data.SequentialSampler))
+        self.check_first_batch = not recognised
+
+    def _check_distributed_sampler(self, sampler: Any) -> None:
+        n, r = self.num_replicas, self.replica_id
+        if sampler.num_replicas != n or sampler.rank != r:
+            raise ValueError(
+                f"Invalid DistributedSampler: expected num_replicas={n} and rank={r} (this replica of the "
+                f"{n} in sync), received num_replicas={sampler.num_replicas}, rank={sampler.rank}. Build it "
+                "inside the strategy's process group with the defaults, DistributedSampler(dataset), or "
+                "drop it: meshfit splits each global batch across the replicas itself.")
+
+    def iterate(self, pass_index: int) -> Iterator[Any]:
+        """The loader's batches for pass ``pass_index``, in the order every replica agrees on."""
+        for sampler in self._distributed:
+            sampler.set_epoch(pass_index)
+        if not self._seeded:
+            yield from self._checked(iter(self.loader))
+            return
+        saved = [sampler.generator for sampler in self._seeded]
+        for sampler in self._seeded:
+            # One generator per pass: the same order on every replica, and a resume replays it.
+            sampler.generator = torch.Generator().manual_seed(self._base_seed + 1_000_003 * pass_index)
+        try:
+            iterator = iter(self.loader)
+            first = next(iterator, _END)
+        finally:  # the sampler has drawn its permutation by its first batch: the user's own is back
+            for sampler, generator in zip(self._seeded, saved, strict=True):
+                sampler.generator = generator
+        if first is _END:
+            return
+        yield first
+        yield from iterator
+
+    def _checked(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        if not self.check_first_batch:
+            yield from iterator
+            return
+        first = next(iterator, _END)
+        prints = self.all_gather(None if first is _END else _fingerprint(first))
+        if len(set(prints)) > 1:
+            raise ValueError(
+                "The replicas' input yielded different first batches, but meshfit splits each global batch "
+                f"across the {self.num_replicas} replicas, so each must read the same batches: examples would be "
+                "trained twice or never. If the data shards itself by rank (an IterableDataset reading "
+                "torch.distributed.get_rank()), pass strategy.distribute_datasets_from_function(lambda context: "
+                "loader) to fit instead; if it shuffles, seed its shuffle the same on every worker; or use "
+                "DataLoader(dataset, shuffle=True), which meshfit shuffles the same everywhere.")
+        if first is _END:
+            return
+        yield first
+        yield from iterator
+
+
+_END = object()
