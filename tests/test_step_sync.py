@@ -86,7 +86,7 @@ def _worker_counts(rank: int, world: int):
 
 def test_two_workers_read_only_their_control_plane_flags():
     results = run_distributed(_worker_counts, world_size=2, timeout=180)
-    for calls, outside, steps, history in results:
+    for calls, outside, steps, _history in results:
         assert steps == 12  # 96 examples, global batch 16 (8 a worker), 2 epochs
         assert outside == []
         # One read of the summed flags per step, of a CPU tensor: no device tensor round trip.
