@@ -28,7 +28,7 @@ class ReplicaState:
 
     def __init__(self, trainable: Trainable) -> None:
         self._trainable = trainable
-        self._random = RandomState()
+        self._random = RandomState(trainable.strategy.device)
 
     def state_dict(self) -> dict[str, Any]:
         metrics = {f"{i}:{m.name}": m.state_dict() for i, m in enumerate(self._trainable.metrics)}
