@@ -56,7 +56,7 @@ class Metric:
         a training step then queues its metric update without waiting for the device."""
         state = self._states[name]
         if state.device != value.device:
-            state = self._states[name] = state.to(value.device)
+            state = self._states[name] = state.to(value.device, non_blocking=True)
         state += value
 
     def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
