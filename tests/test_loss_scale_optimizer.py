@@ -187,3 +187,22 @@ def test_a_backup_under_mixed_float16_resumes_bitwise_with_the_scale(tmp_path):
     assert int(resumed.optimizer.step_counter) == int(reference.optimizer.step_counter)
     for a, b in zip(resumed.get_weights(), reference.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def _two_workers_one_inf(rank: int, world: int):
+    mixed_precision.set_global_policy("mixed_float16")
+    strategy = mf.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = mf.Model(_InfOnce(at=2 if rank == 0 else 0))  # only rank 0's gradient is inf, once
+        model.compile(mf.optimizers.SGD(learning_rate=0.1), mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(*_data(), batch_size=16, epochs=1, verbose=0)
+    return model.optimizer.iterations, float(model.optimizer.dynamic_scale), model.get_weights()
+
+
+def test_an_inf_on_one_worker_skips_the_step_on_every_worker():
+    from _multiproc import run_distributed
+
+    (it0, scale0, w0), (it1, scale1, w1) = run_distributed(_two_workers_one_inf, world_size=2, timeout=180)
+    assert (it0, scale0) == (it1, scale1) == (3, 2.0**14)  # 4 steps, the second skipped everywhere
+    for a, b in zip(w0, w1, strict=True):
+        np.testing.assert_array_equal(a, b)
