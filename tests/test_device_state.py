@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 import meshfit as mf
-from meshfit._state import RandomState
+from meshfit._engine._state import RandomState
 
 
 def test_a_cpu_replica_saves_no_cuda_stream_and_resumes_bitwise():

@@ -10,7 +10,7 @@ from torch import nn
 
 import meshfit as mf
 from meshfit import mixed_precision
-from meshfit._state import RandomState
+from meshfit._engine._state import RandomState
 
 pytestmark = MARKS
 
