@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-quick lint bench bytecode tf-venv clean
+.PHONY: demo test test-quick lint bench bytecode tf-venv clean gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -36,6 +36,14 @@ test-quick: lint bytecode
 # needs .venv-tf: `make tf-venv` once (tensorflow-cpu, big; never a meshfit dependency).
 bench: bytecode
 	$(BIN)/python bench/bench_all.py
+
+# On a machine with CUDA: the tests marked `gpu` (tests/gpu/), then fit ÷ a hand-written loop on one
+# GPU, in one report (README "On a GPU") that also counts the tests; a failed test still lets the bench
+# report (then the target exits non-zero). Without CUDA the tests skip, saying why, and the bench says so.
+gpu-check: bytecode
+	mkdir -p build
+	$(BIN)/python -m pytest -q -m gpu -rs --junitxml=build/gpu-tests.xml tests/gpu; status=$$?; \
+	$(BIN)/python bench/bench_gpu.py --tests-xml build/gpu-tests.xml && exit $$status
 
 tf-venv:
 	PY=$(PY) bash bench/tf_venv.sh

@@ -33,10 +33,15 @@ def test_bad_policies_are_named():
         mixed_precision.set_global_policy("mixed_bf16")
     with pytest.raises(TypeError, match=r"received policy=16"):
         mixed_precision.set_global_policy(16)
+
+
+
+def test_mixed_float16_autocasts_on_the_cpu_too():
+    # Keras runs mixed_float16 on any device (fp16 is slow on CPUs, but correct); so does torch's
+    # CPU autocast. Before issue 23 this was refused ("runs on CUDA only").
     mixed_precision.set_global_policy("mixed_float16")
-    with pytest.raises(ValueError, match=r"'mixed_float16' runs on CUDA only"):
-        with mixed_precision.autocast("cpu"):
-            pass
+    with mixed_precision.autocast("cpu"):
+        assert nn.Linear(2, 2)(torch.ones(1, 2)).dtype == torch.float16
 
 
 def _data(n=256, seed=0):

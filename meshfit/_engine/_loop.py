@@ -13,7 +13,7 @@ from typing import Any
 from meshfit._engine._executions import next_batch, steps_per_execution
 from meshfit._engine._preemption import PreemptionWatch
 from meshfit._engine._state import LoopState, RandomState
-from meshfit._engine._step_logs import agree, merge_returned, reduce_logs
+from meshfit._engine._step_logs import agree, as_logs, merge_returned, reduce_logs
 from meshfit._protocols import CallbackListLike, Stateful, Trainable
 from meshfit._runtime import PREEMPTED_EXIT_CODE, keep_freed_memory
 from meshfit.data import batch_size_of
@@ -28,7 +28,7 @@ class ReplicaState:
 
     def __init__(self, trainable: Trainable) -> None:
         self._trainable = trainable
-        self._random = RandomState()
+        self._random = RandomState(trainable.strategy.device)
 
     def state_dict(self) -> dict[str, Any]:
         metrics = {f"{i}:{m.name}": m.state_dict() for i, m in enumerate(self._trainable.metrics)}
@@ -178,12 +178,13 @@ class TrainingLoop:
             finalize = getattr(getattr(trainable, "optimizer", None), "finalize_variable_values", None)
             if callable(finalize):
                 finalize()
-            cbs.on_train_end(epoch_logs or logs)
+            logs = as_logs(epoch_logs or logs)
+            cbs.on_train_end(logs)
             self.strategy.barrier()
         finally:
             self._preemption.close()
             self._preemption = None
-        return epoch_logs or logs
+        return logs
 
     def _done(self, epochs: int | None, until_step: int | None) -> bool:
         return (epochs is not None and self.counters.epoch >= epochs) or self._reached(until_step)
@@ -217,7 +218,7 @@ class TrainingLoop:
             strategy.failure.step = counters.iterations
         logs, (preempt, stop) = reduce_logs(trainable, [float(self._preemption.requested),
                                                         float(trainable.stop_training)], with_metrics=batch_logs)
-        merge_returned(trainable, logs, returned)
+        merge_returned(trainable, logs, returned, convert=batch_logs)  # read (a host sync) only where logs are
         trainable.stop_training = stop > 0
         # Keras's nominal index: the execution's last step, also when it ran fewer.
         cbs.on_train_batch_end(begin + steps_per_execution(trainable) - 1, logs)
@@ -231,7 +232,7 @@ class TrainingLoop:
                    validate: Callable[[int], dict[str, float]] | None) -> dict[str, float]:
         # The epoch's metrics from their (possibly restored) accumulators, on every replica.
         epoch_logs, _ = reduce_logs(self.trainable)
-        epoch_logs.update({k: v for k, v in logs.items() if k not in epoch_logs})
+        epoch_logs.update({k: v for k, v in as_logs(logs).items() if k not in epoch_logs})
         if validate is not None:
             epoch_logs.update(validate(epoch))
         self.data.end_epoch()

@@ -102,20 +102,25 @@ class Model(WeightsMixin):
 
     # ---- compile -------------------------------------------------------------------------
     def compile(self, optimizer: Any = "rmsprop", loss: Any = None, metrics: list[Any] | None = None,
-                jit_compile: bool = False, steps_per_execution: int = 1) -> None:
+                jit_compile: bool = False, steps_per_execution: int = 1, auto_scale_loss: bool = True) -> None:
         """Configure training: optimizer, loss and metrics (strings, meshfit or torch objects).
 
         ``jit_compile=True`` (Keras's name) compiles the module with ``torch.compile`` when it is
         placed for training: fewer Python dispatches and fused kernels per step, after a one-off
         compilation at the first step. ``steps_per_execution`` runs that many training steps between
         two calls of the batch callbacks and one reduction of their logs across replicas (Keras's
-        argument).
+        argument). Under the ``"mixed_float16"`` policy, ``auto_scale_loss`` wraps the optimizer in a
+        `meshfit.mixed_precision.LossScaleOptimizer` (dynamic loss scaling), as Keras does.
         """
         check_bool("jit_compile", jit_compile)
+        check_bool("auto_scale_loss", auto_scale_loss)
         # Resolve everything first: a failed compile leaves the model as it was.
         steps_per_execution = positive_int("steps_per_execution", steps_per_execution)
         check_training_strategy(self, "compile")
-        resolved_optimizer = get_optimizer(optimizer)
+        resolved_optimizer = serialized_optimizer = get_optimizer(optimizer)
+        if (auto_scale_loss and mixed_precision.global_policy().name == "mixed_float16"
+                and not isinstance(resolved_optimizer, mixed_precision.LossScaleOptimizer)):
+            resolved_optimizer = mixed_precision.LossScaleOptimizer(resolved_optimizer)
         resolved_loss = get_loss(loss) if loss is not None else None
         if metrics is not None and not isinstance(metrics, (list, tuple)):
             raise TypeError(f"Invalid `metrics`: expected a list such as ['accuracy'], received metrics={metrics!r}.")
@@ -124,7 +129,7 @@ class Model(WeightsMixin):
         self.steps_per_execution = steps_per_execution
         self._metric_identifiers, self._compiled_metrics = list(metrics or []), compiled_metrics
         self._compile_config = {
-            "optimizer": serialize_optimizer(self.optimizer),
+            "optimizer": serialize_optimizer(serialized_optimizer),
             "loss": serialize_loss(self.loss) if self.loss is not None else None,
             "metrics": [m for m in self._metric_identifiers if isinstance(m, str)],
         }
@@ -229,7 +234,7 @@ class Model(WeightsMixin):
                 self.optimizer.step()
                 return None
             loss = self.compute_loss(x, y, y_pred, sample_weight)
-        loss.backward()
+        self.optimizer.scale_loss(loss).backward()  # scaled under mixed_float16 (LossScaleOptimizer)
         self.optimizer.step()
         self._loss_tracker.update_state(loss.detach(), sample_weight=batch_size_of(y_pred))
         return self.compute_metrics(x, y, y_pred, sample_weight)

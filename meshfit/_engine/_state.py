@@ -26,7 +26,15 @@ class LoopState:
 
 
 class RandomState:
-    """This process's random streams: torch (CPU and CUDA), numpy's global one, and Python's ``random``."""
+    """This process's random streams: torch's CPU one, its GPU's CUDA one, numpy's global one, Python's ``random``.
+
+    Args:
+        device: the device this replica trains on; on a GPU its CUDA generator is saved too (one
+            process per GPU: each rank saves its own). A CPU replica never touches CUDA.
+    """
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
 
     def state_dict(self) -> dict[str, Any]:
         np_state = np.random.get_state()
@@ -41,8 +49,8 @@ class RandomState:
             "python_version": int(py_version),
             "python_gauss": py_gauss,
         }
-        if torch.cuda.is_available():
-            state["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -52,5 +60,5 @@ class RandomState:
                              float(state["numpy_gauss"])))
         internal = tuple(int(v) for v in torch.as_tensor(state["python_internal"]).tolist())
         random.setstate((int(state["python_version"]), internal, state["python_gauss"]))
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(list(torch.as_tensor(state["cuda"])))
+        if "cuda" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(torch.as_tensor(state["cuda"], dtype=torch.uint8).cpu(), self.device)

@@ -1,4 +1,9 @@
-"""Logs of a step: the metrics' additive states summed over the data-parallel axis, plus agreed flags."""
+"""Logs of a step: the metrics' additive states summed over the data-parallel axis, plus agreed flags.
+
+Two planes: the metric states stay on the model's device and are summed by the device backend, only
+when logs are read; the flags (stop, preemption) are CPU numbers summed over the control plane
+(gloo), so a step with no log reader queues its device work and returns without waiting for it.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +12,12 @@ from typing import Any
 
 import torch
 
-from meshfit._protocols import MetricLike, Trainable
+from meshfit._protocols import DistributionStrategy, MetricLike, Trainable
 
 
 def reduce_logs(trainable: Trainable, flags: Sequence[float] = (), *,
                 with_metrics: bool = True) -> tuple[dict[str, float], list[float]]:
-    """Metric results over all replicas and the replicas' summed ``flags``, in one all-reduce.
+    """Metric results over all replicas and the replicas' summed ``flags``.
 
     Args:
         trainable: whose ``logged_metrics()`` to read.
@@ -25,30 +30,51 @@ def reduce_logs(trainable: Trainable, flags: Sequence[float] = (), *,
     """
     metrics: list[MetricLike] = trainable.logged_metrics() if with_metrics else []
     states = [m.state_tensors() for m in metrics]
-    flags = [float(f) for f in flags]
     strategy = trainable.strategy
     # Every process takes part, also along a mesh's ``model`` axis: a stop or preemption flag raised
     # on any process must reach all of them.
-    if strategy.num_processes > 1 and (states or flags):
-        parts = [t.reshape(-1).to(torch.float64) for group in states for t in group]
-        flat = torch.cat([*parts, torch.tensor(flags, dtype=torch.float64)])
-        strategy.all_reduce_sum(flat)
-        offset, reduced = 0, []
-        for group in states:
-            tensors = []
-            for t in group:
-                tensors.append(flat[offset:offset + t.numel()].reshape(t.shape).to(t.dtype))
-                offset += t.numel()
-            reduced.append(tuple(tensors))
-        states, flags = reduced, flat[offset:].tolist()
+    if strategy.num_processes > 1 and any(states):
+        states = _sum_states(strategy, states)
+    summed = sum_flags(strategy, flags)
     logs = {metric.name: float(metric.result_from(state)) for metric, state in zip(metrics, states, strict=True)}
-    return logs, flags
+    return logs, summed
 
 
-def as_logs(returned: Any) -> dict[str, Any]:
-    """What a Keras-style ``train_step`` override returned, as log values."""
+def _sum_states(strategy: DistributionStrategy, states: list[tuple[torch.Tensor, ...]]) -> list[tuple[torch.Tensor, ...]]:
+    """The metric states summed over replicas, in one all-reduce on the device backend."""
+    flat = torch.cat([t.reshape(-1).to(strategy.device, torch.float64) for group in states for t in group])
+    strategy.all_reduce_sum(flat)
+    offset, reduced = 0, []
+    for group in states:
+        tensors = []
+        for t in group:
+            tensors.append(flat[offset:offset + t.numel()].reshape(t.shape).to(t.dtype))
+            offset += t.numel()
+        reduced.append(tuple(tensors))
+    return reduced
+
+
+def sum_flags(strategy: DistributionStrategy, flags: Sequence[float]) -> list[float]:
+    """``flags`` summed over every process on the control plane: a CPU tensor over gloo, never a
+    device tensor (reading it back is no device sync)."""
+    values = [float(f) for f in flags]
+    if strategy.num_processes <= 1 or not values:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64)
+    strategy.all_reduce_control(tensor)
+    return tensor.tolist()
+
+
+def as_logs(returned: Any, *, convert: bool = True) -> dict[str, Any]:
+    """What a Keras-style ``train_step`` override returned, as log values.
+
+    With ``convert=False`` one-element tensors stay tensors (no host sync): the loop converts them
+    when logs are read (`as_logs` again).
+    """
     if not isinstance(returned, Mapping):
         return {}
+    if not convert:
+        return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in returned.items()}
     return {k: float(v) if isinstance(v, torch.Tensor) and v.numel() == 1 else v for k, v in returned.items()}
 
 
@@ -71,18 +97,19 @@ class MetricResults(Mapping):
         return repr(dict(self))
 
 
-def merge_returned(trainable: Trainable, logs: dict[str, Any], returned: Any) -> dict[str, Any]:
+def merge_returned(trainable: Trainable, logs: dict[str, Any], returned: Any, *,
+                   convert: bool = True) -> dict[str, Any]:
     """Add what a step returned to ``logs``, as Keras does (``_get_metrics_result_or_logs``).
 
     A dict with exactly the logged metrics' names (what ``super().train_step`` and
     ``compute_metrics`` return) is read from the metrics, reduced over replicas; anything else a
-    Keras-style override returned is logged as it is.
+    Keras-style override returned is logged as it is (its tensors left unread with ``convert=False``).
     """
     if isinstance(returned, Mapping) and set(returned) != {m.name for m in trainable.logged_metrics()}:
-        logs.update(as_logs(returned))
+        logs.update(as_logs(returned, convert=convert))
     return logs
 
 
 def agree(trainable: Trainable, flag: bool) -> bool:
     """True on every replica when it is true on any (e.g. a chief-only callback stopped training)."""
-    return reduce_logs(trainable, [float(flag)], with_metrics=False)[1][0] > 0
+    return sum_flags(trainable.strategy, [float(flag)])[0] > 0

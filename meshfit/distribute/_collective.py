@@ -209,6 +209,16 @@ class CollectiveStrategy(Strategy):
                 dist.all_reduce(tensor)
         return tensor
 
+    def all_reduce_control(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not self._distributed:
+            return tensor
+        if tensor.device.type != "cpu":
+            raise ValueError(f"Invalid `tensor`: the control plane (gloo) carries CPU tensors, received one on "
+                             f"{tensor.device}. Send device tensors with all_reduce_sum.")
+        with self.guard():
+            self.world.control_all_reduce(tensor)
+        return tensor
+
     # objects and barriers travel on the control plane (gloo), never through the device backend
     def broadcast_object(self, obj: Any) -> Any:
         if not self._distributed:

@@ -155,6 +155,13 @@ class Strategy:
         """Sum ``tensor`` over replicas, in place; returns it."""
         return tensor
 
+    def all_reduce_control(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum a CPU ``tensor`` of flags over every process on the control plane (gloo), in place.
+
+        The device backend never sees it: no host-to-device-to-host copy around a flag.
+        """
+        return tensor
+
     def broadcast_object(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every replica."""
         return obj
@@ -183,7 +190,11 @@ class Strategy:
         return Placement(compiled(module.to(self.device), jit_compile), module, ReplicatedSync())
 
     def distribute_batch(self, batch: Any) -> Any:
-        """This replica's batch placed for its module: tensors on the device, float64 as the default dtype."""
+        """This replica's batch placed for its module: tensors on the device, float64 as the default dtype.
+
+        A CPU batch bound for a GPU is copied from page-locked (pinned) memory with
+        ``non_blocking=True``, so the step queues the copy and goes on.
+        """
         device = self.device
 
         def place(leaf: Any) -> Any:
@@ -191,7 +202,11 @@ class Strategy:
                 return leaf
             if leaf.dtype == torch.float64:
                 leaf = leaf.to(torch.get_default_dtype())
-            return leaf.to(device, non_blocking=True) if leaf.device != device else leaf
+            if leaf.device == device:
+                return leaf
+            if leaf.device.type == "cpu" and device.type == "cuda" and not leaf.is_pinned():
+                leaf = leaf.pin_memory()  # page-locked: the copy below is asynchronous, not a host sync
+            return leaf.to(device, non_blocking=True)
 
         return map_structure(place, batch)
 

@@ -66,7 +66,9 @@ class MeshStrategy(CollectiveStrategy):
                              f"or change the axis sizes so that their product is {self._world}.")
         from torch.distributed.device_mesh import init_device_mesh
 
-        _ensure_group()
+        _ensure_group(mesh.device_type)
+        if mesh.device_type == "cuda" and self._device.type != "cuda":  # a one-device CUDA mesh
+            self._device = torch.device("cuda", torch.cuda.current_device())
         self._device_mesh = init_device_mesh(mesh.device_type, mesh.shape, mesh_dim_names=mesh.axis_names)
         self.mesh = Mesh(mesh.axis_names, mesh.shape, mesh.device_type, self._device_mesh, self)
         self.layout_map: LayoutMap | None = None
@@ -285,7 +287,9 @@ def _settle_partial_sums(module: nn.Module, args: Any, output: Any) -> Any:
     return map_structure(settle, output)
 
 
-def _ensure_group() -> None:
-    """A one-process gloo group for a one-device mesh (DeviceMesh needs a process group)."""
+def _ensure_group(device_type: str = "cpu") -> None:
+    """A one-process group for a one-device mesh (DeviceMesh needs a process group): gloo, with NCCL
+    for CUDA tensors on a GPU mesh."""
     if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)

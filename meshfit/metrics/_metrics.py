@@ -48,8 +48,16 @@ class Metric:
         self._strategy_ref = weakref.ref(strategy) if strategy is not None else None
 
     def add_state(self, name: str, shape: tuple[int, ...] = ()) -> None:
-        """Declare a float64 CPU accumulator that starts at zero."""
+        """Declare a float64 accumulator that starts at zero (on the CPU until the first update)."""
         self._states[name] = torch.zeros(shape, dtype=torch.float64)
+
+    def _accumulate(self, name: str, value: torch.Tensor) -> None:
+        """Add ``value`` to an accumulator, which moves once to ``value``'s device and stays there:
+        a training step then queues its metric update without waiting for the device."""
+        state = self._states[name]
+        if state.device != value.device:
+            state = self._states[name] = state.to(value.device, non_blocking=True)
+        state += value
 
     def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
         """Accumulate one (per-replica) batch."""
@@ -60,13 +68,14 @@ class Metric:
         return self._states
 
     def _assign_states(self, states: dict[str, torch.Tensor]) -> None:
-        """Overwrite the accumulators (float64 CPU values, names and shapes checked)."""
+        """Overwrite the accumulators in place, on their device (float64 values, names and shapes checked)."""
         for key, current in self._states.items():
             current.copy_(states[key])
 
     def state_tensors(self) -> tuple[torch.Tensor, ...]:
-        """Copies of the accumulators (float64, CPU); safe to all-reduce in place."""
-        return tuple(t.detach().to("cpu", torch.float64, copy=True) for t in self._live_states().values())
+        """Copies of the accumulators (float64, on the device they accumulate on); safe to all-reduce
+        in place. Reading their values is the only host sync a metric needs (at a log point)."""
+        return tuple(t.detach().to(torch.float64, copy=True) for t in self._live_states().values())
 
     def result_from(self, states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The metric's value for the given (e.g. summed across replicas) states."""
@@ -78,7 +87,7 @@ class Metric:
         states = self.state_tensors()
         strategy = self._reducing_strategy()
         if strategy is not None and states:
-            flat = torch.cat([t.reshape(-1) for t in states])
+            flat = torch.cat([t.reshape(-1).to(strategy.device) for t in states])
             with strategy.guard():  # a dead peer is named, not a raw backend error
                 strategy.all_reduce_sum(flat)
             states = tuple(part.reshape(t.shape) for part, t in
@@ -106,8 +115,8 @@ class Metric:
         self.reset_state()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The accumulators by name (float64, CPU)."""
-        return dict(zip(self._live_states(), self.state_tensors(), strict=True))
+        """The accumulators by name (float64, CPU copies)."""
+        return {key: t.detach().to("cpu", torch.float64, copy=True) for key, t in self._live_states().items()}
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Restore the accumulators from `state_dict()`.
@@ -169,10 +178,12 @@ class Mean(Metric):
         values = _as_tensor(values).to(torch.float64)
         if sample_weight is None:
             weight = torch.ones_like(values)
+        elif isinstance(sample_weight, (int, float)) and not isinstance(sample_weight, bool):
+            weight = torch.full_like(values, float(sample_weight))  # no host-to-device copy of the number
         else:
             values, weight = losses.broadcast_weight(values, _as_tensor(sample_weight))
-        self._states["total"] += (values * weight).sum().cpu()
-        self._states["count"] += weight.sum().cpu()
+        self._accumulate("total", (values * weight).sum())
+        self._accumulate("count", weight.sum())
 
     def result_from(self, states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """`total / count`, or 0 when nothing was counted."""
@@ -197,7 +208,7 @@ class Sum(Metric):
         if sample_weight is not None:
             values, weight = losses.broadcast_weight(values, _as_tensor(sample_weight))
             values = values * weight
-        self._states["total"] += values.sum().cpu()
+        self._accumulate("total", values.sum())
 
     def result_from(self, states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The total."""

@@ -27,8 +27,8 @@ class Policy:
 
     Args:
         name: ``"float32"`` (the default: no autocast), ``"mixed_bfloat16"`` (bf16 compute on CPU or
-            GPU) or ``"mixed_float16"`` (fp16 compute, CUDA only; meshfit applies no loss scaling, so
-            prefer ``mixed_bfloat16`` unless your gradients are known not to underflow).
+            GPU) or ``"mixed_float16"`` (fp16 compute; ``Model.compile`` then wraps the optimizer in a
+            `LossScaleOptimizer`, as Keras does, so that small gradients do not underflow).
 
     Raises:
         ValueError: ``name`` is not one of the names above.
@@ -116,9 +116,6 @@ def autocast(device_type: str | torch.device = "cpu") -> Iterator[None]:
     Args:
         device_type: the device type the module runs on (``"cpu"``, ``"cuda"``) or a device.
 
-    Raises:
-        ValueError: ``"mixed_float16"`` on a device other than CUDA.
-
     Example:
         >>> set_global_policy("mixed_bfloat16")
         >>> with autocast("cpu"):
@@ -132,9 +129,6 @@ def autocast(device_type: str | torch.device = "cpu") -> Iterator[None]:
     if policy.compute_dtype == "float32":
         yield
         return
-    if policy.compute_dtype == "float16" and kind != "cuda":
-        raise ValueError(f"Invalid policy for device {kind!r}: 'mixed_float16' runs on CUDA only. "
-                         "Use set_global_policy('mixed_bfloat16') on the CPU.")
     with torch.autocast(device_type=kind, dtype=getattr(torch, policy.compute_dtype)):
         yield
 

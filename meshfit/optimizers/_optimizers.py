@@ -222,21 +222,31 @@ class Optimizer:
         Under a multi-replica strategy, the gradients of parameters created in its scope are
         summed across replicas first (not those DDP reduced already).
         """
-        optimizer = self._require_built("step()")
+        self._require_built("step()")
         loss = None
         if closure is not None:  # evaluated once here, so that its gradients can be synchronised
             with torch.enable_grad():
                 loss = closure()
-        params = self._params()
-        synchronize_gradients(params)
+        synchronize_gradients(self._params())
+        self._apply_update()
+        return loss
+
+    def _apply_update(self) -> None:
+        """Clip the (already summed) gradients, then the torch optimizer's step at the schedule's rate."""
+        optimizer = self._require_built("step()")
         if self._clipping.active:  # after the reduction: every replica clips the global gradient
-            self._clipping.clip_([p.grad for p in params if p.grad is not None])
+            self._clipping.clip_([p.grad for group in optimizer.param_groups for p in group["params"]
+                                  if p.grad is not None])
         if self._schedule is not None:
             self._set_rate(float(self._schedule(self.iterations)))
         optimizer.step()
         if self._moving_average is not None:
             self._moving_average.update(self.iterations)
         self.iterations += 1
+
+    def scale_loss(self, loss: Any) -> Any:
+        """The loss to call ``backward`` on: ``loss`` itself (a `LossScaleOptimizer` scales it), as
+        Keras 3's ``optimizer.scale_loss``."""
         return loss
 
     def finalize_variable_values(self, var_list: Any = None) -> None:
