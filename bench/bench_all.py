@@ -68,6 +68,17 @@ def variants(args: argparse.Namespace, tmp: str) -> dict[str, tuple[list[str], d
     if os.path.exists(TF_PYTHON):
         out["mlp_keras"] = ([TF_PYTHON, b("_mlp_keras.py"), "--data", args.mlp_data,
                              "--steps", str(args.mlp_steps)], user_env())
+    # keras.io's MLP over ~50,000 examples (3 epochs of --mlp50k-steps batches of 32): Adam's moments
+    # of always-blank pixels decay into denormals after some hundred steps; TF flushes them, so does
+    # meshfit inside fit (MESHFIT_FLUSH_DENORMALS=0 turns it off: the "off" runs).
+    mlp50k = [b("_mlp_fit.py"), "--data", args.mlp_data, "--steps", str(args.mlp50k_steps)]
+    out["mlp50k_meshfit"] = ([py, *mlp50k], user_env())
+    out["mlp50k_meshfit_off"] = ([py, *mlp50k], user_env(MESHFIT_FLUSH_DENORMALS="0"))
+    if os.path.exists(TF_PYTHON):
+        out["mlp50k_keras"] = ([TF_PYTHON, b("_mlp_keras.py"), "--data", args.mlp_data,
+                                "--steps", str(args.mlp50k_steps)], user_env())
+    out["fit_1t_flush_off"] = ([py, b("_cnn_fit.py"), "--threads", "1", *timed],
+                               user_env(MESHFIT_FLUSH_DENORMALS="0"))
     out["scale_1p2t"] = ([py, b("_cnn_fit.py"), "--threads", "2", "--batch", "128", *timed], user_env())
     out["scale_2w1t"] = ([*launch, b("_cnn_fit.py"), "--threads", "1", "--batch", "128", *timed], user_env())
     out["scale_2w1t_bf16"] = ([*launch, b("_cnn_fit.py"), "--threads", "1", "--batch", "128", "--compression",
@@ -150,6 +161,13 @@ def collect(runs: list[dict[str, dict]], args: argparse.Namespace) -> dict[str, 
             add("cpu mlp meshfit/keras", r["mlp_meshfit"]["cpu_ms_per_step"] / r["mlp_keras"]["cpu_ms_per_step"])
             add("ms mlp_keras", r["mlp_keras"]["ms_per_step"])
         add("ms mlp_meshfit", r["mlp_meshfit"]["ms_per_step"])
+        if "mlp50k_keras" in r:
+            add("mlp50k meshfit/keras", r["mlp50k_meshfit"]["ms_per_step"] / r["mlp50k_keras"]["ms_per_step"])
+            add("ms mlp50k_keras", r["mlp50k_keras"]["ms_per_step"])
+        for v in ("mlp50k_meshfit", "mlp50k_meshfit_off", "fit_1t_flush_off"):
+            add(f"ms {v}", r[v]["ms_per_step"])
+        add("mlp50k flush/off", r["mlp50k_meshfit"]["ms_per_step"] / r["mlp50k_meshfit_off"]["ms_per_step"])
+        add("cnn flush/off", r["fit_1t"]["ms_per_step"] / r["fit_1t_flush_off"]["ms_per_step"])
         # throughput at the same global batch = inverse step time
         add("2w/1p2t", r["scale_1p2t"]["ms_per_step"] / r["scale_2w1t"]["ms_per_step"])
         add("2w bf16/1p2t", r["scale_1p2t"]["ms_per_step"] / r["scale_2w1t_bf16"]["ms_per_step"])
@@ -172,7 +190,8 @@ def collect(runs: list[dict[str, dict]], args: argparse.Namespace) -> dict[str, 
     return rows
 
 
-def table(rows: dict[str, list[float]], cores: int, load: tuple[float, float], save_freq: int) -> str:
+def table(rows: dict[str, list[float]], cores: int, load: tuple[float, float], save_freq: int,
+          mlp50k_steps: int) -> str:
     m = {k: statistics.median(v) for k, v in rows.items()}
 
     def rng(key: str, fmt: str = ".3f") -> str:
@@ -200,6 +219,19 @@ def table(rows: dict[str, list[float]], cores: int, load: tuple[float, float], s
         lines.append(f"| keras.io MLP + Adam, batch 32, 1 thread: meshfit ÷ TF Keras `fit` | not run (no "
                      f"{os.path.relpath(TF_PYTHON, C.ROOT)}: bench/tf_venv.sh) | – | ≤ 1.0 | meshfit "
                      f"{m['ms mlp_meshfit']:.2f} ms/step |")
+    examples = 3 * mlp50k_steps * 32
+    if "mlp50k meshfit/keras" in rows:
+        lines.append(f"| the same MLP over {examples:,} examples (Adam's state goes denormal): meshfit ÷ TF Keras | "
+                     f"{m['mlp50k meshfit/keras']:.3f} [{rng('mlp50k meshfit/keras')}] | – | ≤ 0.8 | meshfit "
+                     f"{m['ms mlp50k_meshfit']:.2f}, TF {m['ms mlp50k_keras']:.2f} ms/step |")
+    else:
+        lines.append(f"| the same MLP over {examples:,} examples (Adam's state goes denormal): meshfit ÷ TF Keras | "
+                     f"not run (no {os.path.relpath(TF_PYTHON, C.ROOT)}: bench/tf_venv.sh) | – | ≤ 0.8 | meshfit "
+                     f"{m['ms mlp50k_meshfit']:.2f} ms/step |")
+    lines.append(f"| denormals flushed in `fit` ÷ not (`MESHFIT_FLUSH_DENORMALS=0`): that MLP / seed CNN 1 thread | "
+                 f"{m['mlp50k flush/off']:.3f} / {m['cnn flush/off']:.3f} [{rng('mlp50k flush/off')} / "
+                 f"{rng('cnn flush/off')}] | – | reported | MLP {m['ms mlp50k_meshfit']:.2f} / "
+                 f"{m['ms mlp50k_meshfit_off']:.2f}, CNN {m['ms fit_1t']:.1f} / {m['ms fit_1t_flush_off']:.1f} ms/step |")
     lines += [
         f"| throughput, 2 workers × 1 thread ÷ 1 process × 2 threads, seed CNN, global batch 128 | "
         f"{m['2w/1p2t']:.3f} [{rng('2w/1p2t')}] | – | ≥ 0.9 | 1 process × 2 threads {m['ms scale_1p2t']:.1f}, "
@@ -244,6 +276,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="steps per epoch of the CNN runs (default 40)")
     parser.add_argument("--epochs", type=int, default=3, help="epochs of the CNN runs, the first a warm-up")
     parser.add_argument("--mlp-steps", type=int, default=200)
+    parser.add_argument("--mlp50k-steps", type=int, default=521,
+                        help="steps per epoch of the MLP runs over ~50,000 examples (3 epochs of batch 32)")
     parser.add_argument("--backup-steps", type=int, default=60, help="steps per epoch of the backup runs")
     parser.add_argument("--save-freq", type=int, default=30)
     parser.add_argument("--import-pairs", type=int, default=5, help="interleaved import timings a round")
@@ -252,7 +286,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write every per-round figure here")
     args = parser.parse_args()
     if args.quick:
-        args.rounds, args.steps, args.mlp_steps, args.backup_steps = 1, 10, 40, 30
+        args.rounds, args.steps, args.mlp_steps, args.backup_steps, args.mlp50k_steps = 1, 10, 40, 30, 40
     cores = os.cpu_count() or 1
     # As a wheel install does (and `make bytecode`): meshfit's modules compiled once, as torch's are.
     # Without it, an editable install under PYTHONDONTWRITEBYTECODE=1 recompiles them in every process.
@@ -284,7 +318,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "runs": runs}, f)
     print()
-    print(table(rows, cores, (load_start, os.getloadavg()[0]), args.save_freq))
+    print(table(rows, cores, (load_start, os.getloadavg()[0]), args.save_freq, args.mlp50k_steps))
 
 
 def _write_mlp_data(path: str) -> None:

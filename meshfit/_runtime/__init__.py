@@ -6,6 +6,7 @@ A private layer package: meshfit's other packages import the names below from he
 """
 
 from meshfit._runtime._allocator import keep_freed_memory
+from meshfit._runtime._denormals import FLUSH_DENORMALS_ENV, flush_denormals, flushing_denormals
 from meshfit._runtime._exit_codes import PEER_FAILURE_EXIT_CODE, PREEMPTED_EXIT_CODE
 from meshfit._runtime._launch import main
 from meshfit._runtime._supervisor import (
@@ -18,10 +19,13 @@ from meshfit._runtime._supervisor import (
 )
 
 __all__ = [
+    "FLUSH_DENORMALS_ENV",
     "FORWARDED_TERMINAL_ENV",
     "LocalReplicas",
     "PEER_FAILURE_EXIT_CODE",
     "PREEMPTED_EXIT_CODE",
+    "flush_denormals",
+    "flushing_denormals",
     "free_ports",
     "keep_freed_memory",
     "main",
