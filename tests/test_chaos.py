@@ -83,8 +83,9 @@ def test_a_frozen_worker_under_launch_is_replaced_and_the_job_ends_bitwise_withi
         np.testing.assert_array_equal(a, b)
 
 
-def test_async_backups_survive_a_kill(tmp_path, uninterrupted):
-    _kill_and_resume(tmp_path, uninterrupted, 1, 14, "4", "--async-save")
+def test_synchronous_backups_survive_a_kill(tmp_path, uninterrupted):
+    # The other trials run BackupAndRestore's default, asynchronous saves; this one the way back.
+    _kill_and_resume(tmp_path, uninterrupted, 1, 14, "4", "--sync-save")
 
 
 def test_sigterm_preemption_saves_at_one_step_and_restarts(tmp_path, uninterrupted):
