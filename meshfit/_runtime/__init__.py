@@ -1,5 +1,6 @@
 """The process runtime: the supervisor that starts, prefixes and stops worker processes (for
-`meshfit launch` and self-spawned replicas), the launcher, exit codes and the allocator setting.
+`meshfit launch` and self-spawned replicas), the launcher, exit codes, the allocator setting, and
+the floating-point mode of the threads that run a model (denormals flushed to zero, as in TF).
 
 A private layer package: meshfit's other packages import the names below from here, never its
 ``_``-modules; users import the public names from `meshfit`.
