@@ -68,7 +68,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3, help="the first one is a warm-up")
     parser.add_argument("--policy", default=None, help="mf.mixed_precision global policy")
     parser.add_argument("--backup-freq", type=int, default=0, help="BackupAndRestore(save_freq=N)")
-    parser.add_argument("--async-save", action="store_true")
+    # BackupAndRestore's default arguments (asynchronous saves) unless one of these is given
+    parser.add_argument("--async-save", dest="async_save", action="store_const", const=True, default=None)
+    parser.add_argument("--sync-save", dest="async_save", action="store_const", const=False)
     parser.add_argument("--backup-dir", default=None)
     parser.add_argument("--compression", default=None, help="CommunicationOptions(gradient_compression=...)")
     parser.add_argument("--step-times", action="store_true")
@@ -97,7 +99,8 @@ def main() -> None:
     callbacks = [epoch_clock]
     if args.backup_freq:
         callbacks.insert(0, mf.callbacks.BackupAndRestore(args.backup_dir, save_freq=args.backup_freq,
-                                                          async_save=args.async_save))
+                                                          **({} if args.async_save is None
+                                                             else {"async_save": args.async_save})))
     if args.step_times or args.first_step:
         callbacks.append(step_clock)
     model.fit(dataset, epochs=args.epochs, steps_per_epoch=args.steps, verbose=0, callbacks=callbacks)

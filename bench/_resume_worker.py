@@ -21,7 +21,8 @@ import os  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 
-ROUND = int(os.environ.get("MESHFIT_RESTART_COUNT", "0"))
+# meshfit launch's restart count, or torchrun's
+ROUND = int(os.environ.get("MESHFIT_RESTART_COUNT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
 
 class Events:
@@ -47,7 +48,7 @@ def main() -> None:
                         help="seconds every worker sleeps before each step (simulates a slower model)")
     args = parser.parse_args()
     task = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {})
-    events = Events(args.events, str(task.get("index", "x")))
+    events = Events(args.events, str(task.get("index", os.environ.get("RANK", "x"))))
     events("script_start", T_SCRIPT, pid=os.getpid())
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -14,7 +14,11 @@ The scripts (each writes one JSON object; the first epoch of every timed run is 
   ``--policy``, ``--backup-freq``, ``--step-times``, ``--first-step``; under ``meshfit launch`` for 2 workers.
 - ``_cnn_hand.py``: the same model, data order and init in a hand-written torch loop (same checksum).
 - ``_mlp_fit.py`` / ``_mlp_keras.py``: keras.io's MLP + Adam, batch 32, in meshfit and in TF Keras
-  (``.venv-tf``, made by ``bench/tf_venv.sh``; the row is skipped without it).
+  (``.venv-tf``, made by ``bench/tf_venv.sh``; the rows are skipped without it), also over ~50,000
+  examples, where Adam's state goes denormal (meshfit flushes denormals in ``fit``, as TF does; the
+  ``MESHFIT_FLUSH_DENORMALS=0`` runs show the difference).
+- ``bench_recovery.py``: one ``kill -9`` → first resumed step trial a round, under ``meshfit launch``,
+  timed by phase.
 - ``_imports.py``: ``import torch`` and ``import meshfit``, each in its own fresh ``python -c``, in
   interleaved pairs (``--import-pairs``, default 5 a round); the figure is the median per-pair ratio.
 
@@ -35,6 +39,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as C  # noqa: E402
+import bench_recovery  # noqa: E402
 
 TUNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 TF_PYTHON = os.path.join(C.ROOT, ".venv-tf", "bin", "python")
@@ -68,15 +73,26 @@ def variants(args: argparse.Namespace, tmp: str) -> dict[str, tuple[list[str], d
     if os.path.exists(TF_PYTHON):
         out["mlp_keras"] = ([TF_PYTHON, b("_mlp_keras.py"), "--data", args.mlp_data,
                              "--steps", str(args.mlp_steps)], user_env())
+    # keras.io's MLP over ~50,000 examples (3 epochs of --mlp50k-steps batches of 32): Adam's moments
+    # of always-blank pixels decay into denormals after some hundred steps; TF flushes them, so does
+    # meshfit inside fit (MESHFIT_FLUSH_DENORMALS=0 turns it off: the "off" runs).
+    mlp50k = [b("_mlp_fit.py"), "--data", args.mlp_data, "--steps", str(args.mlp50k_steps)]
+    out["mlp50k_meshfit"] = ([py, *mlp50k], user_env())
+    out["mlp50k_meshfit_off"] = ([py, *mlp50k], user_env(MESHFIT_FLUSH_DENORMALS="0"))
+    if os.path.exists(TF_PYTHON):
+        out["mlp50k_keras"] = ([TF_PYTHON, b("_mlp_keras.py"), "--data", args.mlp_data,
+                                "--steps", str(args.mlp50k_steps)], user_env())
+    out["fit_1t_flush_off"] = ([py, b("_cnn_fit.py"), "--threads", "1", *timed],
+                               user_env(MESHFIT_FLUSH_DENORMALS="0"))
     out["scale_1p2t"] = ([py, b("_cnn_fit.py"), "--threads", "2", "--batch", "128", *timed], user_env())
     out["scale_2w1t"] = ([*launch, b("_cnn_fit.py"), "--threads", "1", "--batch", "128", *timed], user_env())
     out["scale_2w1t_bf16"] = ([*launch, b("_cnn_fit.py"), "--threads", "1", "--batch", "128", "--compression",
                                "bfloat16", *timed], user_env())
     # the machine's ceiling for that ratio: two independent 1-thread processes (batch 64 each), no communication
     out["scale_2x1t_alone"] = ([py, b("_cnn_fit.py"), "--threads", "1", "--batch", "64", *timed], user_env())
-    backup_timed = ["--step-times", "--steps", str(args.backup_steps), "--epochs", "3"]
+    backup_timed = ["--step-times", "--threads", "2", "--steps", str(args.backup_steps), "--epochs", "3"]
     out["backup_none"] = ([py, b("_cnn_fit.py"), *backup_timed], user_env())
-    for kind, extra in (("sync", []), ("async", ["--async-save"])):
+    for kind, extra in (("default", []), ("sync", ["--sync-save"])):  # default: asynchronous saves
         out[f"backup_{kind}"] = ([py, b("_cnn_fit.py"), *backup_timed, "--backup-freq", str(args.save_freq),
                                   "--backup-dir", os.path.join(tmp, f"backup-{kind}"), *extra], user_env())
     out["imports"] = ([py, b("_imports.py"), "--pairs", str(args.import_pairs)], user_env())
@@ -150,6 +166,13 @@ def collect(runs: list[dict[str, dict]], args: argparse.Namespace) -> dict[str, 
             add("cpu mlp meshfit/keras", r["mlp_meshfit"]["cpu_ms_per_step"] / r["mlp_keras"]["cpu_ms_per_step"])
             add("ms mlp_keras", r["mlp_keras"]["ms_per_step"])
         add("ms mlp_meshfit", r["mlp_meshfit"]["ms_per_step"])
+        if "mlp50k_keras" in r:
+            add("mlp50k meshfit/keras", r["mlp50k_meshfit"]["ms_per_step"] / r["mlp50k_keras"]["ms_per_step"])
+            add("ms mlp50k_keras", r["mlp50k_keras"]["ms_per_step"])
+        for v in ("mlp50k_meshfit", "mlp50k_meshfit_off", "fit_1t_flush_off"):
+            add(f"ms {v}", r[v]["ms_per_step"])
+        add("mlp50k flush/off", r["mlp50k_meshfit"]["ms_per_step"] / r["mlp50k_meshfit_off"]["ms_per_step"])
+        add("cnn flush/off", r["fit_1t"]["ms_per_step"] / r["fit_1t_flush_off"]["ms_per_step"])
         # throughput at the same global batch = inverse step time
         add("2w/1p2t", r["scale_1p2t"]["ms_per_step"] / r["scale_2w1t"]["ms_per_step"])
         add("2w bf16/1p2t", r["scale_1p2t"]["ms_per_step"] / r["scale_2w1t_bf16"]["ms_per_step"])
@@ -159,7 +182,7 @@ def collect(runs: list[dict[str, dict]], args: argparse.Namespace) -> dict[str, 
         add("ms scale_2x1t_alone", r["scale_2x1t_alone"]["ms_per_step"])
         _, plain_mean, plain_in_run = backup_figures(r["backup_none"]["step_ms"], args.backup_steps, args.save_freq)
         add("backup none in-run", plain_in_run)
-        for kind in ("sync", "async"):
+        for kind in ("default", "sync"):
             extra, mean, in_run = backup_figures(r[f"backup_{kind}"]["step_ms"], args.backup_steps, args.save_freq)
             add(f"backup {kind} saving step +ms", extra)
             add(f"backup {kind} mean", mean / plain_mean)
@@ -167,12 +190,16 @@ def collect(runs: list[dict[str, dict]], args: argparse.Namespace) -> dict[str, 
         pairs = zip(r["imports"]["meshfit_s"], r["imports"]["torch_s"], strict=True)
         add("import meshfit/torch", statistics.median(m / t for m, t in pairs))
         add("import torch s", statistics.median(r["imports"]["torch_s"]))
+        for phase, value in r["recovery"].items():
+            if value is not None:
+                add(f"recovery {phase}", value)
         add("first step 1p s", r["first_1p"]["first_step_end"] - r["first_1p"]["spawned"])
         add("first step 2w s", r["first_2w"]["first_step_end"] - r["first_2w"]["spawned"])
     return rows
 
 
-def table(rows: dict[str, list[float]], cores: int, load: tuple[float, float], save_freq: int) -> str:
+def table(rows: dict[str, list[float]], cores: int, load: tuple[float, float], save_freq: int,
+          mlp50k_steps: int) -> str:
     m = {k: statistics.median(v) for k, v in rows.items()}
 
     def rng(key: str, fmt: str = ".3f") -> str:
@@ -200,6 +227,19 @@ def table(rows: dict[str, list[float]], cores: int, load: tuple[float, float], s
         lines.append(f"| keras.io MLP + Adam, batch 32, 1 thread: meshfit ÷ TF Keras `fit` | not run (no "
                      f"{os.path.relpath(TF_PYTHON, C.ROOT)}: bench/tf_venv.sh) | – | ≤ 1.0 | meshfit "
                      f"{m['ms mlp_meshfit']:.2f} ms/step |")
+    examples = 3 * mlp50k_steps * 32
+    if "mlp50k meshfit/keras" in rows:
+        lines.append(f"| the same MLP over {examples:,} examples (Adam's state goes denormal): meshfit ÷ TF Keras | "
+                     f"{m['mlp50k meshfit/keras']:.3f} [{rng('mlp50k meshfit/keras')}] | – | ≤ 0.8 | meshfit "
+                     f"{m['ms mlp50k_meshfit']:.2f}, TF {m['ms mlp50k_keras']:.2f} ms/step |")
+    else:
+        lines.append(f"| the same MLP over {examples:,} examples (Adam's state goes denormal): meshfit ÷ TF Keras | "
+                     f"not run (no {os.path.relpath(TF_PYTHON, C.ROOT)}: bench/tf_venv.sh) | – | ≤ 0.8 | meshfit "
+                     f"{m['ms mlp50k_meshfit']:.2f} ms/step |")
+    lines.append(f"| denormals flushed in `fit` ÷ not (`MESHFIT_FLUSH_DENORMALS=0`): that MLP / seed CNN 1 thread | "
+                 f"{m['mlp50k flush/off']:.3f} / {m['cnn flush/off']:.3f} [{rng('mlp50k flush/off')} / "
+                 f"{rng('cnn flush/off')}] | – | reported | MLP {m['ms mlp50k_meshfit']:.2f} / "
+                 f"{m['ms mlp50k_meshfit_off']:.2f}, CNN {m['ms fit_1t']:.1f} / {m['ms fit_1t_flush_off']:.1f} ms/step |")
     lines += [
         f"| throughput, 2 workers × 1 thread ÷ 1 process × 2 threads, seed CNN, global batch 128 | "
         f"{m['2w/1p2t']:.3f} [{rng('2w/1p2t')}] | – | ≥ 0.9 | 1 process × 2 threads {m['ms scale_1p2t']:.1f}, "
@@ -208,16 +248,19 @@ def table(rows: dict[str, list[float]], cores: int, load: tuple[float, float], s
         f"({m['ms scale_2x1t_alone']:.1f} ms/step) |",
         f"| the same, `CommunicationOptions(gradient_compression=\"bfloat16\")` (weights within bf16 rounding, "
         f"not bitwise) | {m['2w bf16/1p2t']:.3f} [{rng('2w bf16/1p2t')}] | – | ≥ 0.9 | |",
-        f"| `BackupAndRestore(save_freq={save_freq})` added ms on a saving step, sync / async | "
-        f"{m['backup sync saving step +ms']:.1f} / {m['backup async saving step +ms']:.1f} ms "
-        f"[{rng('backup sync saving step +ms', '.1f')} / {rng('backup async saving step +ms', '.1f')}] | – | ≤ 5 ms | "
-        "median of the saving steps (a step lasts from its start to the next one's, so it holds the save) "
-        "minus median of the other steps, same run |",
-        f"| `BackupAndRestore(save_freq={save_freq})` mean step ÷ mean of the same run's quiet steps, sync / async "
-        f"| {m['backup sync in-run']:.3f} / {m['backup async in-run']:.3f} [{rng('backup sync in-run')} / "
-        f"{rng('backup async in-run')}] | – | ≤ 1.01 | quiet: the second half of each save cycle; the same "
-        f"figure without backups {m['backup none in-run']:.3f}. Mean step ÷ a separate run without backups: "
-        f"{m['backup sync mean']:.3f} / {m['backup async mean']:.3f} (process-to-process spread is larger) |",
+        f"| `BackupAndRestore(save_freq={save_freq})`, default arguments (asynchronous saves): mean step ÷ "
+        f"without backups, same round | {m['backup default mean']:.3f} [{rng('backup default mean')}] | – | ≤ 1.02 | "
+        f"`async_save=False` (synchronous): {m['backup sync mean']:.3f} [{rng('backup sync mean')}]; two processes "
+        "of one round, seed CNN, batch 64, 2 threads |",
+        f"| `BackupAndRestore(save_freq={save_freq})` added ms on a saving step, default / sync | "
+        f"{m['backup default saving step +ms']:.1f} / {m['backup sync saving step +ms']:.1f} ms "
+        f"[{rng('backup default saving step +ms', '.1f')} / {rng('backup sync saving step +ms', '.1f')}] | – | "
+        "≤ 5 ms | median of the saving steps (a step lasts from its start to the next one's, so it holds the "
+        "save) minus median of the other steps, same run |",
+        f"| `BackupAndRestore(save_freq={save_freq})` mean step ÷ mean of the same run's quiet steps, default / "
+        f"sync | {m['backup default in-run']:.3f} / {m['backup sync in-run']:.3f} [{rng('backup default in-run')} / "
+        f"{rng('backup sync in-run')}] | – | ≤ 1.01 | quiet: the second half of each save cycle; the same "
+        f"figure without backups {m['backup none in-run']:.3f} |",
         f"| `import meshfit` ÷ `import torch` | {m['import meshfit/torch']:.3f} [{rng('import meshfit/torch')}] "
         f"| – | ≤ 1.1 | import torch {m['import torch s']:.2f} s |",
         f"| process start → end of first step, 1 process | {m['first step 1p s']:.2f} s "
@@ -225,6 +268,19 @@ def table(rows: dict[str, list[float]], cores: int, load: tuple[float, float], s
         f"| process start → end of first step, 2 workers under `meshfit launch` | {m['first step 2w s']:.2f} s "
         f"[{rng('first step 2w s', '.2f')}] | – | ≤ 6 s | |",
     ]
+    phases = [p for p in bench_recovery.PHASES[2:-1] if f"recovery {p}" in rows]
+    survivor = rows.get("recovery detection by the survivor")
+    lines.append(
+        f"| `kill -9` of 1 of 2 workers → first resumed step, `meshfit launch --max-restarts 1` | "
+        f"{m['recovery total']:.2f} s [{rng('recovery total', '.2f')}] | – | ≤ 5 s | the launcher saw the exit "
+        f"after {m.get('recovery detection by the launcher', float('nan')):.2f} s; then "
+        + ", ".join(f"{p} {m[f'recovery {p}']:.2f}" for p in phases) + " s (medians; bench/bench_recovery.py "
+        "also runs torchrun's elastic agent) |")
+    lines.append(
+        "| `kill -9` → the surviving worker names the dead peer | "
+        + (f"{statistics.median(survivor):.2f} s [{min(survivor):.2f}–{max(survivor):.2f}]" if survivor else
+           "not seen (the launcher ended the survivor first)")
+        + " | – | ≤ 1 s | its liveness connection to the killed process closed; tests/test_liveness.py |")
     for t in (1, 2):
         lines.append(f"| minor page faults per step after warm-up, {t} thread{'s' if t > 1 else ''}: fit / hand "
                      f"/ tuned hand | {m[f'faults fit_{t}t']:.0f} / {m[f'faults hand_{t}t']:.0f} / "
@@ -244,6 +300,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="steps per epoch of the CNN runs (default 40)")
     parser.add_argument("--epochs", type=int, default=3, help="epochs of the CNN runs, the first a warm-up")
     parser.add_argument("--mlp-steps", type=int, default=200)
+    parser.add_argument("--mlp50k-steps", type=int, default=521,
+                        help="steps per epoch of the MLP runs over ~50,000 examples (3 epochs of batch 32)")
     parser.add_argument("--backup-steps", type=int, default=60, help="steps per epoch of the backup runs")
     parser.add_argument("--save-freq", type=int, default=30)
     parser.add_argument("--import-pairs", type=int, default=5, help="interleaved import timings a round")
@@ -252,7 +310,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write every per-round figure here")
     args = parser.parse_args()
     if args.quick:
-        args.rounds, args.steps, args.mlp_steps, args.backup_steps = 1, 10, 40, 30
+        args.rounds, args.steps, args.mlp_steps, args.backup_steps, args.mlp50k_steps = 1, 10, 40, 30, 40
     cores = os.cpu_count() or 1
     # As a wheel install does (and `make bytecode`): meshfit's modules compiled once, as torch's are.
     # Without it, an editable install under PYTHONDONTWRITEBYTECODE=1 recompiles them in every process.
@@ -274,6 +332,7 @@ def main() -> None:
             for name in names:
                 argv, env = plan[name]
                 results[name] = run_one(name, argv, env, tmp, args.timeout)
+            results["recovery"] = bench_recovery.trial("meshfit", steps=30, timeout=args.timeout)
             runs.append(results)
             print(f"round {r + 1}/{args.rounds} done", flush=True)
     for t in (1, 2):
@@ -284,7 +343,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "runs": runs}, f)
     print()
-    print(table(rows, cores, (load_start, os.getloadavg()[0]), args.save_freq))
+    print(table(rows, cores, (load_start, os.getloadavg()[0]), args.save_freq, args.mlp50k_steps))
 
 
 def _write_mlp_data(path: str) -> None:

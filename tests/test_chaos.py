@@ -83,8 +83,9 @@ def test_a_frozen_worker_under_launch_is_replaced_and_the_job_ends_bitwise_withi
         np.testing.assert_array_equal(a, b)
 
 
-def test_async_backups_survive_a_kill(tmp_path, uninterrupted):
-    _kill_and_resume(tmp_path, uninterrupted, 1, 14, "4", "--async-save")
+def test_synchronous_backups_survive_a_kill(tmp_path, uninterrupted):
+    # The other trials run BackupAndRestore's default, asynchronous saves; this one the way back.
+    _kill_and_resume(tmp_path, uninterrupted, 1, 14, "4", "--sync-save")
 
 
 def test_sigterm_preemption_saves_at_one_step_and_restarts(tmp_path, uninterrupted):
@@ -134,8 +135,10 @@ def _seen(out: str, pattern: str) -> dict[int, list[int]]:
 def test_resume_on_one_worker_from_a_two_worker_backup(tmp_path):
     out, backup = str(tmp_path / "out"), str(tmp_path / "backup")
     one_pass = ["--epochs", "1"]  # 8 steps of 32 examples: exactly one pass over the 256 examples
+    # Synchronous saves: the step-4 backup is complete when rank 0 dies before step 5 (an asynchronous
+    # one may still be writing then, and the resume would start, as exactly, from step 3).
     code, output = _launch(out, "--backup-dir", backup, "--save-freq", "1", "--record", "--kill-rank", "0",
-                           "--kill-at", "5", *one_pass, restarts=0)
+                           "--kill-at", "5", "--sync-save", *one_pass, restarts=0)
     assert code != 0, output
     proc = start([SCRIPT, "--out", out, *COMMON, *one_pass, "--backup-dir", backup, "--save-freq", "1",
                   "--record"], child_env(MESHFIT_RESTART_COUNT="1"))

@@ -267,3 +267,20 @@ def test_manifests_name_the_same_image_command_and_port():
     assert IMAGE in text  # the script's container option names the same image
     with open(os.path.join(DEPLOY, "Dockerfile")) as f:
         assert f"-t {IMAGE}" in f.read()
+
+
+def test_elastic_pytorchjob_runs_torchrun_with_the_recipe():
+    """deploy/pytorchjob-elastic.yaml: torchrun's elastic agent, c10d rendezvous, MIN:MAX workers, a short
+    last call (fast restarts), and the shared-store workaround for scale-up (pytorch#135712, #139702)."""
+    job = _load("pytorchjob-elastic.yaml")
+    policy = job["spec"]["elasticPolicy"]
+    assert policy["rdzvBackend"] == "c10d" and policy["minReplicas"] < policy["maxReplicas"]
+    assert policy["maxRestarts"] > 0
+    assert {c["key"]: c["value"] for c in policy["rdzvConf"]}["last_call_timeout"] == "1"
+    worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+    assert "Master" not in job["spec"]["pytorchReplicaSpecs"]  # elastic jobs have workers only
+    assert policy["minReplicas"] <= worker["replicas"] <= policy["maxReplicas"]
+    container = _container(worker, "pytorch")
+    assert container["command"][0] == "torchrun"
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"

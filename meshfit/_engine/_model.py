@@ -28,6 +28,7 @@ from meshfit._engine._loop import TrainingLoop, resolve_verbose
 from meshfit._engine._model_weights import WeightsMixin
 from meshfit._engine._state import LoopState
 from meshfit._engine._step_logs import MetricResults
+from meshfit._runtime import flush_denormals
 from meshfit._validation import check_bool, non_negative_int, positive_int
 from meshfit.callbacks import CallbackList, announce_quiet_worker, checkpoint_settings
 from meshfit.data import batch_size_of, unpack_batch
@@ -310,7 +311,7 @@ class Model(WeightsMixin):
                                  verbose=0, steps=validation_steps, callbacks=cbs, return_dict=True)
             return {f"val_{k}": v for k, v in logs.items()}
 
-        with self.strategy.guard():
+        with self.strategy.guard(), flush_denormals():
             data = DataHandler(x, y, sample_weight, batch_size, steps_per_epoch, shuffle, self.strategy,
                                unbounded_ok=bool(callbacks))  # a callback may stop an endless epoch
             if class_weights is not None:
@@ -338,7 +339,7 @@ class Model(WeightsMixin):
         """Loss and metrics over the data, aggregated across replicas (a list, or a dict)."""
         self._require_compiled("evaluate")
         verbose = resolve_verbose(verbose, self.strategy.is_chief)  # a bad value fails before any data is read
-        with self.strategy.guard():
+        with self.strategy.guard(), flush_denormals():
             data = DataHandler(x, y, sample_weight, batch_size, steps, False, self.strategy, argument="steps")
             try:
                 cbs = self._inference_callbacks(data, verbose, callbacks)
@@ -354,7 +355,7 @@ class Model(WeightsMixin):
                 steps: int | None = None, callbacks: list[Any] | None = None) -> Any:
         """The module's outputs for all of ``x``, in input order, on every worker (numpy)."""
         verbose = resolve_verbose(verbose, self.strategy.is_chief)
-        with self.strategy.guard():
+        with self.strategy.guard(), flush_denormals():
             data = DataHandler(x, None, None, batch_size, steps, False, self.strategy, argument="steps")
             try:
                 return run_prediction(self, data, self._inference_callbacks(data, verbose, callbacks))

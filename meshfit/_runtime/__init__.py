@@ -1,11 +1,13 @@
 """The process runtime: the supervisor that starts, prefixes and stops worker processes (for
-`meshfit launch` and self-spawned replicas), the launcher, exit codes and the allocator setting.
+`meshfit launch` and self-spawned replicas), the launcher, exit codes, the allocator setting, and
+the floating-point mode of the threads that run a model (denormals flushed to zero, as in TF).
 
 A private layer package: meshfit's other packages import the names below from here, never its
 ``_``-modules; users import the public names from `meshfit`.
 """
 
 from meshfit._runtime._allocator import keep_freed_memory
+from meshfit._runtime._denormals import FLUSH_DENORMALS_ENV, flush_denormals, flushing_denormals
 from meshfit._runtime._exit_codes import PEER_FAILURE_EXIT_CODE, PREEMPTED_EXIT_CODE
 from meshfit._runtime._launch import main
 from meshfit._runtime._supervisor import (
@@ -18,10 +20,13 @@ from meshfit._runtime._supervisor import (
 )
 
 __all__ = [
+    "FLUSH_DENORMALS_ENV",
     "FORWARDED_TERMINAL_ENV",
     "LocalReplicas",
     "PEER_FAILURE_EXIT_CODE",
     "PREEMPTED_EXIT_CODE",
+    "flush_denormals",
+    "flushing_denormals",
     "free_ports",
     "keep_freed_memory",
     "main",

@@ -159,9 +159,11 @@ def _run(command: list[str], args: argparse.Namespace, output: Output) -> int:
                 output.message(message)
                 if failed.proc.returncode == PREEMPTED_EXIT_CODE:
                     grace = TERMINATE_TIMEOUT_S  # the others are saving at the same step: let them finish
-                # A worker saw a peer die, freeze or fall off the network: the group is broken and a
-                # frozen process cannot act on SIGTERM, so end the rest at once (backups are atomic).
-                kill = failed.proc.returncode == PEER_FAILURE_EXIT_CODE
+                # A worker saw a peer die, freeze or fall off the network, or was itself killed
+                # (SIGKILL: the OOM killer, kill -9): the group is broken, no collective save can
+                # complete, and a frozen process cannot act on SIGTERM, so end the rest at once
+                # (backups are atomic) instead of waiting for them to wind down.
+                kill = failed.proc.returncode in (PEER_FAILURE_EXIT_CODE, -signal.SIGKILL)
             finally:
                 group.stop(grace, kill=kill)
                 signals.group = None

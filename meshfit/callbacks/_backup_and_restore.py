@@ -24,8 +24,11 @@ class BackupAndRestore(CheckpointSaver):
         backup_dir: where backups go; use a different folder per job. All workers must see it.
         save_freq: ``"epoch"`` (at each epoch's end) or an int ``N`` (every ``N`` batches).
         delete_checkpoint: delete the backups when ``fit`` completes.
-        async_save: write backups in the background (DCP async save) so training does not wait;
-            a failed background write never touches the previous backup.
+        async_save: write backups in the background (the default): the training thread copies the
+            state into reused CPU buffers (a few ms) and one long-lived thread writes it while
+            training goes on; the next save, the end of ``fit`` and a preemption wait for it. A
+            failed or killed background write never touches the previous backup, which stays the
+            one restored. ``async_save=False`` writes synchronously, inside the saving step.
 
     Example:
         >>> callback = BackupAndRestore("/tmp/backup", save_freq=30)
@@ -34,7 +37,7 @@ class BackupAndRestore(CheckpointSaver):
     """
 
     def __init__(self, backup_dir: str | os.PathLike, save_freq: str | int = "epoch",
-                 delete_checkpoint: bool = True, async_save: bool = False) -> None:
+                 delete_checkpoint: bool = True, async_save: bool = True) -> None:
         if backup_dir is None or (isinstance(backup_dir, (str, os.PathLike)) and not os.fspath(backup_dir)):
             raise ValueError(f"Invalid `backup_dir`: expected a non-empty path (str or os.PathLike), received "
                              f"backup_dir={backup_dir!r}. Name a folder for this job's backups.")  # Keras: ValueError

@@ -29,6 +29,13 @@ from meshfit.cluster import (
 from meshfit.distribute._gradient_sync import DataParallelSync, ReplicatedSync
 from meshfit.distribute._gradient_weight import GradientWeight, weighted_allreduce_hook
 from meshfit.distribute._heartbeat import Heartbeat, PeerFailureError
+from meshfit.distribute._liveness import (
+    LIVENESS_INVITATION,
+    invitation,
+    join_liveness,
+    open_liveness,
+    read_invitation,
+)
 from meshfit.distribute._model_agreement import agree_on_tensors, module_entries
 from meshfit.distribute._placement import Placement
 from meshfit.distribute._rendezvous import client_for, form_rendezvous, store_host_rank
@@ -123,16 +130,25 @@ def _start_heartbeat(world: World, options: CommunicationOptions, hosting: bool)
     seconds = options.heartbeat_timeout_seconds
     if seconds is None:
         return
-    secret = torch.zeros(16, dtype=torch.uint8, device=world.device)
-    if world.rank == 0:
-        secret.copy_(torch.frombuffer(bytearray(os.urandom(16)), dtype=torch.uint8))
-    dist.broadcast(secret, src=0)  # over the group, never through the store anyone may read
     default_store = dist.distributed_c10d._get_default_store()
+    liveness = None
+    message = torch.zeros(LIVENESS_INVITATION, dtype=torch.uint8, device=world.device)
+    if world.rank == 0:
+        secret = os.urandom(16)
+        liveness, address = open_liveness(world.size, secret, default_store)
+        message.copy_(torch.frombuffer(bytearray(invitation(secret, address)), dtype=torch.uint8))
+    dist.broadcast(message, src=0)  # over the group, never through the store anyone may read
+    secret, address = read_invitation(bytes(message.cpu().tolist()))
     probe = timedelta(seconds=max(1.0, seconds / 2))
     store_host = store_host_rank(default_store, hosting)
     world.hosts_store = store_host == world.rank
     world.heartbeat = Heartbeat(lambda: client_for(default_store, probe), world.rank, world.size, seconds,
-                                world.failure, bytes(secret.cpu().tolist()), list(world.names), store_host)
+                                world.failure, secret, list(world.names), store_host)
+    if world.rank != 0 and address is not None:
+        liveness = join_liveness(world.rank, world.size, secret, address, seconds)
+    if liveness is not None:  # a killed peer's connection closes: named at once, not after `seconds`
+        liveness.on_death = world.heartbeat.peer_ended
+        world.heartbeat.liveness = liveness
 
 
 class CollectiveStrategy(Strategy):

@@ -98,6 +98,7 @@ class Heartbeat:
         self._watching = 0
         now = time.monotonic()
         self._peers = {p: _Peer(now) for p in range(world_size) if p != rank}
+        self.liveness: Any = None  # a `Liveness` (its connections' ends name killed peers at once), if any
         self._thread = threading.Thread(target=self._run, daemon=True, name="meshfit-heartbeat")
         self._thread.start()
 
@@ -162,6 +163,8 @@ class Heartbeat:
         declared_at: float | None = None
         while not self._stop.wait(self._interval):
             now = time.monotonic()
+            if declared_at is None and self.failure is not None:  # `peer_ended` declared it
+                declared_at = now
             if declared_at is not None and now - declared_at > _GRACE_SECONDS:
                 self._end_if_blocked()
             try:
@@ -201,6 +204,12 @@ class Heartbeat:
                    f"{self._names[self._rank]}, is at step {step}). {where}")
         with self._lock:
             self.failure = PeerFailureError(message, rank=peer)
+
+    def peer_ended(self, rank: int) -> None:
+        """``rank``'s process is gone: its liveness connection closed without a goodbye (`Liveness`)."""
+        if self.failure is None and rank in self._peers and not self._peers[rank].left:
+            self._declare(rank, self._peers[rank].step, "its process ended (killed or crashed): its "
+                                                       "connection closed without a goodbye")
 
     def _end_if_blocked(self) -> None:
         """The main thread did not pick the failure up while in a watched region: it is blocked in a
@@ -253,6 +262,8 @@ class Heartbeat:
             return
         if wait_for_peers > 0 and self.failure is None:
             self._wait_for_peers(wait_for_peers)
+        if self.liveness is not None:
+            self.liveness.stop(goodbye=self.failure is None)
         self._stop.set()
         self._thread.join(timeout=self._request_timeout + self._interval + 1)
         if self.failure is None:

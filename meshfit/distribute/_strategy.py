@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from meshfit._runtime import flush_denormals
 from meshfit.data import Dataset, map_structure
 from meshfit.distribute._distributed_dataset import DistributedDataset, agree_on_shuffle_seeds
 from meshfit.distribute._failure import FailureState
@@ -112,7 +113,7 @@ class Strategy:
         """
         _SCOPE_STACK.append(self)  # inside run, get_strategy() is this strategy (TF's replica context)
         try:
-            with self.guard():
+            with self.guard(), flush_denormals():  # as TF flushes on the threads running its ops
                 result = fn(*args, **(kwargs or {}))
         finally:
             _SCOPE_STACK.pop()

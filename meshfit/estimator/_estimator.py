@@ -15,6 +15,7 @@ import torch
 
 from meshfit._engine import TrainingLoop
 from meshfit._engine import evaluate as evaluation_loop
+from meshfit._runtime import flush_denormals
 from meshfit.callbacks import CallbackList
 from meshfit.distribute import OneDeviceStrategy, get_strategy
 from meshfit.estimator._data import input_data, is_finite, restore_for_inference
@@ -177,7 +178,7 @@ class Estimator:
         _check_train_steps(steps, max_steps)
         hooks = _check_hooks(hooks)
         strategy = self._train_strategy()
-        with strategy.guard():
+        with strategy.guard(), flush_denormals():
             data = input_data(self, input_fn, ModeKeys.TRAIN, strategy)
             try:
                 self._train(data, strategy, hooks, steps, max_steps, saving_listeners)
@@ -280,7 +281,7 @@ class Estimator:
         hooks = _check_hooks(hooks)
         path = checkpoint_path or self._require_checkpoint()
         strategy = self._eval_strategy()
-        with strategy.guard():
+        with strategy.guard(), flush_denormals():
             data = input_data(self, input_fn, ModeKeys.EVAL, strategy, steps=steps)
             trainable = EstimatorModel(self._caller, ModeKeys.EVAL, strategy)
             self._seed_before_first_build()

@@ -93,7 +93,9 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=512)
     parser.add_argument("--backup-dir", default=None)
     parser.add_argument("--save-freq", default="epoch")
-    parser.add_argument("--async-save", action="store_true")
+    # BackupAndRestore's default (asynchronous) unless one of these is given
+    parser.add_argument("--async-save", dest="async_save", action="store_const", const=True, default=None)
+    parser.add_argument("--sync-save", dest="async_save", action="store_const", const=False)
     parser.add_argument("--keep-backup", action="store_true")
     parser.add_argument("--record", action="store_true")
     parser.add_argument("--kill-rank", type=int, default=-1)
@@ -148,7 +150,8 @@ def main() -> None:
         save_freq = args.save_freq if args.save_freq == "epoch" else int(args.save_freq)
         callbacks.insert(1 if args.kill_end_rank >= 0 else 0, mf.callbacks.BackupAndRestore(args.backup_dir, save_freq=save_freq,
                                                           delete_checkpoint=not args.keep_backup,
-                                                          async_save=args.async_save))
+                                                          **({} if args.async_save is None
+                                                             else {"async_save": args.async_save})))
     if args.checkpoint_dir:
         callbacks.append(mf.callbacks.ModelCheckpoint(os.path.join(args.checkpoint_dir, "ckpt-{epoch}")))
     model.fit(dataset, epochs=args.epochs, steps_per_epoch=steps, callbacks=callbacks, verbose=2)
