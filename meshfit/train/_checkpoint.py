@@ -18,11 +18,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from meshfit._storage import CorruptFileError, chief_writes
+from meshfit._storage import CorruptFileError, StateMismatchError, chief_writes
 from meshfit._storage import tagged_json as _tree
 from meshfit._validation import path_like
 from meshfit.distribute import current_world
 from meshfit.train import _background, _storage
+from meshfit.train._compatibility import check_module_fits
 from meshfit.train._per_rank import (
     PerRank,
     check_shared_tensors_agree,
@@ -284,7 +285,8 @@ class Checkpoint:
             FileNotFoundError: nothing at ``path``; the message lists complete checkpoints beside it.
             ValueError: ``path`` is incomplete or corrupt (a data file whose CRC-32C differs from the
                 one recorded at save time raises `ChecksumError` naming it, on every rank), or does
-                not match the tracked objects.
+                not match the tracked objects (a module's parameter names or shapes differ: a
+                ``StateMismatchError`` naming the parameter and both shapes).
             RuntimeError: reading tensor data failed (on any rank; the message names each rank).
         """
         if path is None:  # TF's first-run idiom: ckpt.restore(latest_checkpoint(d)) on an empty d
@@ -313,6 +315,8 @@ class Checkpoint:
             entry = _entry_for(saved, name, target, per_rank, path)
             tree = entry["ranks"][rank % len(entry["ranks"])] if per_rank else entry["state"]
             current = target if isinstance(target, torch.Tensor) else target.state_dict()
+            if isinstance(target, torch.nn.Module):  # before reading: name the parameter, not torch's error
+                check_module_fits(name, target, _tree.tensor_refs(tree), stored, path)
             for key, sub_path in _tree.tensor_refs(tree):
                 destinations[key] = _destination(stored.get(key), _tree.lookup(current, sub_path), key, path)
             plans.append((name, target, tree))
@@ -331,7 +335,10 @@ class Checkpoint:
                     with torch.no_grad():
                         target.copy_(state)
             else:
-                target.load_state_dict(state)
+                try:
+                    target.load_state_dict(state)
+                except StateMismatchError as error:  # e.g. a data position saved on other data
+                    raise StateMismatchError(f"Checkpoint {path!r} ({name!r}): {error}") from error
 
 
 def _entry_for(saved: dict, name: str, target: Any, per_rank: bool, path: str) -> dict:
