@@ -130,7 +130,8 @@ class TrainingLoop:
 
         Called at each epoch's end, at the end of ``run`` and by savers before each save.
         """
-        agree_buffers(self.trainable.module, self.strategy)
+        if self.strategy.num_replicas_in_sync > 1:
+            agree_buffers(self.trainable.module, self.strategy)
 
     # ---- running ---------------------------------------------------------------------------
     def run(self, *, epochs: int | None = None, initial_epoch: int = 0, until_step: int | None = None,
