@@ -16,7 +16,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.tensor import DTensor
 
 from meshfit._storage import CorruptFileError, StateMismatchError, chief_writes
 from meshfit._storage import tagged_json as _tree
@@ -24,13 +23,8 @@ from meshfit._validation import path_like
 from meshfit.distribute import current_world
 from meshfit.train import _background, _storage
 from meshfit.train._compatibility import check_module_fits
-from meshfit.train._per_rank import (
-    PerRank,
-    check_shared_tensors_agree,
-    is_trackable,
-    module_buffer_keys,
-    shared_tensor_checksums,
-)
+from meshfit.train._per_rank import PerRank, check_shared_tensors_agree, is_trackable, shared_tensor_checksums
+from meshfit.train._per_rank import drop_buffers_rank_0_saves
 from meshfit.train._save_future import SaveFuture
 from meshfit.train._store import CheckpointStore, FileSystemStore, dcp_error, scratch
 
@@ -63,8 +57,8 @@ class Checkpoint:
 
     Tensors go through ``torch.distributed.checkpoint`` (DCP): a tensor present on several ranks is
     written once (a module's buffers, e.g. batch-norm statistics, from rank 0: the copy DDP trains
-    with; other shared tensors must be equal on every rank, or the save is refused), and DTensor shards are written by their owners and resharded on load. Everything
-    else in the state dicts (ints, floats, strings, lists, dicts with int or str keys, bytes, e.g.
+    with; other shared tensors must be equal on every rank, or the save is refused), and DTensor
+    shards are written by their owners and resharded on load. Everything else in the state dicts (ints, floats, strings, lists, dicts with int or str keys, bytes, e.g.
     an optimizer's ``param_groups``) is written by rank 0 as JSON. Nothing is pickled: loading reads
     JSON, DCP tensor data (``weights_only``) and DCP metadata restricted to DCP's own types.
 
@@ -247,9 +241,7 @@ class Checkpoint:
                     shared_crcs.update(shared_tensor_checksums(target, added, tensors))
                     owners.update(dict.fromkeys(added, name))
                     if rank != 0:  # rank 0's buffers are the ones saved, whatever DCP's dedup would pick
-                        for key in module_buffer_keys(target, added):
-                            if not isinstance(tensors[key], DTensor):
-                                del tensors[key]
+                        drop_buffers_rank_0_saves(target, added, tensors)
         world = dist.get_world_size(group) if distributed else 1
         mine = json.dumps({"path": path, "trees": own_per_rank, "crcs": shared_crcs})
         gathered = [json.loads(t) for t in (_storage.all_gather_text(mine, group) if distributed else [mine])]

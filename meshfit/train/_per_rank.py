@@ -67,6 +67,13 @@ def module_buffer_keys(target: Any, keys: list[str]) -> set[str]:
     return {key for key in keys if key.split("/", 1)[-1] in buffers}
 
 
+def drop_buffers_rank_0_saves(target: Any, keys: list[str], tensors: dict[str, torch.Tensor]) -> None:
+    """On a rank other than 0: remove ``target``'s plain buffers from the tensors it writes."""
+    for key in module_buffer_keys(target, keys):
+        if not isinstance(tensors[key], DTensor):
+            del tensors[key]
+
+
 def shared_tensor_checksums(target: Any, keys: list[str], tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     """CRC-32C of each plain (non-DTensor) tensor a shared trackable saves, to compare across ranks.
 
