@@ -23,8 +23,13 @@ from meshfit._validation import path_like
 from meshfit.distribute import current_world
 from meshfit.train import _background, _storage
 from meshfit.train._compatibility import check_module_fits
-from meshfit.train._per_rank import PerRank, check_shared_tensors_agree, is_trackable, shared_tensor_checksums
-from meshfit.train._per_rank import drop_buffers_rank_0_saves
+from meshfit.train._per_rank import (
+    PerRank,
+    check_shared_tensors_agree,
+    drop_buffers_rank_0_saves,
+    is_trackable,
+    shared_tensor_checksums,
+)
 from meshfit.train._save_future import SaveFuture
 from meshfit.train._store import CheckpointStore, FileSystemStore, dcp_error, scratch
 
