@@ -88,6 +88,31 @@ def test_synchronous_backups_survive_a_kill(tmp_path, uninterrupted):
     _kill_and_resume(tmp_path, uninterrupted, 1, 14, "4", "--sync-save")
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_batchnorm(tmp_path_factory) -> list[np.ndarray]:
+    out = str(tmp_path_factory.mktemp("reference-bn"))
+    code, output = _launch(out, "--batchnorm", "--backup-dir", os.path.join(out, "backup"), "--save-freq", "5",
+                           restarts=0)
+    assert code == 0, output
+    w0, w1 = _weights(out, 0), _weights(out, 1)
+    for a, b in zip(w0, w1, strict=True):
+        np.testing.assert_array_equal(a, b)  # after fit both workers hold the same running statistics
+    return w0
+
+
+def test_a_batchnorm_model_killed_and_resumed_ends_bitwise_equal_buffers_included(tmp_path, uninterrupted_batchnorm):
+    out = str(tmp_path / "out")
+    code, output = _launch(out, "--batchnorm", "--backup-dir", str(tmp_path / "backup"), "--save-freq", "5",
+                           "--kill-rank", "1", "--kill-at", "13")
+    assert code == 0, output
+    assert "restarting the group" in output and "resuming from" in output, output
+    for rank in (0, 1):
+        weights = _weights(out, rank)
+        assert len(weights) == 9  # 2 linear layers, BatchNorm1d's weight and bias, and its 3 buffers
+        for a, b in zip(weights, uninterrupted_batchnorm, strict=True):
+            np.testing.assert_array_equal(a, b)  # parameters, running_mean, running_var, num_batches_tracked
+
+
 def test_sigterm_preemption_saves_at_one_step_and_restarts(tmp_path, uninterrupted):
     out = str(tmp_path / "out")
     code, output = _launch(out, "--backup-dir", str(tmp_path / "backup"), "--save-freq", "100",

@@ -15,6 +15,7 @@ import torch
 
 from meshfit._engine._fit_arguments import batch_and_shuffle
 from meshfit._protocols import DistributionStrategy
+from meshfit._storage import StateMismatchError
 from meshfit.data import (
     AutoShardPolicy,
     Dataset,
@@ -22,9 +23,11 @@ from meshfit.data import (
     Shuffle,
     TorchMapDataset,
     batch_size_of,
+    data_topology,
     leaves,
     slice_rows,
     to_tensor,
+    topology_mismatches,
 )
 from meshfit.distribute import DistributedDataset, InputContext, LoaderPlan, PerReplicaLoader
 
@@ -311,12 +314,27 @@ class DataHandler:
     # ---- Stateful ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The data position: ``{"pass": pass, "index": global batches read in it,
-        "shuffle_seeds": the pipeline's shuffle seeds}`` (a resume reads the order it saved)."""
+        "shuffle_seeds": the pipeline's shuffle seeds}`` (a resume reads the order it saved), and
+        ``"topology"``: what the position means (`meshfit.data._topology.data_topology`)."""
         chains = self._shuffle_chains()
         return {"pass": self.pass_index, "index": self.index,
-                "shuffle_seeds": [node.seed for node in chains[0]] if chains else []}
+                "shuffle_seeds": [node.seed for node in chains[0]] if chains else [],
+                "topology": self._topology()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Move to a saved position; refuse one saved on other data (`StateMismatchError`).
+
+        The shuffle seeds are part of the position (restored); the dataset's length, the global
+        batch size, ``drop_remainder`` and the shuffle buffers must be the saved ones, or the
+        position would name other examples. The number of replicas may differ.
+        """
+        mismatches = topology_mismatches(state.get("topology") or {}, self._topology())
+        if mismatches:
+            raise StateMismatchError(
+                f"The saved data position (pass {state['pass']}, global batch {state['index']}) was taken on other "
+                f"data: {'; '.join(mismatches)}. Restored here it would read other examples than the run that "
+                "saved it. Resume with the same dataset, batch size, drop_remainder and shuffle as that run "
+                "(the number of workers may change).")
         self.close()
         self.pass_index, self.index = int(state["pass"]), int(state["index"])
         seeds = [int(seed) for seed in state.get("shuffle_seeds") or []]
@@ -325,6 +343,17 @@ class DataHandler:
                 for node, seed in zip(chain, seeds, strict=True):
                     if node.seed != seed:
                         node.seed, node._cache = seed, None
+
+    def _topology(self) -> dict[str, Any]:
+        source = self.source
+        view = getattr(source, "view", None)
+        per_replica_pipeline = hasattr(source, "context")  # built by a dataset_fn for this replica alone
+        rebatched = isinstance(view, Dataset) and (view is not source.dataset or per_replica_pipeline)
+        own_data = per_replica_pipeline or getattr(source, "policy", None) is AutoShardPolicy.FILE
+        return data_topology(view if view is not None else getattr(source, "loader", None),
+                             global_batch_factor=source.num_replicas if rebatched else 1,
+                             batches_per_pass=self._length, world_size=self.strategy.num_replicas_in_sync,
+                             count_examples=not own_data)
 
     def _shuffle_chains(self) -> list[list[Any]]:
         """The shuffle nodes, in pipeline order, of the dataset and of the replica's view of it

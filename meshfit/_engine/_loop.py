@@ -17,6 +17,7 @@ from meshfit._engine._step_logs import agree, as_logs, merge_returned, reduce_lo
 from meshfit._protocols import CallbackListLike, Stateful, Trainable
 from meshfit._runtime import PREEMPTED_EXIT_CODE, keep_freed_memory
 from meshfit.data import batch_size_of
+from meshfit.distribute import agree_buffers
 
 
 class ReplicaState:
@@ -124,6 +125,14 @@ class TrainingLoop:
         items.update(loop=self, replica=PerRank(self.replica_state))
         return items
 
+    def agree_buffers(self) -> None:
+        """Give every replica rank 0's module buffers (collective; see `meshfit.distribute._buffers`).
+
+        Called at each epoch's end, at the end of ``run`` and by savers before each save.
+        """
+        if self.strategy.num_replicas_in_sync > 1:
+            agree_buffers(self.trainable.module, self.strategy)
+
     # ---- running ---------------------------------------------------------------------------
     def run(self, *, epochs: int | None = None, initial_epoch: int = 0, until_step: int | None = None,
             validate: Callable[[int], dict[str, float]] | None = None) -> dict[str, float]:
@@ -178,6 +187,7 @@ class TrainingLoop:
             finalize = getattr(getattr(trainable, "optimizer", None), "finalize_variable_values", None)
             if callable(finalize):
                 finalize()
+            self.agree_buffers()
             logs = as_logs(epoch_logs or logs)
             cbs.on_train_end(logs)
             self.strategy.barrier()
@@ -233,6 +243,7 @@ class TrainingLoop:
         # The epoch's metrics from their (possibly restored) accumulators, on every replica.
         epoch_logs, _ = reduce_logs(self.trainable)
         epoch_logs.update({k: v for k, v in as_logs(logs).items() if k not in epoch_logs})
+        self.agree_buffers()  # validation and epoch-end saves read the same statistics everywhere
         if validate is not None:
             epoch_logs.update(validate(epoch))
         self.data.end_epoch()

@@ -36,6 +36,8 @@ class BackupAndRestore(CheckpointSaver):
         30
     """
 
+    directory_argument = "backup_dir"
+
     def __init__(self, backup_dir: str | os.PathLike, save_freq: str | int = "epoch",
                  delete_checkpoint: bool = True, async_save: bool = True) -> None:
         if backup_dir is None or (isinstance(backup_dir, (str, os.PathLike)) and not os.fspath(backup_dir)):

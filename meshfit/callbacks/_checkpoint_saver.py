@@ -28,7 +28,7 @@ import os
 import time
 from typing import Any
 
-from meshfit._storage import chief_writes
+from meshfit._storage import StateMismatchError, chief_writes
 from meshfit._validation import check_bool, finite_float, optional_positive_int, path_like, positive_int
 from meshfit.callbacks._callback import Callback
 
@@ -81,6 +81,7 @@ class CheckpointSaver(Callback):
     """
 
     run_last = True  # save only once every other callback has finished the step or epoch
+    directory_argument = "directory"  # the folder's argument name, for messages
     reads_batch_logs = False
 
     def __init__(self, directory: str | os.PathLike, policy: SavePolicy | None = None, max_to_keep: int = 2,
@@ -137,7 +138,13 @@ class CheckpointSaver(Callback):
         strategy.failure.backup_dir = self.directory
         latest = None
         if self.restore_at_start:  # the loop restores its own state; this saver only says from where
-            latest = loop.resume(strategy.broadcast_object(self.manager.checkpoints))
+            try:
+                latest = loop.resume(strategy.broadcast_object(self.manager.checkpoints))
+            except StateMismatchError as error:  # the folder holds another run's state: say so, and the fix
+                raise StateMismatchError(
+                    f"{type(self).__name__} cannot resume from {self.directory!r}: {error} That folder holds the "
+                    f"backup of a run with another model or other data. Give this run another "
+                    f"`{self.directory_argument}`, or delete {self.directory!r} to start over.") from error
         self.restored_from = latest
         self.reset_clock(saved=latest is not None)
         if latest is not None and strategy.is_chief:
@@ -189,6 +196,7 @@ class CheckpointSaver(Callback):
     def save(self) -> None:
         """Save the loop's state now (collective; in the background with ``async_save``)."""
         self.wait()
+        self.loop.agree_buffers()  # one defined copy of running statistics is saved: rank 0's
         self._saved_at = self.loop.counters.iterations
         self._last_save_time = time.monotonic()
         if self.async_save:

@@ -13,6 +13,8 @@ from meshfit.data._structure import map_structure as map_structure
 from meshfit.data._structure import slice_rows as slice_rows
 from meshfit.data._structure import to_tensor as to_tensor
 from meshfit.data._structure import unpack_batch as unpack_batch
+from meshfit.data._topology import data_topology as data_topology
+from meshfit.data._topology import topology_mismatches as topology_mismatches
 
 # Seams for meshfit's other packages (not public API: not in __all__).
 from meshfit.data._transforms import Batch as Batch

@@ -18,13 +18,20 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from meshfit._storage import CorruptFileError, chief_writes
+from meshfit._storage import CorruptFileError, StateMismatchError, chief_writes
 from meshfit._storage import tagged_json as _tree
 from meshfit._validation import path_like
 from meshfit.distribute import current_world
 from meshfit.train import _background, _storage
+from meshfit.train._compatibility import check_module_fits
 from meshfit.train._own_copies import is_sharded, refuse_different_paths, save_own_copy, whole_tensors
-from meshfit.train._per_rank import PerRank, check_shared_tensors_agree, is_trackable, shared_tensor_checksums
+from meshfit.train._per_rank import (
+    PerRank,
+    check_shared_tensors_agree,
+    drop_buffers_rank_0_saves,
+    is_trackable,
+    shared_tensor_checksums,
+)
 from meshfit.train._save_future import SaveFuture
 from meshfit.train._store import CheckpointStore, FileSystemStore, dcp_error, scratch
 
@@ -56,8 +63,9 @@ class Checkpoint:
     same path, on a file system all ranks share) and also works in a plain process.
 
     Tensors go through ``torch.distributed.checkpoint`` (DCP): a tensor present on several ranks is
-    written once, and DTensor shards are written by their owners and resharded on load. Everything
-    else in the state dicts (ints, floats, strings, lists, dicts with int or str keys, bytes, e.g.
+    written once (a module's buffers, e.g. batch-norm statistics, from rank 0: the copy DDP trains
+    with; other shared tensors must be equal on every rank, or the save is refused), and DTensor
+    shards are written by their owners and resharded on load. Everything else in the state dicts (ints, floats, strings, lists, dicts with int or str keys, bytes, e.g.
     an optimizer's ``param_groups``) is written by rank 0 as JSON. Nothing is pickled: loading reads
     JSON, DCP tensor data (``weights_only``) and DCP metadata restricted to DCP's own types.
 
@@ -240,6 +248,7 @@ class Checkpoint:
         shared_crcs: dict[str, str] = {}
         owners: dict[str, str] = {}
         per_rank_keys: list[str] = []
+        buffers_of: list[tuple[Any, list[str]]] = []  # shared modules' tensors, for rank 0's buffers
         for name, (target, per_rank) in self._trackables.items():
             kind = "tensor" if isinstance(target, torch.Tensor) else "stateful"
             state = target.detach() if kind == "tensor" else target.state_dict()
@@ -256,6 +265,7 @@ class Checkpoint:
                     added = [k for k in tensors if k not in before]
                     shared_crcs.update(shared_tensor_checksums(target, added, tensors))
                     owners.update(dict.fromkeys(added, name))
+                    buffers_of.append((target, added))
         world = dist.get_world_size(group) if distributed else 1
         mine = json.dumps({"path": path, "trees": own_per_rank, "crcs": shared_crcs, "sharded": is_sharded(tensors)})
         gathered = [json.loads(t) for t in (_storage.all_gather_text(mine, group) if distributed else [mine])]
@@ -265,6 +275,9 @@ class Checkpoint:
             refuse_different_paths(paths)
         if own_copies:
             tensors = whole_tensors(tensors, per_rank_keys, group)
+        elif rank != 0:  # one shared checkpoint: rank 0's buffers are saved, whatever DCP's dedup would pick
+            for target, added in buffers_of:
+                drop_buffers_rank_0_saves(target, added, tensors)
         check_shared_tensors_agree([g["crcs"] for g in gathered], owners)
         for name in own_per_rank:
             entries[name]["ranks"] = [g["trees"][name] for g in gathered]
@@ -289,7 +302,8 @@ class Checkpoint:
             FileNotFoundError: nothing at ``path``; the message lists complete checkpoints beside it.
             ValueError: ``path`` is incomplete or corrupt (a data file whose CRC-32C differs from the
                 one recorded at save time raises `ChecksumError` naming it, on every rank), or does
-                not match the tracked objects.
+                not match the tracked objects (a module's parameter names or shapes differ: a
+                ``StateMismatchError`` naming the parameter and both shapes).
             RuntimeError: reading tensor data failed (on any rank; the message names each rank).
         """
         if path is None:  # TF's first-run idiom: ckpt.restore(latest_checkpoint(d)) on an empty d
@@ -318,6 +332,8 @@ class Checkpoint:
             entry = _entry_for(saved, name, target, per_rank, path)
             tree = entry["ranks"][rank % len(entry["ranks"])] if per_rank else entry["state"]
             current = target if isinstance(target, torch.Tensor) else target.state_dict()
+            if isinstance(target, torch.nn.Module):  # before reading: name the parameter, not torch's error
+                check_module_fits(name, target, _tree.tensor_refs(tree), stored, path)
             for key, sub_path in _tree.tensor_refs(tree):
                 destinations[key] = _destination(stored.get(key), _tree.lookup(current, sub_path), key, path)
             plans.append((name, target, tree))
@@ -336,7 +352,10 @@ class Checkpoint:
                     with torch.no_grad():
                         target.copy_(state)
             else:
-                target.load_state_dict(state)
+                try:
+                    target.load_state_dict(state)
+                except StateMismatchError as error:  # e.g. a data position saved on other data
+                    raise StateMismatchError(f"Checkpoint {path!r} ({name!r}): {error}") from error
 
 
 def _entry_for(saved: dict, name: str, target: Any, per_rank: bool, path: str) -> dict:

@@ -52,20 +52,38 @@ class PerRank:
         return f"PerRank({self.trackable!r:.80})"
 
 
+def module_buffer_keys(target: Any, keys: list[str]) -> set[str]:
+    """The keys among ``keys`` (``<name>/<path>``) that are plain buffers of ``target``, a module.
+
+    DDP broadcasts a module's buffers from rank 0 at every forward, so rank 0's copy is the one
+    training uses (e.g. batch-norm statistics); other ranks' copies may differ after a step. A
+    `Checkpoint` writes these from rank 0 only (DCP would otherwise write a tensor every rank
+    holds from whichever rank's plan is smallest), and does not compare them across ranks.
+    """
+    if not isinstance(target, torch.nn.Module):
+        return set()
+    state_keys = set(target.state_dict(keep_vars=True))
+    buffers = {name for name, _ in target.named_buffers() if name in state_keys}
+    return {key for key in keys if key.split("/", 1)[-1] in buffers}
+
+
+def drop_buffers_rank_0_saves(target: Any, keys: list[str], tensors: dict[str, torch.Tensor]) -> None:
+    """On a rank other than 0: remove ``target``'s plain buffers from the tensors it writes."""
+    for key in module_buffer_keys(target, keys):
+        if not isinstance(tensors[key], DTensor):
+            del tensors[key]
+
+
 def shared_tensor_checksums(target: Any, keys: list[str], tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     """CRC-32C of each plain (non-DTensor) tensor a shared trackable saves, to compare across ranks.
 
-    A module's buffers are left out: DDP broadcasts them from rank 0 at every forward, so rank 0's
-    copy is the one training uses (e.g. batch-norm statistics) and saving it drops nothing.
+    A module's buffers are left out: rank 0's copy is the one saved (see `module_buffer_keys`).
     """
-    buffers: set[str] = set()
-    if isinstance(target, torch.nn.Module):
-        state_keys = set(target.state_dict(keep_vars=True))
-        buffers = {name for name, _ in target.named_buffers() if name in state_keys}
+    buffers = module_buffer_keys(target, keys)
     out = {}
     for key in keys:
         tensor = tensors[key]
-        if isinstance(tensor, DTensor) or key.split("/", 1)[-1] in buffers:
+        if isinstance(tensor, DTensor) or key in buffers:
             continue
         out[key] = tensor_crc32(tensor.detach().cpu())
     return out

@@ -21,8 +21,9 @@ from torch import nn
 import meshfit as mf
 
 
-def build_module(dropout: float = 0.1) -> nn.Module:
-    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 10))
+def build_module(dropout: float = 0.1, batchnorm: bool = False) -> nn.Module:
+    norm = [nn.BatchNorm1d(32)] if batchnorm else []
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), *norm, nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 10))
 
 
 class Chaos(mf.callbacks.Callback):
@@ -107,6 +108,7 @@ def main() -> None:
     parser.add_argument("--kill-end-at", type=int, default=-1)
     parser.add_argument("--mark-at", type=int, default=-1, help="rank 0 writes reached.txt at this step")
     parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d after the first layer")
     parser.add_argument("--freeze-rank", type=int, default=-1)
     parser.add_argument("--freeze-at", type=int, default=-1)
     parser.add_argument("--sleep", type=float, default=0.0)
@@ -139,7 +141,7 @@ def main() -> None:
                .repeat().batch(args.global_batch).prefetch(2))
     steps = args.steps or len(x) // args.global_batch
     with strategy.scope():
-        model = RecordingModel(build_module(args.dropout))
+        model = RecordingModel(build_module(args.dropout, args.batchnorm))
         model.compile(mf.optimizers.SGD(learning_rate=0.1, momentum=0.9),
                       mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     if args.record:
