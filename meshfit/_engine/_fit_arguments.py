@@ -167,3 +167,17 @@ class ClassWeightedData:
 
     def __getattr__(self, name: str) -> Any:  # steps, peek, end_epoch, close, state_dict, ...
         return getattr(self._data, name)
+
+
+def validation_parts(validation_data: Any) -> tuple[Any, Any, Any] | None:
+    """``validation_data`` as ``(x, y, sample_weight)`` (a dataset as ``(data, None, None)``)."""
+    if validation_data is None:
+        return None
+    if isinstance(validation_data, tuple):
+        if len(validation_data) == 2:
+            return validation_data[0], validation_data[1], None
+        if len(validation_data) == 3:
+            return validation_data
+        raise ValueError("Invalid `validation_data`: expected a dataset, (x, y) or (x, y, sample_weight); "
+                         f"received a tuple of {len(validation_data)} elements.")
+    return validation_data, None, None

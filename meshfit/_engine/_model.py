@@ -23,6 +23,7 @@ from meshfit._engine._fit_arguments import (
     check_validation_freq,
     split_validation,
     validates_after,
+    validation_parts,
 )
 from meshfit._engine._loop import TrainingLoop, resolve_verbose
 from meshfit._engine._model_weights import WeightsMixin
@@ -47,19 +48,6 @@ from meshfit.metrics import get as get_metric
 from meshfit.optimizers import Optimizer
 from meshfit.optimizers import get as get_optimizer
 from meshfit.optimizers import serialize as serialize_optimizer
-
-
-def _validation_parts(validation_data: Any) -> tuple[Any, Any, Any] | None:
-    if validation_data is None:
-        return None
-    if isinstance(validation_data, tuple):
-        if len(validation_data) == 2:
-            return validation_data[0], validation_data[1], None
-        if len(validation_data) == 3:
-            return validation_data
-        raise ValueError("Invalid `validation_data`: expected a dataset, (x, y) or (x, y, sample_weight); "
-                         f"received a tuple of {len(validation_data)} elements.")
-    return validation_data, None, None
 
 
 class Model(WeightsMixin):
@@ -300,7 +288,7 @@ class Model(WeightsMixin):
         if validation_split and validation_data is None:
             (x, y, sample_weight), validation_data = split_validation(x, y, sample_weight, validation_split,
                                                                       is_array_like)
-        validation = _validation_parts(validation_data)
+        validation = validation_parts(validation_data)
 
         def validate(epoch: int) -> dict[str, float]:
             if validation is None or not validates_after(epoch, validation_freq):
