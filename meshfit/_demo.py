@@ -55,12 +55,12 @@ class ShowBackups(mf.callbacks.Callback):
         self._report()
 
     def _report(self) -> None:
-        if not self.model.strategy.is_chief:
+        if not self._require_model().strategy.is_chief:
             return
         latest = mf.train.latest_checkpoint(self.backup_dir)
         if latest is not None and latest != self._latest:
             self._latest = latest
-            counters = self.loop.counters
+            counters = self._require_loop().counters
             newline = "\n" if supports_redraw(sys.stdout) else ""  # a live bar may be mid-line
             print(f"{newline}backup written at step {counters.iterations} (epoch {counters.epoch + 1}, batch "
                   f"{counters.step}): {latest}", flush=True)
@@ -76,7 +76,7 @@ class CrashOnce(mf.callbacks.Callback):
         self.step, self.worker = step, worker
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        if self.loop.counters.iterations == self.step:
+        if self._require_loop().counters.iterations == self.step:
             print(f"worker {self.worker}: simulating a crash at step {self.step} "
                   "(meshfit demo --crash-at-step 0 turns this off)", flush=True)
             os._exit(1)

@@ -17,7 +17,6 @@ if TYPE_CHECKING:
     from torch import nn
 
 
-
 class ClusterResolverLike(Protocol):
     """TF's cluster identity of a process (see `meshfit.cluster.ClusterResolver`)."""
 
@@ -124,6 +123,47 @@ class DistributionStrategy(Protocol):
     def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any: ...
 
 
+class PreemptionHandler(Protocol):
+    """A callback that saves when the cluster is about to stop this job (see `BackupAndRestore`).
+
+    The loop watches for preemption only when some callback ``handles_preemption``; at an agreed
+    step it calls ``save_for_preemption`` on those that do.
+    """
+
+    @property
+    def handles_preemption(self) -> bool: ...
+
+    def save_for_preemption(self) -> None: ...
+
+
+class CallbackLike(PreemptionHandler, Protocol):
+    """What the loop and `CallbackList` read of one callback (see `meshfit.callbacks.Callback`)."""
+
+    @property
+    def reads_batch_logs(self) -> bool: ...  # whether on_train_batch_end reads its logs
+
+    @property
+    def run_last(self) -> bool: ...  # runs after every other callback in each hook (savers)
+
+
+class DataSource(Protocol):
+    """The random-access data protocol the loop reads (see `meshfit.distribute.DistributedDataset`).
+
+    A position is ``(pass_index, index)``: batch ``index`` of pass ``pass_index``, computed directly.
+    """
+
+    def length(self) -> int | None: ...  # global batches per pass, None when infinite
+
+    def replica_batch(self, index: int, pass_index: int) -> tuple[Any, int]: ...  # (this replica's rows, global size)
+
+    def prefetch_size(self) -> int: ...  # batches to compute ahead (0: none)
+
+    @property
+    def replicas_read_different_rows(self) -> bool: ...  # False when every replica reads the same examples
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+
 class Trainable(Protocol):
     """What the loop drives: `Model` implements it; the Estimator implements it too.
 
@@ -135,6 +175,7 @@ class Trainable(Protocol):
 
     strategy: DistributionStrategy
     stop_training: bool
+    steps_per_execution: int  # training steps between two batch-callback calls
 
     @property
     def module(self) -> nn.Module: ...
@@ -160,7 +201,11 @@ class Trainable(Protocol):
 class CallbackListLike(Protocol):
     """The loop's view of its callbacks (see `meshfit.callbacks.CallbackList`)."""
 
-    def __iter__(self) -> Iterator[Any]: ...
+    def __iter__(self) -> Iterator[CallbackLike]: ...
+
+    def set_loop(self, loop: LoopLike) -> None: ...
+
+    def batch_logs_needed(self) -> bool: ...
 
     def on_train_begin(self, logs: dict | None = None) -> None: ...
 

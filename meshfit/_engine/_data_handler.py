@@ -104,6 +104,11 @@ class _StreamSource:
     def prefetch_size(self) -> int:
         return 0
 
+    replicas_read_different_rows = True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # a stream has no position of its own: the DataHandler's is replayed
+
 
 class DataHandler:
     """Batches for one ``fit``/``evaluate``/``predict`` call, on this replica.
@@ -130,7 +135,7 @@ class DataHandler:
         # (reshuffled) instead of replaying the batches the previous call trained on.
         training = argument == "steps_per_epoch"
         self._origin = x if training and isinstance(x, (Dataset, DistributedDataset)) else None
-        self.source = self._adapt(x, y, sample_weight, batch_size, shuffle)
+        self.source: DataSource = self._adapt(x, y, sample_weight, batch_size, shuffle)
         length = self.source.length()
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0):
             raise ValueError(f"Invalid `{argument}`: expected a positive int or None, received {argument}={steps!r}.")
@@ -145,13 +150,13 @@ class DataHandler:
         self._length = length
         self.exhausted = False  # the pass of unknown length ended (EndOfData) in this epoch
         self._warned = False
-        self.pass_index, self.index = (self._origin._start_pass() if self._origin is not None else 0), 0
+        self.pass_index, self.index = (self._origin.start_pass() if self._origin is not None else 0), 0
         self._check_same_length_everywhere(length, steps, argument)
         self._prefetcher: Prefetcher | None = None
         self._prefetch_from: tuple[int, int] | None = None
 
     # ---- input adaptation ----------------------------------------------------------------
-    def _adapt(self, x: Any, y: Any, sample_weight: Any, batch_size: int | None, shuffle: bool) -> Any:
+    def _adapt(self, x: Any, y: Any, sample_weight: Any, batch_size: int | None, shuffle: bool) -> DataSource:
         if isinstance(x, DistributedDataset):
             self._reject_extra(x, y, sample_weight, batch_size)
             return x
@@ -209,7 +214,7 @@ class DataHandler:
         agree on the number of steps, or the ones that run out first leave the others waiting."""
         if self.strategy.num_replicas_in_sync == 1 or steps is not None:
             return
-        if getattr(self.source, "policy", None) is AutoShardPolicy.DATA:
+        if isinstance(self.source, DistributedDataset) and self.source.policy is AutoShardPolicy.DATA:
             return
         lengths = self.strategy.all_gather_object(length)
         if len(set(lengths)) > 1:
@@ -306,7 +311,7 @@ class DataHandler:
 
     def close(self) -> None:
         if self._origin is not None:
-            self._origin._next_pass = max(self._origin._next_pass, self.pass_index + 1)
+            self._origin.end_pass(self.pass_index)
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None
@@ -342,7 +347,7 @@ class DataHandler:
             if len(chain) == len(seeds):
                 for node, seed in zip(chain, seeds, strict=True):
                     if node.seed != seed:
-                        node.seed, node._cache = seed, None
+                        node.reseed(seed)
 
     def _topology(self) -> dict[str, Any]:
         source = self.source
@@ -359,10 +364,11 @@ class DataHandler:
         """The shuffle nodes, in pipeline order, of the dataset and of the replica's view of it
         (rebatching a view clones the nodes above its batch, so each chain gets the seeds)."""
         chains, seen = [], set()
-        for dataset in (getattr(self.source, "dataset", None), getattr(self.source, "view", None)):
+        views = (self.source.dataset, self.source.view) if isinstance(self.source, DistributedDataset) else ()
+        for dataset in views:
             if isinstance(dataset, Dataset) and id(dataset) not in seen:
                 seen.add(id(dataset))
-                chains.append([n for n in dataset._nodes() if isinstance(n, Shuffle)])
+                chains.append([n for n in dataset.node.nodes() if isinstance(n, Shuffle)])
         return chains
 
 

@@ -91,7 +91,7 @@ def predict(trainable: Trainable, data: Any, callbacks: CallbackListLike | Any) 
     finally:
         module.train(was_training)
     callbacks.on_predict_end()
-    if strategy.num_replicas_in_sync > 1 and getattr(data.source, "replicas_read_different_rows", True):
+    if strategy.num_replicas_in_sync > 1 and data.source.replicas_read_different_rows:
         by_replica = strategy.all_gather_object(outputs)
         outputs = [part for step in range(len(outputs)) for part in (r[step] for r in by_replica)]
     return concatenate(outputs)

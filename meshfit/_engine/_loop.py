@@ -155,7 +155,7 @@ class TrainingLoop:
         counters.epoch, counters.step = initial_epoch, 0
         trainable.stop_training = False
         batch_logs = agree(trainable, cbs.batch_logs_needed())
-        self._preemption = PreemptionWatch(any(getattr(c, "handles_preemption", False) for c in cbs),
+        self._preemption = PreemptionWatch(any(c.handles_preemption for c in cbs),
                                            self.strategy.failure)
         logs: dict[str, float] = {}
         epoch_logs: dict[str, float] = {}
@@ -255,7 +255,7 @@ class TrainingLoop:
     def _stop_for_preemption(self) -> None:
         """Every replica reached the same step: save a backup there and exit with the restart code."""
         for callback in self.callbacks:
-            if getattr(callback, "handles_preemption", False):
+            if callback.handles_preemption:
                 callback.save_for_preemption()
         self.strategy.barrier()
         raise SystemExit(PREEMPTED_EXIT_CODE)

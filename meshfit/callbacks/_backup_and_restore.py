@@ -55,7 +55,7 @@ class BackupAndRestore(CheckpointSaver):
         return {"save_freq": self.save_freq, "async_save": self.async_save, "delete_checkpoint": self.delete_checkpoint}
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        if not hasattr(self.loop.data.source, "view"):
+        if not hasattr(self._require_loop().data.source, "view"):
             warnings.warn("BackupAndRestore: the input is a torch DataLoader or another iterable; a resume "
                           "replays its pass from the start and skips the batches already trained on, which "
                           "is exact only if the iterable yields the same order again. Use a meshfit.data."

@@ -37,11 +37,15 @@ class Callback:
         1
     """
 
-    #: Whether ``on_train_batch_end`` reads its ``logs``. The loop reduces metrics across replicas at
-    #: every step only when some callback does; one that overrides the hook for another reason
-    #: (saving every N steps) sets this to False.
-    reads_batch_logs = True
-
+    @property
+    def reads_batch_logs(self) -> bool:
+        """Whether ``on_train_batch_end`` reads its ``logs``. The loop reduces metrics across replicas
+        at every step only when some callback does; one that overrides the hook for another reason
+        (saving every N steps) sets ``reads_batch_logs = False`` in its class (or overrides this)."""
+        return True
+    #: Whether this callback runs after every other one in each hook (savers: what they save then
+    #: includes the others' updates for that step or epoch).
+    run_last = False
     def __init__(self) -> None:
         self.model: Model | None = None
         self.loop: TrainingLoop | None = None
@@ -58,6 +62,26 @@ class Callback:
     def set_loop(self, loop: TrainingLoop) -> None:
         """Sets the `TrainingLoop` running ``fit`` (its counters, data position and saveable state)."""
         self.loop = loop
+
+    @property
+    def handles_preemption(self) -> bool:
+        """Whether the loop should watch for preemption and call `save_for_preemption` (`BackupAndRestore`)."""
+        return False
+
+    def save_for_preemption(self) -> None:
+        """Saves a backup now: every worker stopped at the same step because the job is preempted."""
+
+    def _require_model(self) -> Model:
+        """The model, for hooks that run only once `set_model` was called."""
+        if self.model is None:
+            raise RuntimeError(f"{type(self).__name__} has no model: call set_model(model) before its hooks.")
+        return self.model
+
+    def _require_loop(self) -> TrainingLoop:
+        """The training loop, for hooks that run only inside ``fit``."""
+        if self.loop is None:
+            raise RuntimeError(f"{type(self).__name__} needs the training loop: it works only inside fit().")
+        return self.loop
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         """Called once at the start of `fit`."""
@@ -132,7 +156,7 @@ def _to_float(value: Any) -> Any:
     return value
 
 
-def _is_chief(model: Model) -> bool:
+def _is_chief(model: Model | None) -> bool:
     """Whether this process writes shared files: True without a model or strategy."""
     strategy = getattr(model, "strategy", None)
     return True if strategy is None else bool(strategy.is_chief)

@@ -76,11 +76,11 @@ class CallbackList:
         elif isinstance(callbacks, Callback):
             callbacks = [callbacks]
         self.callbacks: list[Callback] = []
+        self.model: Model | None = None
+        self.params: dict[str, Any] = {}
         for callback in callbacks:
             self.append(callback)
         self._add_default_callbacks(add_history, add_progbar)
-        self.model = None
-        self.params: dict[str, Any] = {}
         if model is not None:
             self.set_model(model)
         if params:
@@ -110,15 +110,15 @@ class CallbackList:
             )
         self.callbacks.append(callback)
         self._order()
-        if getattr(self, "model", None) is not None:
+        if self.model is not None:
             callback.set_model(self.model)
-        if getattr(self, "params", None):
+        if self.params:
             callback.set_params(self.params)
 
     def _order(self) -> None:
         # Callbacks that save training state (BackupAndRestore) run after all others in every hook,
         # so that what they save includes the others' updates for that step or epoch.
-        self.callbacks.sort(key=lambda c: bool(getattr(c, "run_last", False)))
+        self.callbacks.sort(key=lambda c: bool(c.run_last))
 
     def set_model(self, model: Model) -> None:
         """Calls `set_model` on every callback."""
@@ -140,7 +140,7 @@ class CallbackList:
     def batch_logs_needed(self) -> bool:
         """Whether a callback reads per-batch training logs (Keras checks for the override too)."""
         return any(_overrides(c, "on_train_batch_end") or _overrides(c, "on_batch_end")
-                   for c in self.callbacks if getattr(c, "reads_batch_logs", True))
+                   for c in self.callbacks if c.reads_batch_logs)
 
     def __iter__(self) -> Iterator[Callback]:
         return iter(self.callbacks)

@@ -153,12 +153,12 @@ class CheckpointSaver(Callback):
                   f"batch {counters.step + 1} (iteration {counters.iterations})", flush=True)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        policy, iterations = self.policy, self.loop.counters.iterations
+        policy, iterations = self.policy, self._require_loop().counters.iterations
         previous, self._checked_at = self._checked_at, iterations
         due = policy.every_steps is not None and iterations // policy.every_steps > previous // policy.every_steps
         if policy.every_seconds is not None:
             late = time.monotonic() - self._last_save_time >= policy.every_seconds
-            due = self.loop.agree(late) or due
+            due = self._require_loop().agree(late) or due
         if due:
             self.save()
 
@@ -187,7 +187,7 @@ class CheckpointSaver(Callback):
     def on_train_end(self, logs: dict | None = None) -> None:
         self.wait()
         if self.delete_on_end:
-            strategy = self.loop.strategy
+            strategy = self._require_loop().strategy
             strategy.barrier()
             if strategy.is_chief:
                 delete_checkpoints(self.directory, self.checkpoint_name)

@@ -103,14 +103,14 @@ class EarlyStopping(Callback):
             return
         if self.restore_best_weights and self.best_weights is None:
             # So that some weights are restored even if no epoch ever improves.
-            self.best_weights = self.model.get_weights()
+            self.best_weights = self._require_model().get_weights()
             self.best_epoch = epoch
         self.wait += 1
         if self._is_improvement(current, self.best):
             self.best = current
             self.best_epoch = epoch
             if self.restore_best_weights:
-                self.best_weights = self.model.get_weights()
+                self.best_weights = self._require_model().get_weights()
             # Only restart the wait if we beat both the baseline and our previous best. Keras 3
             # returns here either way, so steady progress short of the baseline never stops;
             # we keep the documented rule (Keras 2's): no better than the baseline means stop.
@@ -119,7 +119,7 @@ class EarlyStopping(Callback):
                 return
         if self.wait >= self.patience and epoch > 0:
             self.stopped_epoch = epoch
-            self.model.stop_training = True
+            self._require_model().stop_training = True
 
     def on_train_end(self, logs: dict | None = None) -> None:
         """Reports the stop and restores the best weights if asked to."""
@@ -128,7 +128,7 @@ class EarlyStopping(Callback):
             self._say(f"Epoch {self.stopped_epoch + 1}: early stopping")
         if self.restore_best_weights and self.best_weights is not None:
             self._say(f"Restoring model weights from the end of the best epoch: {self.best_epoch + 1}.")
-            self.model.set_weights(self.best_weights)
+            self._require_model().set_weights(self.best_weights)
 
     def _require_monitor_op(self) -> None:
         if self.monitor_op is None:

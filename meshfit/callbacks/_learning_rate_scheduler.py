@@ -46,7 +46,7 @@ class LearningRateScheduler(Callback):
         """Applies the schedule, unless this epoch was scheduled before a restore."""
         if self._scheduled_epoch == epoch:
             return
-        optimizer = self.model.optimizer
+        optimizer = self._require_model().optimizer
         current = float(optimizer.learning_rate)
         try:
             rate = self.schedule(epoch, current)
@@ -64,7 +64,7 @@ class LearningRateScheduler(Callback):
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         """Adds ``learning_rate`` to the epoch's logs."""
         if logs is not None:
-            logs["learning_rate"] = float(self.model.optimizer.learning_rate)
+            logs["learning_rate"] = float(self._require_model().optimizer.learning_rate)
 
     def state_dict(self) -> dict[str, Any]:
         """The last epoch the schedule was applied to (-1 for none)."""

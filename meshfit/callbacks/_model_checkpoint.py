@@ -157,9 +157,9 @@ class ModelCheckpoint(Callback):
         if dirname:
             os.makedirs(dirname, exist_ok=True)
         if self.save_weights_only:
-            self.model.save_weights(filepath)
+            self._require_model().save_weights(filepath)
         else:
-            self.model.save(filepath)
+            self._require_model().save(filepath)
 
     def _say(self, message: str, batch: int | None) -> None:
         if self.verbose > 0 and _is_chief(self.model):

@@ -74,7 +74,7 @@ class ReduceLROnPlateau(Callback):
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         """Counts the epoch and reduces the rate when patience runs out; logs ``learning_rate``."""
         logs = {} if logs is None else logs
-        optimizer = self.model.optimizer
+        optimizer = self._require_model().optimizer
         logs["learning_rate"] = float(optimizer.learning_rate)
         current = _to_float(logs.get(self.monitor))
         if not isinstance(current, float):

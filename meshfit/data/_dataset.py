@@ -132,13 +132,23 @@ class Dataset:
 
     def __iter__(self) -> DatasetIterator:
         # Like a new tf.data iterator, each one starts the next pass (reshuffled when shuffling).
-        return DatasetIterator(self, pass_index=self._start_pass())
+        return DatasetIterator(self, pass_index=self.start_pass())
 
-    def _start_pass(self) -> int:
+    # ---- the seam for meshfit's other packages (distribution, the training loop) --------------
+    @property
+    def node(self) -> Node:
+        """The pipeline's top `Node` (the random-access protocol; see ``meshfit/data/_node.py``)."""
+        return self._node
+
+    def start_pass(self) -> int:
         """The pass a new iterator (or ``fit``) over this object starts at; later ones get the next."""
         start = self._next_pass
         self._next_pass = start + 1
         return start
+
+    def end_pass(self, pass_index: int) -> None:
+        """Passes up to ``pass_index`` were read (by ``fit``): the next iterator starts after it."""
+        self._next_pass = max(self._next_pass, pass_index + 1)
 
     # ---- the random-access protocol, answered by the top node --------------------------------
     def _length(self) -> int | None:
@@ -152,13 +162,6 @@ class Dataset:
 
     def _prefetch_size(self) -> int:
         return self._node._prefetch_size()
-
-    def _nodes(self) -> list[Node]:
-        return self._node._nodes()
-
-    def _transform_chain(self, fn: Callable[[Node], Node | None]) -> Dataset:
-        """The same pipeline with the first node (from the top) for which ``fn`` returns one replaced."""
-        return Dataset(self._node._transform_chain(fn))
 
     def __repr__(self) -> str:
         return f"<Dataset {type(self._node).__name__} cardinality={self.cardinality()}>"

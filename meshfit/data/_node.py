@@ -62,6 +62,32 @@ class Node:
             node = node._inner
         return nodes
 
+    # ---- the public node API: what meshfit's other packages (distribution, the loop) use --------
+    @property
+    def inner(self) -> Node | None:
+        """The node this one reads from; ``None`` for a source."""
+        return self._inner
+
+    def length(self) -> int | None:
+        """Number of elements per pass; ``None`` when infinite."""
+        return self._length()
+
+    def get(self, index: int, pass_index: int) -> Any:
+        """Element ``index`` of pass ``pass_index``."""
+        return self._get(index, pass_index)
+
+    def prefetch_size(self) -> int:
+        """How many elements ahead a reader should compute (0: none)."""
+        return self._prefetch_size()
+
+    def nodes(self) -> list[Node]:
+        """This node and every node below it, top first."""
+        return self._nodes()
+
+    def transform_chain(self, fn: Callable[[Node], Node | None]) -> Node:
+        """The chain rebuilt with the first node (from the top) for which ``fn`` returns one replaced."""
+        return self._transform_chain(fn)
+
     def options(self) -> Options:
         """The options set on this node or the nearest one below it."""
         for node in self._nodes():

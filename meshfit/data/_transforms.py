@@ -36,6 +36,11 @@ class Shuffle(Node):
         clone._cache = None  # the permutation was drawn for the old input's length
         return clone
 
+    def reseed(self, seed: int) -> None:
+        """Shuffle with ``seed`` from now on (every replica agrees on rank 0's; a resume on the saved one)."""
+        if self.seed != seed:
+            self.seed, self._cache = seed, None
+
     def _permutation(self, pass_index: int) -> np.ndarray:
         it = pass_index if self.reshuffle else 0
         cached = self._cache  # read once: a prefetch thread may replace it concurrently

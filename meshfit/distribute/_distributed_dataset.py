@@ -38,15 +38,15 @@ def agree_on_shuffle_seeds(dataset: Dataset, broadcast: Callable[[Any], Any]) ->
     """Every replica shuffles with rank 0's seeds (``shuffle(seed=None)`` may differ per process)."""
     if not isinstance(dataset, Dataset):
         return  # DistributedDataset's own check names the type
-    shuffles = [node for node in dataset._nodes() if isinstance(node, Shuffle)]
+    shuffles = [node for node in dataset.node.nodes() if isinstance(node, Shuffle)]
     seeds = broadcast([node.seed for node in shuffles])
     for node, seed in zip(shuffles, seeds, strict=True):
         if node.seed != seed:
-            node.seed, node._cache = seed, None
+            node.reseed(seed)
 
 
 def _top_batch(dataset: Dataset) -> Batch | None:
-    for node in dataset._nodes():
+    for node in dataset.node.nodes():
         if isinstance(node, Batch):
             return node
     return None
@@ -90,7 +90,7 @@ class DistributedDataset:
                              f"in sync. Use a multiple of {n}, e.g. batch({batch.batch_size - batch.batch_size % n or n}).")
         per_replica = batch.batch_size // n
         policy = self.policy
-        source = self.dataset._nodes()[-1]
+        source = self.dataset.node.nodes()[-1]
         if policy is AutoShardPolicy.AUTO:
             policy = AutoShardPolicy.FILE if isinstance(source, Files) else AutoShardPolicy.DATA
         if policy is AutoShardPolicy.FILE and not isinstance(source, Files):
@@ -102,26 +102,26 @@ class DistributedDataset:
 
         def rebatch(node: Node) -> Node | None:
             if node is batch:
-                inner = node._inner
+                inner = node.inner
                 if policy is AutoShardPolicy.FILE:
-                    inner = inner._transform_chain(lambda m: m.shard_files(n, r) if m is source else None)
+                    inner = inner.transform_chain(lambda m: m.shard_files(n, r) if m is source else None)
                 return Batch(inner, per_replica, node.drop_remainder)
             return None
 
-        self.view = self.dataset._transform_chain(rebatch)
+        self.view = Dataset(self.dataset.node.transform_chain(rebatch))
 
     # ---- random access -------------------------------------------------------------------
     def length(self) -> int | None:
         """Number of steps (global batches) per pass, ``None`` when infinite."""
-        return self.view._length()
+        return self.view.node.length()
 
     def replica_batch(self, index: int, pass_index: int) -> tuple[Any, int]:
         """This replica's batch ``index`` of pass ``pass_index``, and the global batch's size."""
         if self.num_replicas == 1:
-            element = self.view._get(index, pass_index)
+            element = self.view.node.get(index, pass_index)
             return element, batch_size_of(element)
         if self.policy is not AutoShardPolicy.DATA:
-            element = self.view._get(index, pass_index)
+            element = self.view.node.get(index, pass_index)
             return element, batch_size_of(element) * self.num_replicas
         n, r = self.num_replicas, self.replica_id
         located = self._locate_batch(index)
@@ -131,15 +131,15 @@ class DistributedDataset:
             size = stop - start
             element = batch.get_rows(batch_index, pass_index, r * size // n, (r + 1) * size // n)
             return element, size
-        element = self.view._get(index, pass_index)
+        element = self.view.node.get(index, pass_index)
         size = batch_size_of(element)
         return slice_rows(element, r * size // n, (r + 1) * size // n), size
 
     def _locate_batch(self, index: int) -> tuple[Batch, int] | None:
         """Follow ``index`` down through index-preserving nodes to the top ``Batch``, if possible."""
-        for node in self.view._nodes():
+        for node in self.view.node.nodes():
             if isinstance(node, Batch):
-                length = node._length()
+                length = node.length()
                 if length is not None and index >= length:
                     raise IndexError(index)
                 return node, index
@@ -155,14 +155,19 @@ class DistributedDataset:
         return self.policy is not AutoShardPolicy.OFF or hasattr(self, "context")
 
     def prefetch_size(self) -> int:
-        return self.view._prefetch_size()
+        return self.view.node.prefetch_size()
 
     _next_pass = 0
 
-    def _start_pass(self) -> int:
+    def start_pass(self) -> int:
+        """The pass a new iterator (or ``fit``) over this object starts at; later ones get the next."""
         start = self._next_pass
         self._next_pass = start + 1
         return start
+
+    def end_pass(self, pass_index: int) -> None:
+        """Passes up to ``pass_index`` were read (by ``fit``): the next iterator starts after it."""
+        self._next_pass = max(self._next_pass, pass_index + 1)
 
     # ---- Stateful: a custom loop's checkpoint can track the dataset ------------------------
     def state_dict(self) -> dict[str, int]:
@@ -175,7 +180,7 @@ class DistributedDataset:
 
     def __iter__(self) -> Iterator[Any]:
         """This replica's batches of the next pass (for custom training loops)."""
-        length, index, pass_index = self.length(), 0, self._start_pass()
+        length, index, pass_index = self.length(), 0, self.start_pass()
         while length is None or index < length:
             yield self.replica_batch(index, pass_index)[0]
             index += 1

@@ -52,7 +52,7 @@ def _finite(source: Any) -> bool:
     if callable(length):
         return length() is not None
     if isinstance(source, Dataset):
-        return source._length() is not None
+        return source.node.length() is not None
     try:
         len(source)
     except TypeError:

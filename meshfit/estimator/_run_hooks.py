@@ -49,10 +49,13 @@ class HookCallback(Callback):
     def __init__(self, hooks: list[Any], session: RunState) -> None:
         super().__init__()
         self.hooks, self.session = list(hooks), session
-        # The loop reduces the step's loss over replicas only when a hook may fetch it.
-        self.reads_batch_logs = bool(self.hooks)
         self._context: SessionRunContext | None = None
         self._args: list[Any] = []
+
+    @property
+    def reads_batch_logs(self) -> bool:
+        """The loop reduces the step's loss over replicas only when a hook may fetch it."""
+        return bool(self.hooks)
 
     # ---- session begin / end ---------------------------------------------------------------
     def start(self) -> None:

@@ -141,4 +141,4 @@ class EstimatorCheckpointSaver(CheckpointSaver):
         for listener in self.hook.listeners:
             stop = bool(listener.after_save(self.session, step)) or stop
         if stop:
-            self.loop.trainable.stop_training = True
+            self._require_loop().trainable.stop_training = True

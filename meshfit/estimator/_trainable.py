@@ -126,6 +126,7 @@ class EstimatorModel:
     def __init__(self, caller: ModelFnCaller, mode: str, strategy: Any) -> None:
         self.caller, self.mode, self.strategy = caller, mode, strategy
         self.stop_training = False
+        self.steps_per_execution = 1  # the loop runs one step between two hook calls
         self.loss_metric = _Accumulator("loss", last_only=mode == ModeKeys.TRAIN)
         self.eval_metrics: dict[str, _Accumulator] = {}
         self.spec_hooks: list[Any] = []
