@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-quick lint bench bytecode tf-venv clean gpu-check
+.PHONY: demo test test-quick lint typecheck bench bytecode tf-venv clean gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,7 +26,11 @@ demo: bytecode
 lint: $(STAMP)
 	$(BIN)/ruff check meshfit tests bench examples
 
-test: lint bytecode
+# Configured in pyproject.toml ([tool.mypy]): the whole package, the protocols and their users strict.
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: lint typecheck bytecode
 	$(BIN)/python -m pytest -q --durations=25 tests
 
 test-quick: lint bytecode

@@ -5,14 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 
-def describe(obj: Any, classes: dict[str, type]) -> dict[str, Any] | None:
+def describe(obj: Any, classes: dict[str, Any]) -> dict[str, Any] | None:
     """``obj`` as a JSON-able dict, or ``None`` when it is not one of the built-in ``classes``."""
     if classes.get(type(obj).__name__) is not type(obj):
         return None
-    return {"class_name": type(obj).__name__, "config": obj.get_config()}
+    config: dict[str, Any] = obj.get_config()
+    return {"class_name": type(obj).__name__, "config": config}
 
 
-def rebuild(config: Any, classes: dict[str, type], custom_objects: dict[str, type] | None = None) -> Any:
+def rebuild(config: Any, classes: dict[str, Any], custom_objects: dict[str, Any] | None = None) -> Any:
     """The object ``describe`` described; ``custom_objects`` adds classes by name."""
     known = {**classes, **(custom_objects or {})}
     if not isinstance(config, dict) or "class_name" not in config:

@@ -156,7 +156,7 @@ class DataHandler:
         self._prefetch_from: tuple[int, int] | None = None
 
     # ---- input adaptation ----------------------------------------------------------------
-    def _adapt(self, x: Any, y: Any, sample_weight: Any, batch_size: int | None, shuffle: bool) -> DataSource:
+    def _adapt(self, x: Any, y: Any, sample_weight: Any, batch_size: int | None, shuffle: bool | str) -> DataSource:
         if isinstance(x, DistributedDataset):
             self._reject_extra(x, y, sample_weight, batch_size)
             return x

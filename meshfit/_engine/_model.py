@@ -281,7 +281,7 @@ class Model(WeightsMixin):
         non_negative_int("epochs", epochs)
         non_negative_int("initial_epoch", initial_epoch)
         shuffle = check_shuffle(shuffle)
-        validation_freq = check_validation_freq(validation_freq)
+        epochs_to_validate = check_validation_freq(validation_freq)
         class_weights = check_class_weight(class_weight, sample_weight)
         requested_verbose, verbose = verbose, resolve_verbose(verbose, self.strategy.is_chief)
         announce_quiet_worker(self.strategy, requested_verbose)
@@ -291,7 +291,7 @@ class Model(WeightsMixin):
         validation = validation_parts(validation_data)
 
         def validate(epoch: int) -> dict[str, float]:
-            if validation is None or not validates_after(epoch, validation_freq):
+            if validation is None or not validates_after(epoch, epochs_to_validate):
                 return {}
             val_x, val_y, val_w = validation
             # fit's callbacks get the test hooks, as Keras passes them to its internal evaluate.

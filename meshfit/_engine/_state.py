@@ -37,7 +37,9 @@ class RandomState:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
 
     def state_dict(self) -> dict[str, Any]:
-        np_state = np.random.get_state()
+        np_state = np.random.get_state(legacy=True)
+        if isinstance(np_state, dict):  # only when numpy's global generator is not MT19937
+            raise TypeError(f"numpy's global random generator is {np_state.get('bit_generator')}, expected MT19937.")
         py_version, py_internal, py_gauss = random.getstate()
         state = {
             "torch": torch.get_rng_state(),

@@ -33,7 +33,7 @@ __all__ = [
 
 
 def _is_lazy(tensor: torch.Tensor) -> bool:
-    return isinstance(tensor, nn.parameter.UninitializedTensorMixin)
+    return nn.parameter.is_lazy(tensor)
 
 
 def trainable_weights(module: nn.Module) -> list[nn.Parameter]:

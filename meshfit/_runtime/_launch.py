@@ -18,6 +18,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 from meshfit._runtime._exit_codes import PEER_FAILURE_EXIT_CODE, PREEMPTED_EXIT_CODE
 from meshfit._runtime._supervisor import TERMINATE_TIMEOUT_S, Child, ChildGroup, Output, free_ports
@@ -63,7 +66,7 @@ class _Signals:
     def __init__(self) -> None:
         self.received: int | None = None
         self.group: ChildGroup | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, signal.Handlers | int | Callable[[int, FrameType | None], Any] | None] = {}
 
     def _handle(self, signum: int, frame: object) -> None:
         again = self.received is not None

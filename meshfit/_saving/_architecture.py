@@ -188,9 +188,9 @@ def _describe(module: nn.Module) -> dict[str, Any]:
 
 def _signature(module: nn.Module) -> dict[str, tuple[Any, ...]]:
     """State-dict keys with (shape, dtype), or a marker for uninitialized lazy tensors."""
-    out = {}
+    out: dict[str, tuple[Any, ...]] = {}
     for key, tensor in module.state_dict(keep_vars=True).items():
-        if isinstance(tensor, nn.parameter.UninitializedTensorMixin):
+        if nn.parameter.is_lazy(tensor):
             out[key] = ("uninitialized",)
         else:
             out[key] = (tuple(tensor.shape), tensor.dtype)

@@ -20,7 +20,7 @@ def tensor_crc32(tensor: torch.Tensor) -> str:
     data = tensor.detach().reshape(-1).contiguous()
     if data.numel() == 0:
         return f"{0:08x}"
-    return f"{crc32c.crc32c(memoryview(data.view(torch.uint8).numpy())):08x}"
+    return f"{crc32c.crc32c(data.view(torch.uint8).numpy().data):08x}"
 
 
 def file_crc32(path: str | os.PathLike) -> str:

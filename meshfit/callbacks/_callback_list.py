@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from meshfit._protocols import Stateful
 from meshfit.callbacks._callback import Callback
 from meshfit.callbacks._history import History
 from meshfit.callbacks._progbar_logger import ProgbarLogger
@@ -148,10 +149,95 @@ class CallbackList:
     def __len__(self) -> int:
         return len(self.callbacks)
 
-    def _stateful(self) -> dict[str, Callback]:
+    # ---- the Keras hooks, each called on every callback in order ----------------------------
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        """Calls `on_train_begin` on every callback."""
+        logs = {} if logs is None else logs
+        for callback in self.callbacks:
+            callback.on_train_begin(logs)
+
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        """Calls `on_train_end` on every callback."""
+        logs = {} if logs is None else logs
+        for callback in self.callbacks:
+            callback.on_train_end(logs)
+
+    def on_test_begin(self, logs: dict[str, Any] | None = None) -> None:
+        """Calls `on_test_begin` on every callback."""
+        logs = {} if logs is None else logs
+        for callback in self.callbacks:
+            callback.on_test_begin(logs)
+
+    def on_test_end(self, logs: dict[str, Any] | None = None) -> None:
+        """Calls `on_test_end` on every callback."""
+        logs = {} if logs is None else logs
+        for callback in self.callbacks:
+            callback.on_test_end(logs)
+
+    def on_predict_begin(self, logs: dict[str, Any] | None = None) -> None:
+        """Calls `on_predict_begin` on every callback."""
+        logs = {} if logs is None else logs
+        for callback in self.callbacks:
+            callback.on_predict_begin(logs)
+
+    def on_predict_end(self, logs: dict[str, Any] | None = None) -> None:
+        """Calls `on_predict_end` on every callback."""
+        logs = {} if logs is None else logs
+        for callback in self.callbacks:
+            callback.on_predict_end(logs)
+
+    def on_epoch_begin(self, index: int, logs: dict[str, Any] | None = None) -> None:
+        """Calls `on_epoch_begin` on every callback."""
+        logs = {} if logs is None else logs
+        for callback in self.callbacks:
+            callback.on_epoch_begin(index, logs)
+
+    def on_epoch_end(self, index: int, logs: dict[str, Any] | None = None) -> None:
+        """Calls `on_epoch_end` on every callback."""
+        logs = {} if logs is None else logs
+        for callback in self.callbacks:
+            callback.on_epoch_end(index, logs)
+
+    def on_train_batch_begin(self, index: int, logs: dict[str, Any] | None = None) -> None:
+        """Calls `on_train_batch_begin` on every callback."""
+        logs = {} if logs is None else logs
+        for callback in self.callbacks:
+            callback.on_train_batch_begin(index, logs)
+
+    def on_train_batch_end(self, index: int, logs: dict[str, Any] | None = None) -> None:
+        """Calls `on_train_batch_end` on every callback."""
+        logs = {} if logs is None else logs
+        for callback in self.callbacks:
+            callback.on_train_batch_end(index, logs)
+
+    def on_test_batch_begin(self, index: int, logs: dict[str, Any] | None = None) -> None:
+        """Calls `on_test_batch_begin` on every callback."""
+        logs = {} if logs is None else logs
+        for callback in self.callbacks:
+            callback.on_test_batch_begin(index, logs)
+
+    def on_test_batch_end(self, index: int, logs: dict[str, Any] | None = None) -> None:
+        """Calls `on_test_batch_end` on every callback."""
+        logs = {} if logs is None else logs
+        for callback in self.callbacks:
+            callback.on_test_batch_end(index, logs)
+
+    def on_predict_batch_begin(self, index: int, logs: dict[str, Any] | None = None) -> None:
+        """Calls `on_predict_batch_begin` on every callback."""
+        logs = {} if logs is None else logs
+        for callback in self.callbacks:
+            callback.on_predict_batch_begin(index, logs)
+
+    def on_predict_batch_end(self, index: int, logs: dict[str, Any] | None = None) -> None:
+        """Calls `on_predict_batch_end` on every callback."""
+        logs = {} if logs is None else logs
+        for callback in self.callbacks:
+            callback.on_predict_batch_end(index, logs)
+
+    def _stateful(self) -> dict[str, Stateful]:
         # Indexed among stateful callbacks only, so adding a stateless one (a ProgbarLogger
         # when verbose changes between runs) does not break a restore.
-        stateful = [c for c in self.callbacks if callable(getattr(c, "state_dict", None))]
+        stateful = [c for c in self.callbacks if isinstance(c, Stateful)]
         return {f"{index}:{type(c).__name__}": c for index, c in enumerate(stateful)}
 
     def state_dict(self) -> dict[str, Any]:
@@ -178,30 +264,3 @@ class CallbackList:
             )
         for key, callback in stateful.items():
             callback.load_state_dict(state[key])
-
-
-def _make_hook(name: str, with_index: bool):
-    if with_index:
-
-        def hook(self: CallbackList, index: int, logs: dict | None = None) -> None:
-            logs = {} if logs is None else logs
-            for callback in self.callbacks:
-                getattr(callback, name)(index, logs)
-
-    else:
-
-        def hook(self: CallbackList, logs: dict | None = None) -> None:
-            logs = {} if logs is None else logs
-            for callback in self.callbacks:
-                getattr(callback, name)(logs)
-
-    hook.__name__ = name
-    hook.__doc__ = f"Calls `{name}` on every callback."
-    return hook
-
-
-for _name in _HOOKS_WITHOUT_INDEX:
-    setattr(CallbackList, _name, _make_hook(_name, with_index=False))
-for _name in _HOOKS_WITH_INDEX:
-    setattr(CallbackList, _name, _make_hook(_name, with_index=True))
-del _name

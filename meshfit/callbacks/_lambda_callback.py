@@ -54,16 +54,17 @@ class LambdaCallback(Callback):
 
 
 def _make_hook(name: str, with_index: bool) -> Callable[..., None]:
-    if with_index:
-        def hook(self: LambdaCallback, index: int, logs: dict | None = None) -> None:
-            function = self._functions.get(name)
-            if function is not None:
-                function(index, logs)
-    else:
-        def hook(self: LambdaCallback, logs: dict | None = None) -> None:
-            function = self._functions.get(name)
-            if function is not None:
-                function(logs)
+    def index_hook(self: LambdaCallback, index: int, logs: dict | None = None) -> None:
+        function = self._functions.get(name)
+        if function is not None:
+            function(index, logs)
+
+    def plain_hook(self: LambdaCallback, logs: dict | None = None) -> None:
+        function = self._functions.get(name)
+        if function is not None:
+            function(logs)
+
+    hook: Callable[..., None] = index_hook if with_index else plain_hook
     hook.__name__ = name
     hook.__doc__ = f"Calls the function given as ``{name}``, if any."
     return hook

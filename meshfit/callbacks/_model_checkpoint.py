@@ -100,7 +100,7 @@ class ModelCheckpoint(Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         """Saves every ``save_freq`` batches when ``save_freq`` is an int."""
-        if self.save_freq == "epoch":
+        if not isinstance(self.save_freq, int):  # "epoch"
             return
         if batch <= self._last_batch_seen:  # a new epoch began
             self._batches_since_save += batch + 1

@@ -100,7 +100,7 @@ class TensorBoard(Callback):
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         """Writes ``batch_<metric>`` scalars every ``update_freq`` batches."""
         self._global_train_batch += 1
-        if not self._writing or self.update_freq == "epoch":
+        if not self._writing or not isinstance(self.update_freq, int):  # "epoch"
             return
         if self._global_train_batch % self.update_freq:
             return

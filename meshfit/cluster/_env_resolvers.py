@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import Literal, overload
 
 from meshfit.cluster._base import ClusterInfo, ClusterResolver, format_endpoint
 from meshfit.cluster._hostlist import expand_hostlist
 
 DEFAULT_MASTER_PORT = 29500
+
+
+@overload
+def _env_int(environ: Mapping[str, str], name: str, source: str, *, minimum: int,
+             maximum: int | None = None, required: Literal[True] = True, hint: str = "") -> int: ...
+
+
+@overload
+def _env_int(environ: Mapping[str, str], name: str, source: str, *, minimum: int,
+             maximum: int | None = None, required: bool, hint: str = "") -> int | None: ...
 
 
 def _env_int(environ: Mapping[str, str], name: str, source: str, *, minimum: int,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -16,6 +16,7 @@ from meshfit.data._options import Options
 from meshfit.data._structure import stack
 
 AUTOTUNE = -1
+_N = TypeVar("_N", bound="Node")
 
 
 class Node:
@@ -39,7 +40,7 @@ class Node:
     def _prefetch_size(self) -> int:
         return 0 if self._inner is None else self._inner._prefetch_size()
 
-    def _replace_inner(self, inner: Node) -> Node:
+    def _replace_inner(self: _N, inner: Node) -> _N:
         clone = copy.copy(self)
         clone._inner = inner
         return clone
@@ -99,3 +100,9 @@ class Node:
         clone = copy.copy(self)
         clone._options = options
         return clone
+
+
+class Transform(Node):
+    """A node that reads from another one (every node but a source)."""
+
+    _inner: Node

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from meshfit.data._node import AUTOTUNE, Node
+from meshfit.data._node import AUTOTUNE, Node, Transform
 from meshfit.data._structure import stack
 
 
@@ -18,7 +18,7 @@ def _check_positive_int(name: str, value: Any, allow: tuple = ()) -> None:
         raise ValueError(f"Invalid `{name}`: expected a positive int, received {name}={value!r}.")
 
 
-class Shuffle(Node):
+class Shuffle(Transform):
     """Emulates ``tf.data``'s buffer shuffle with a generator seeded by (seed, pass_index)."""
 
     def __init__(self, inner: Node, buffer_size: int, seed: int | None, reshuffle: bool) -> None:
@@ -31,7 +31,7 @@ class Shuffle(Node):
     def _length(self) -> int | None:
         return self._inner._length()
 
-    def _replace_inner(self, inner: Node) -> Node:
+    def _replace_inner(self, inner: Node) -> Shuffle:
         clone = super()._replace_inner(inner)
         clone._cache = None  # the permutation was drawn for the old input's length
         return clone
@@ -46,6 +46,8 @@ class Shuffle(Node):
         cached = self._cache  # read once: a prefetch thread may replace it concurrently
         if cached is None or cached[0] != it:
             n = self._length()
+            if n is None:  # _source_index shuffles infinite input by windows instead
+                raise ValueError("A shuffle permutation needs finite input.")
             rng = np.random.default_rng([self.seed, it])
             cached = (it, _buffer_permutation(n, self.buffer_size, rng))
             self._cache = cached
@@ -101,7 +103,7 @@ def _buffer_permutation(n: int, buffer_size: int, rng: np.random.Generator) -> n
     return out
 
 
-class Repeat(Node):
+class Repeat(Transform):
     def __init__(self, inner: Node, count: int | None) -> None:
         if count is not None and count != -1:
             _check_positive_int("count", count)
@@ -140,7 +142,7 @@ class Repeat(Node):
         return stack([self._inner._get(int(i), int(t)) for i, t in zip(indices % n, passes, strict=True)])
 
 
-class Batch(Node):
+class Batch(Transform):
     def __init__(self, inner: Node, batch_size: int, drop_remainder: bool) -> None:
         _check_positive_int("batch_size", batch_size)
         self._inner, self.batch_size, self.drop_remainder = inner, int(batch_size), bool(drop_remainder)
@@ -172,7 +174,7 @@ class Batch(Node):
         return self._inner._gather(np.arange(lo, hi, dtype=np.int64), pass_index)
 
 
-class Map(Node):
+class Map(Transform):
     def __init__(self, inner: Node, fn: Callable[..., Any]) -> None:
         if not callable(fn):
             raise TypeError(f"Invalid `map_func`: expected a callable, received {fn!r}.")
@@ -186,11 +188,12 @@ class Map(Node):
         return self.fn(*element) if isinstance(element, tuple) else self.fn(element)
 
 
-class Cache(Node):
+class Cache(Transform):
     def __init__(self, inner: Node) -> None:
-        self._inner, self._store = inner, {}
+        self._inner = inner
+        self._store: dict[int, Any] = {}
 
-    def _replace_inner(self, inner: Node) -> Node:
+    def _replace_inner(self, inner: Node) -> Cache:
         clone = super()._replace_inner(inner)
         clone._store = {}  # the cached elements are the old input's, not the new one's
         return clone
@@ -204,7 +207,7 @@ class Cache(Node):
         return self._store[index]
 
 
-class Prefetch(Node):
+class Prefetch(Transform):
     def __init__(self, inner: Node, buffer_size: int) -> None:
         _check_positive_int("buffer_size", buffer_size, allow=(AUTOTUNE,))
         self._inner, self.buffer_size = inner, 2 if buffer_size == AUTOTUNE else int(buffer_size)
@@ -222,7 +225,7 @@ class Prefetch(Node):
         return max(self.buffer_size, self._inner._prefetch_size())
 
 
-class Shard(Node):
+class Shard(Transform):
     def __init__(self, inner: Node, num_shards: int, index: int) -> None:
         _check_positive_int("num_shards", num_shards)
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < num_shards:
@@ -241,7 +244,7 @@ class Shard(Node):
         return self._inner._gather(self.index + indices * self.num_shards, pass_index)
 
 
-class Take(Node):
+class Take(Transform):
     def __init__(self, inner: Node, count: int) -> None:
         if isinstance(count, bool) or not isinstance(count, int) or count < -1:
             raise ValueError(f"Invalid `count`: expected an int >= -1, received count={count!r}.")
@@ -260,7 +263,7 @@ class Take(Node):
         return self._inner._gather(indices, pass_index)
 
 
-class Skip(Node):
+class Skip(Transform):
     def __init__(self, inner: Node, count: int) -> None:
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"Invalid `count`: expected an int >= 0, received count={count!r}.")

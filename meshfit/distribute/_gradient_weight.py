@@ -36,7 +36,8 @@ def weighted_allreduce_hook(state: GradientWeight, bucket: dist.GradBucket) -> t
     if state.factor != 1.0:
         buffer.mul_(state.factor)
     if state.compression is None:
-        return allreduce_hook(state.process_group, bucket)
+        # torch's stub asks a ProcessGroup; the hook itself takes None as the default group (as DDP passes).
+        return allreduce_hook(state.process_group, bucket)  # type: ignore[arg-type]
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     compressed = buffer.to(torch.bfloat16).div_(dist.get_world_size(group))
     reduced = dist.all_reduce(compressed, group=group, async_op=True).get_future()

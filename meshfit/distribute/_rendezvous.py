@@ -43,7 +43,7 @@ class ClusterMismatchError(ValueError):
 def resolve(host: str, what: str) -> str:
     """The IP address of ``host``; a clear error naming ``what`` when it does not resolve."""
     try:
-        return socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)[0][4][0]
+        return str(socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)[0][4][0])
     except (socket.gaierror, UnicodeError) as error:
         raise ValueError(f"{what} names host {host!r}, which does not resolve on this machine ({error}). "
                          "Use an IP address or a host name that resolves here.") from None
@@ -179,6 +179,7 @@ def form_rendezvous(rank: int, world_size: int, master: tuple[str, int], own_hos
         use_interface_of(own_ip, master_ip)
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     hosting = rank == 0 and not agent
+    store: dist.Store
     if hosting:
         try:
             store = host_store(master_ip, port, world_size, timeout)

@@ -182,7 +182,9 @@ class LoggingTensorHook(SessionRunHook):
         self.tensors = dict(tensors) if isinstance(tensors, Mapping) else {name: name for name in tensors}
         self.every_n_iter, self.every_n_secs, self.at_end = every_n_iter, every_n_secs, at_end
         self.formatter = formatter
-        self._iteration, self._last_time, self._last_values = 0, None, None
+        self._iteration = 0
+        self._last_time: float | None = None
+        self._last_values: dict[str, Any] | None = None
         self.chief_only = True
 
     def begin(self) -> None:
@@ -236,6 +238,8 @@ class StepCounterHook(SessionRunHook):
         return SessionRunArgs("global_step")
 
     def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
+        if self._since is None:  # begin() sets it
+            raise RuntimeError("StepCounterHook.after_run ran before after_create_session.")
         step, (start_step, start_time) = run_values.results, self._since
         if step - start_step >= self.every_n_steps:
             now = time.monotonic()

@@ -64,6 +64,17 @@ class EstimatorSpec:
 
     __slots__ = ("mode", "predictions", "loss", "train_op", "eval_metric_ops", "export_outputs",
                  "training_chief_hooks", "training_hooks", "scaffold", "evaluation_hooks", "prediction_hooks")
+    mode: str
+    predictions: Any
+    loss: Any
+    train_op: Any
+    eval_metric_ops: dict[str, Any]
+    export_outputs: Any
+    training_chief_hooks: tuple[Any, ...]
+    training_hooks: tuple[Any, ...]
+    scaffold: Any
+    evaluation_hooks: tuple[Any, ...]
+    prediction_hooks: tuple[Any, ...]
 
     def __init__(self, mode: str | None = None, predictions: Any = None, loss: Any = None, train_op: Any = None,
                  eval_metric_ops: Mapping[str, Any] | None = None, export_outputs: Any = None,

@@ -41,7 +41,8 @@ class TorchModuleLoss(Loss):
                 f"Invalid `sample_weight`: {type(self.module).__name__} has no `reduction` to turn off, "
                 f"so it cannot weight samples; received sample_weight of type {type(sample_weight).__name__}."
             )
-        saved, self.module.reduction = self.module.reduction, "none"
+        # torch types a Module's attributes as Tensor | Module; a loss's ``reduction`` is a str.
+        saved, self.module.reduction = self.module.reduction, "none"  # type: ignore[assignment]
         try:
             values = self.module(y_pred, y_true)
         finally:
