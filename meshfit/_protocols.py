@@ -32,6 +32,7 @@ class FailureStateLike(Protocol):
 
     step: int | None
     backup_dir: str | None
+    terminating: bool  # SIGTERM received: a broken collective ends the worker at once
 
 
 class InputContextLike(Protocol):

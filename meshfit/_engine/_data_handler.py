@@ -230,6 +230,8 @@ class DataHandler:
         return self.pass_index, self.index
 
     def _produce(self, offset: int) -> tuple[Any, int]:
+        if self._prefetch_from is None:  # next_batch sets it before it starts the prefetcher
+            raise RuntimeError("DataHandler: prefetching started without a position.")
         pass_index, index = self._prefetch_from
         if self._length is not None:
             pass_index, index = pass_index + (index + offset) // self._length, (index + offset) % self._length

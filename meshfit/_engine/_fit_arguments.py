@@ -68,8 +68,9 @@ def split_validation(x: Any, y: Any, sample_weight: Any, validation_split: Any,
                          f"{split_at} to train on and {count - split_at} to validate on; both must be > 0.")
 
     def part(start: int, stop: int | None) -> tuple[Any, Any, Any]:
-        return tuple(None if value is None else map_structure(lambda leaf: leaf[start:stop], value)
-                     for value in (x, y, sample_weight))
+        def cut(value: Any) -> Any:
+            return None if value is None else map_structure(lambda leaf: leaf[start:stop], value)
+        return cut(x), cut(y), cut(sample_weight)
 
     return part(0, split_at), part(split_at, None)
 

@@ -30,7 +30,7 @@ def _metrics_from_config(entries: list[Any], path: str) -> list[Any]:
         if isinstance(entry, str):
             out.append(entry)
         elif isinstance(entry, dict) and isinstance(entry.get("config"), dict):
-            cls = METRIC_CLASSES.get(entry.get("class_name"))
+            cls = METRIC_CLASSES.get(str(entry.get("class_name")))
             if cls is None:
                 raise ValueError(f"unknown metric class_name={entry.get('class_name')!r}; expected one of "
                                  f"{sorted(METRIC_CLASSES)}")
@@ -92,7 +92,8 @@ def load_model(filepath: str | os.PathLike, module: nn.Module | None = None, com
             optimizer_file = os.path.join(path, "optimizer.safetensors")
             tensors = load_state_dict_file(optimizer_file)
             try:
-                model.optimizer.load_state_dict(unflatten_optimizer_state(tensors, config["optimizer_state"]))
+                # compile() keeps this very optimizer (a meshfit Optimizer is not wrapped)
+                optimizer.load_state_dict(unflatten_optimizer_state(tensors, config["optimizer_state"]))
             except (KeyError, TypeError, ValueError) as error:
                 raise ValueError(f"Cannot restore the optimizer state from {optimizer_file!r} and "
                                  f"{config_path!r}: {error}") from error

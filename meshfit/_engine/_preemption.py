@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 from typing import Any
 
-from meshfit.distribute import FailureState
+from meshfit._protocols import FailureStateLike
 
 
 class PreemptionWatch:
@@ -17,7 +17,7 @@ class PreemptionWatch:
             breaks, rather than waiting for the heartbeat to name a peer.
     """
 
-    def __init__(self, enabled: bool, failure: FailureState) -> None:
+    def __init__(self, enabled: bool, failure: FailureStateLike) -> None:
         self.requested = False
         self._failure = failure
         self._previous: Any = None

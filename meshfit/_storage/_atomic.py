@@ -150,7 +150,8 @@ def recover(path: str | os.PathLike) -> bool:
     path = os.path.abspath(os.fspath(path))
     if os.path.lexists(path):
         return False
-    moved = [p for p in _siblings(path)["old"] if _SCRATCH.match(os.path.basename(p))["pid"]]  # never a user's x.old
+    moved = [p for p in _siblings(path)["old"]  # only pid-marked ones: never a user's x.old
+             if (match := _SCRATCH.match(os.path.basename(p))) is not None and match["pid"]]
     if not moved:
         return False
     deadline = time.monotonic() + _SWAP_GRACE_SECONDS

@@ -45,7 +45,8 @@ class BackupAndRestore(CheckpointSaver):
                              f"backup_dir={backup_dir!r}. Name a folder for this job's backups.")  # Keras: ValueError
         path_like("backup_dir", backup_dir)
         self.save_freq = epoch_or_positive_int("save_freq", save_freq)
-        policy = (SavePolicy(every_epoch=True) if save_freq == "epoch" else SavePolicy(every_steps=save_freq))
+        policy = (SavePolicy(every_steps=self.save_freq) if isinstance(self.save_freq, int)
+                  else SavePolicy(every_epoch=True))
         super().__init__(backup_dir, policy=policy, max_to_keep=2, checkpoint_name="ckpt",
                          async_save=async_save, delete_on_end=delete_checkpoint)
         self.backup_dir = self.directory

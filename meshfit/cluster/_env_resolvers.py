@@ -168,7 +168,13 @@ class SimpleClusterResolver(ClusterResolver):
         if task_type == "chief" and rank != 0:
             raise ValueError(f"Invalid `rank`: a 'chief' task is rank 0, received rank={rank!r}. "
                              "Pass rank=0 or task_type='worker'.")
-        info = ClusterInfo(task_type=task_type, task_id=rank if task_type == "worker" else 0, rank=rank,
+        task_id = 0
+        if task_type == "worker":
+            if rank is None:
+                raise ValueError("Invalid `rank`: a 'worker' task has a rank in 0..world_size-1, received "
+                                 "rank=None. Pass its rank, or task_type='evaluator'.")
+            task_id = rank
+        info = ClusterInfo(task_type=task_type, task_id=task_id, rank=rank,
                            world_size=world_size, num_workers=world_size,
                            is_chief=rank == 0, master_addr=master_addr, master_port=master_port,
                            local_rank=local_rank)

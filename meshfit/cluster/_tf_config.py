@@ -27,10 +27,11 @@ def _load(tf_config: str | Mapping[str, Any] | None) -> Mapping[str, Any]:
             raise ValueError(f"TF_CONFIG is not set. Set it to a JSON object such as {_EXAMPLE}, "
                              "or pass tf_config= to TFConfigClusterResolver.")
     if isinstance(tf_config, str):
+        text = tf_config
         try:
-            tf_config = json.loads(tf_config)
+            tf_config = json.loads(text)
         except json.JSONDecodeError as e:
-            raise _fail(f"not valid JSON ({e}); received {tf_config[:200]!r}. "
+            raise _fail(f"not valid JSON ({e}); received {text[:200]!r}. "
                         f"Set TF_CONFIG to a JSON object such as {_EXAMPLE}.") from None
     elif not isinstance(tf_config, Mapping):
         raise TypeError(f"Invalid `tf_config`: expected a JSON string, a dict or None, "
@@ -152,4 +153,4 @@ class TFConfigClusterResolver(ClusterResolver):
             num_workers=len(jobs.get("worker", [])), is_chief=rank == 0,
             master_addr=master_addr, master_port=master_port, local_rank=local_rank,
         )
-        super().__init__(info, dict(jobs))
+        super().__init__(info, {job: list(addresses) for job, addresses in jobs.items()})

@@ -106,3 +106,7 @@ class Transform(Node):
     """A node that reads from another one (every node but a source)."""
 
     _inner: Node
+
+    @property
+    def inner(self) -> Node:
+        return self._inner

@@ -278,7 +278,7 @@ class CollectiveStrategy(Strategy):
             return Placement(module, source, ReplicatedSync())
         device_ids = [self._device.index] if self._device.type == "cuda" else None
         options = self.communication_options
-        pack = {"bucket_cap_mb": options.bytes_per_pack / 2**20} if options.bytes_per_pack else {}
+        pack: dict[str, Any] = {"bucket_cap_mb": options.bytes_per_pack / 2**20} if options.bytes_per_pack else {}
         wrapped = DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True, **pack)
         wrapped.register_comm_hook(self._gradient_weight, weighted_allreduce_hook)
         sync = DataParallelSync(self._gradient_weight, self._world)

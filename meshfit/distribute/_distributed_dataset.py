@@ -55,6 +55,8 @@ def _top_batch(dataset: Dataset) -> Batch | None:
 class DistributedDataset:
     """This replica's view of a dataset batched with the global batch size."""
 
+    context: InputContext | None = None  # set for a dataset that ``dataset_fn(context)`` built
+
     def __init__(self, dataset: Dataset, context: InputContext, options: Options | None = None) -> None:
         if isinstance(dataset, DistributedDataset):
             raise TypeError("The dataset is already distributed; pass the plain meshfit.data.Dataset.")
@@ -102,10 +104,11 @@ class DistributedDataset:
 
         def rebatch(node: Node) -> Node | None:
             if node is batch:
-                inner = node.inner
-                if policy is AutoShardPolicy.FILE:
-                    inner = inner.transform_chain(lambda m: m.shard_files(n, r) if m is source else None)
-                return Batch(inner, per_replica, node.drop_remainder)
+                inner = batch.inner
+                if policy is AutoShardPolicy.FILE and isinstance(source, Files):  # (FILE needs Files: above)
+                    files = source
+                    inner = inner.transform_chain(lambda m: files.shard_files(n, r) if m is files else None)
+                return Batch(inner, per_replica, batch.drop_remainder)
             return None
 
         self.view = Dataset(self.dataset.node.transform_chain(rebatch))
@@ -152,7 +155,7 @@ class DistributedDataset:
     @property
     def replicas_read_different_rows(self) -> bool:
         """False when every replica reads the same examples (``OFF``)."""
-        return self.policy is not AutoShardPolicy.OFF or hasattr(self, "context")
+        return self.policy is not AutoShardPolicy.OFF or self.context is not None
 
     def prefetch_size(self) -> int:
         return self.view.node.prefetch_size()

@@ -47,6 +47,8 @@ _OWNER = WeakIdKeyDictionary()
 _CREATED: list[list[weakref.ref]] = []
 _HOOKS: list[Any] = []
 _BATCH_AXIS = "batch"
+# Set on a tensor once its value was broadcast from rank 0 (created in a scope: replicas start equal).
+_BROADCAST = "_meshfit_broadcast"
 
 
 def _record(tensor: torch.Tensor | None, strategy: Any) -> None:
@@ -107,7 +109,7 @@ def broadcast_initial_values(tensors: Iterable[torch.Tensor], strategy: Any) -> 
     """Give every replica rank 0's values of ``tensors`` (lazy and already broadcast ones skipped)."""
     if strategy.num_replicas_in_sync <= 1:
         return
-    pending = [t for t in tensors if not is_lazy(t) and not getattr(t, "_meshfit_broadcast", False)
+    pending = [t for t in tensors if not is_lazy(t) and not getattr(t, _BROADCAST, False)
                and not _is_dtensor(t)]
     if not pending:
         return
@@ -124,7 +126,7 @@ def broadcast_initial_values(tensors: Iterable[torch.Tensor], strategy: Any) -> 
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
     for t in pending:
-        t._meshfit_broadcast = True
+        setattr(t, _BROADCAST, True)
 
 
 def synchronize_gradients(params: Iterable[torch.Tensor]) -> None:
@@ -154,7 +156,7 @@ def synchronize_gradients(params: Iterable[torch.Tensor]) -> None:
         if strategy.num_replicas_in_sync > 1:
             by_strategy.setdefault(id(strategy), (strategy, []))[1].append(p)
     for strategy, group in by_strategy.values():
-        for same_dtype in _by_dtype([p.grad for p in group]):
+        for same_dtype in _by_dtype([g for p in group if (g := p.grad) is not None]):
             flat = torch.cat([g.reshape(-1) for g in same_dtype])
             strategy.all_reduce_sum(flat)
             offset = 0

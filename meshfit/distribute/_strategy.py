@@ -220,8 +220,7 @@ class Strategy:
         return InputContext(num_input_pipelines=self.num_replicas_in_sync, input_pipeline_id=self.replica_id,
                             num_replicas_in_sync=self.num_replicas_in_sync)
 
-    @contextlib.contextmanager
-    def batch_weight(self, local_size: int, global_size: int) -> Iterator[None]:
+    def batch_weight(self, local_size: int, global_size: int) -> contextlib.AbstractContextManager[None]:
         """Within this context, backward weights this replica's gradient by its share of the batch.
 
         Replicas average their gradients, which is the gradient of the global batch's mean loss
@@ -229,7 +228,7 @@ class Strategy:
         contribution is scaled by ``local_size * replicas / global_size`` — in the gradient
         all-reduce itself, so it holds for a user's own ``train_step`` too. One replica: nothing to do.
         """
-        yield
+        return contextlib.nullcontext()
 
     def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
         """Split a dataset batched with the global batch size into this replica's batches."""
@@ -309,4 +308,5 @@ def _reduce_op(op: ReduceOp | str) -> ReduceOp:
 
 def compiled(module: torch.nn.Module, jit_compile: bool) -> torch.nn.Module:
     """``module`` compiled with ``torch.compile`` when asked (it shares the module's parameters)."""
-    return torch.compile(module) if jit_compile else module
+    # For a Module, torch.compile returns an OptimizedModule (a Module); its stub says a Callable.
+    return torch.compile(module) if jit_compile else module  # type: ignore[return-value]

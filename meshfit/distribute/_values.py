@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any
 
 from meshfit._validation import finite_float, non_negative_int, one_of
 
@@ -144,7 +145,8 @@ def regroup(result: object) -> object:
     if isinstance(result, dict):
         return type(result)((k, regroup(v)) for k, v in result.items())
     if isinstance(result, tuple) and hasattr(result, "_fields"):  # namedtuple
-        return type(result)(*(regroup(v) for v in result))
+        namedtuple_class: Any = type(result)  # its fields are its constructor's arguments
+        return namedtuple_class(*(regroup(v) for v in result))
     if isinstance(result, (tuple, list)):
         return type(result)(regroup(v) for v in result)
     return PerReplica((result,))

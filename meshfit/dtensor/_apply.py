@@ -8,7 +8,7 @@ torch layout when none is attached), so it stays a real ``DTensor`` / ``nn.Param
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ from meshfit.dtensor._layout_map import LayoutMap
 from meshfit.dtensor._mesh import Mesh
 
 _SUBCLASSES: dict[type, type] = {}
+_T = TypeVar("_T", bound=torch.Tensor)
 
 
 def _with_layout_class(cls: type) -> type:
@@ -28,17 +29,18 @@ def _with_layout_class(cls: type) -> type:
     if cls not in _SUBCLASSES:
         def layout(self: torch.Tensor) -> Any:
             attached = self.__dict__.get("_meshfit_layout")
-            return attached if attached is not None else torch.Tensor.layout.__get__(self)
+            # torch's stub types Tensor.layout as a plain attribute; it is a descriptor at runtime.
+            return attached if attached is not None else torch.Tensor.layout.__get__(self)  # type: ignore[attr-defined]
 
         _SUBCLASSES[cls] = type(cls.__name__, (cls,), {"layout": property(layout), "_meshfit_layout_class": True,
                                                        "__module__": cls.__module__})
     return _SUBCLASSES[cls]
 
 
-def attach_layout(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
+def attach_layout(tensor: _T, layout: Layout) -> _T:
     """Make ``tensor.layout`` return ``layout`` (in place; returns ``tensor``)."""
     tensor.__class__ = _with_layout_class(type(tensor))
-    tensor._meshfit_layout = layout
+    tensor.__dict__["_meshfit_layout"] = layout
     return tensor
 
 

@@ -84,7 +84,7 @@ def _form_world(value: Mesh, devices: Sequence[str] | None, options: Communicati
         raise ValueError(f"Invalid mesh {value!r}: it needs {value.size} processes but this one was started alone. "
                          f"Pass devices=[...] with {value.size} local devices (the others are started for you), "
                          f"or start the job with `meshfit launch --workers {value.size}` or torchrun.")
-    if value.size > 1:
+    if value.size > 1 and devices is not None:  # (None was refused above)
         parsed, options = local_devices(list(devices), options)
         return form_local_world(parsed, options), options
     return form_cluster_world(options), options

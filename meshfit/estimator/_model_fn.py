@@ -148,7 +148,7 @@ class ModelFnCaller:
         self.synchronized = False  # replicas started from rank 0's weights
         self.step_source: Callable[[], int] = lambda: 0  # the running train/evaluate sets it
 
-    def once(self, factory: Callable[[], Any], key: str | None, frame: Any) -> Any:
+    def once(self, factory: Callable[[], Any], key: str | tuple[Any, ...] | None, frame: Any) -> Any:
         if key is None:
             site = (frame.f_code, frame.f_lasti)
             count = self._site_counts.get(site, 0)

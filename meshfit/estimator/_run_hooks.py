@@ -86,6 +86,8 @@ class HookCallback(Callback):
         if logs and "loss" in logs:
             values["loss"] = logs["loss"]  # averaged over the replicas
         context = self._context
+        if context is None:
+            raise RuntimeError("HookCallback: after_run without before_run.")
         for hook, args in zip(self.hooks, self._args, strict=True):
             results = fetch(args.fetches, values) if args is not None else None
             hook.after_run(context, SessionRunValues(results=results))

@@ -55,14 +55,15 @@ class _Accumulator:
 
     def __init__(self, name: str, template: Any = None, last_only: bool = False) -> None:
         self.name, self.template, self.last_only = name, template, last_only
-        self._states: tuple[torch.Tensor, ...] | None = None
-        self.reset_state()
+        self._states = self._zeros()
+
+    def _zeros(self) -> tuple[torch.Tensor, ...]:
+        if self.template is None:
+            return torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+        return tuple(torch.zeros_like(t, dtype=torch.float64) for t in self.template.state_tensors())
 
     def reset_state(self) -> None:
-        if self.template is None:
-            self._states = (torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64))
-        else:
-            self._states = tuple(torch.zeros_like(t, dtype=torch.float64) for t in self.template.state_tensors())
+        self._states = self._zeros()
 
     def update_state(self, value: torch.Tensor) -> None:
         new = (value.detach().to(torch.float64).reshape(()), torch.ones((), dtype=torch.float64))

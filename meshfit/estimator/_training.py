@@ -72,7 +72,8 @@ def train_and_evaluate(estimator: Any, train_spec: TrainSpec, eval_spec: EvalSpe
     if config.task_type == "evaluator":
         return _run_evaluator(estimator, train_spec, eval_spec), []
     if config.num_worker_replicas > 1 or "evaluator" in config.cluster_spec:
-        return _run_worker(estimator, train_spec), []  # a cluster: the evaluator task evaluates
+        _run_worker(estimator, train_spec)  # a cluster: the evaluator task evaluates
+        return None, []
     config_text = (f"save_checkpoints_steps {config.save_checkpoints_steps} or save_checkpoints_secs "
                    f"{config.save_checkpoints_secs}")
     if config.save_checkpoints_steps is None and config.save_checkpoints_secs is None:

@@ -98,7 +98,8 @@ class Metric:
         """The strategy whose replicas `result()` sums over, or None for a local metric."""
         if self.mesh is not None:
             return self.mesh.strategy
-        strategy = self._strategy_ref() if getattr(self, "_strategy_ref", None) is not None else None
+        ref = getattr(self, "_strategy_ref", None)
+        strategy = ref() if ref is not None else None
         return strategy if strategy is not None and strategy.num_replicas_in_sync > 1 else None
 
     def local_result(self) -> torch.Tensor:

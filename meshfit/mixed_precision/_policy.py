@@ -39,7 +39,7 @@ class Policy:
         ('bfloat16', 'float32')
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str | Policy) -> None:
         if isinstance(name, Policy):
             name = name.name
         if name not in _POLICIES:

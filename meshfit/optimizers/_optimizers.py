@@ -88,7 +88,7 @@ class Optimizer:
         0.1
     """
 
-    torch_class: type[torch.optim.Optimizer]
+    torch_class: Callable[..., torch.optim.Optimizer]  # a torch optimizer class taking (params, lr=, ...)
     config_keys: tuple[str, ...] = ()
     fuses: bool = False  # update with torch's fused kernel where it applies (see `build`)
 
