@@ -111,7 +111,10 @@ class Estimator:
     # ---- properties -------------------------------------------------------------------------
     @property
     def model_dir(self) -> str:
-        return self._config.model_dir
+        model_dir = self._config.model_dir
+        if model_dir is None:  # __init__ always sets one (a temporary folder by default)
+            raise RuntimeError("This Estimator has no model_dir.")
+        return model_dir
 
     @property
     def config(self) -> RunConfig:
@@ -215,7 +218,8 @@ class Estimator:
         until = self._until_step(data, global_step, steps, max_steps)
         for hook in all_hooks:  # TF's max_steps is a StopAtStepHook: stop exactly there on every replica
             if isinstance(hook, StopAtStepHook):
-                until = min(until, hook.last_step if hook.last_step is not None else global_step + hook.num_steps)
+                last = hook.last_step if hook.last_step is not None else global_step + (hook.num_steps or 0)
+                until = min(until, last)  # (a StopAtStepHook has exactly one of last_step and num_steps)
         loop.run(until_step=until, initial_epoch=loop.counters.epoch)
         if is_chief and "loss" in trainable.step_values:
             log(f"Loss for final step: {float(self._final_loss(trainable)):.7g}.")

@@ -68,7 +68,8 @@ class TorchMetricsMetric(Metric):
 
     def _assign_states(self, states: dict[str, torch.Tensor]) -> None:
         for key, value in states.items():
-            dtype = self.metric._defaults[key].dtype
+            default = self.metric._defaults[key]  # a tensor state's default (list states are not kept)
+            dtype = default.dtype if isinstance(default, torch.Tensor) else None
             setattr(self.metric, key, torch.as_tensor(value).to(self.metric.device, dtype))
         self.metric._computed = None
         self.metric._update_count = max(self.metric._update_count, 1)  # compute() won't warn

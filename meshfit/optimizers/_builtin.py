@@ -249,4 +249,5 @@ def _default_rate(torch_class: type[torch.optim.Optimizer]) -> float:
 
 
 _CLASSES: dict[str, type[Optimizer]] = {cls.__name__: cls for cls in (SGD, Adam, AdamW, RMSprop, Adagrad)}
-_LOOKUP: dict[str, type[Optimizer]] = {name.lower(): cls for name, cls in _CLASSES.items()}
+# By name, for get("adam"): each built-in class has a default learning rate.
+_LOOKUP: dict[str, Callable[[], Optimizer]] = {cls.__name__.lower(): cls for cls in (SGD, Adam, AdamW, RMSprop, Adagrad)}
