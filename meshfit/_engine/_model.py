@@ -34,7 +34,6 @@ from meshfit._validation import check_bool, non_negative_int, positive_int
 from meshfit.callbacks import CallbackList, announce_quiet_worker, checkpoint_settings
 from meshfit.data import batch_size_of, unpack_batch
 from meshfit.distribute import (
-    Placement,
     adopt,
     agree_on_settings,
     check_training_strategy,
@@ -82,7 +81,7 @@ class Model(WeightsMixin):
         self._metric_identifiers: list[Any] = []
         self._compiled_metrics: list[Metric] = []
         self._loss_tracker = Mean(name="loss")
-        self.placement: Placement | None = None  # how the strategy placed the module (set when built)
+        self.placement: PlacementLike | None = None  # how the strategy placed the module (set when built)
         self._compile_config: dict[str, Any] | None = None
         self.loop_state = LoopState()
         self.steps_per_execution = 1  # training steps between two batch-callback calls (compile's argument)

@@ -28,7 +28,7 @@ def reduce_logs(trainable: Trainable, flags: Sequence[float] = (), *,
     Returns:
         ``(logs, flags)``: ``{name: value}`` (empty without metrics) and the summed flags.
     """
-    metrics: list[MetricLike] = trainable.logged_metrics() if with_metrics else []
+    metrics: Sequence[MetricLike] = trainable.logged_metrics() if with_metrics else []
     states = [m.state_tensors() for m in metrics]
     strategy = trainable.strategy
     # Every process takes part, also along a mesh's ``model`` axis: a stop or preemption flag raised

@@ -273,7 +273,7 @@ class OneDeviceStrategy(Strategy):
     """
 
 
-def get_strategy() -> Strategy:
+def get_strategy() -> DistributionStrategy:
     """The strategy whose scope we are in, else the default one-device strategy."""
     if _SCOPE_STACK:
         return _SCOPE_STACK[-1]
