@@ -8,7 +8,7 @@ these, never against `Model` or a concrete strategy: `Model` and the Estimator a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -93,6 +93,8 @@ class MetricLike(Protocol):
 
     def state_tensors(self) -> tuple[torch.Tensor, ...]: ...
 
+    def result(self) -> torch.Tensor: ...
+
     def result_from(self, states: tuple[torch.Tensor, ...]) -> torch.Tensor: ...
 
     def reset_state(self) -> None: ...
@@ -123,6 +125,9 @@ class DistributionStrategy(Protocol):
 
     @property
     def device(self) -> torch.device: ...
+
+    @property
+    def world(self) -> Any: ...  # the `meshfit.distribute.World` it runs on (a checkpoint's too)
 
     @property
     def failure(self) -> FailureStateLike: ...

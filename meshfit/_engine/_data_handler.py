@@ -127,7 +127,7 @@ class DataHandler:
     """
 
     def __init__(self, x: Any, y: Any, sample_weight: Any, batch_size: int | None, steps: int | None,
-                 shuffle: bool, strategy: DistributionStrategy, argument: str = "steps_per_epoch",
+                 shuffle: bool | str, strategy: DistributionStrategy, argument: str = "steps_per_epoch",
                  unbounded_ok: bool = False) -> None:
         self.strategy = strategy
         self._argument = argument

@@ -31,5 +31,5 @@ def next_batch(trainable: Trainable, data: Any) -> tuple[Any, int] | None:
 
 
 def steps_per_execution(trainable: Trainable) -> int:
-    """The trainable's ``steps_per_execution`` (compile's argument; 1 when it has none)."""
-    return int(getattr(trainable, "steps_per_execution", 1) or 1)
+    """The trainable's ``steps_per_execution`` (compile's argument; every `Trainable` has one)."""
+    return trainable.steps_per_execution

@@ -226,7 +226,8 @@ class TrainingLoop:
             counters.step += 1
             counters.iterations += 1
             strategy.failure.step = counters.iterations
-        logs, (preempt, stop) = reduce_logs(trainable, [float(self._preemption.requested),
+        preemption_requested = self._preemption is not None and self._preemption.requested
+        logs, (preempt, stop) = reduce_logs(trainable, [float(preemption_requested),
                                                         float(trainable.stop_training)], with_metrics=batch_logs)
         merge_returned(trainable, logs, returned, convert=batch_logs)  # read (a host sync) only where logs are
         trainable.stop_training = stop > 0

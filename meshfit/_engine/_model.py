@@ -209,6 +209,8 @@ class Model(WeightsMixin):
         x, y, sample_weight = unpack_batch(data)
         if not any(p.requires_grad for p in self.module.parameters()):
             return self._forward_only_step(x, y, sample_weight)
+        if self.optimizer is None:
+            raise RuntimeError("train_step needs an optimizer: call compile(optimizer=...) first.")
         # Freed, as Keras leaves an unused variable's gradient None (the optimizer skips it); the
         # re-allocation costs no page faults because training keeps freed memory in the heap
         # (meshfit/_runtime/_allocator.py).
@@ -321,8 +323,8 @@ class Model(WeightsMixin):
         return cbs.history
 
     def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None, verbose: str | int = "auto",
-                 sample_weight: Any = None, steps: int | None = None, callbacks: list[Any] | None = None,
-                 return_dict: bool = False) -> Any:
+                 sample_weight: Any = None, steps: int | None = None,
+                 callbacks: list[Any] | CallbackList | None = None, return_dict: bool = False) -> Any:
         """Loss and metrics over the data, aggregated across replicas (a list, or a dict)."""
         self._require_compiled("evaluate")
         verbose = resolve_verbose(verbose, self.strategy.is_chief)  # a bad value fails before any data is read

@@ -78,7 +78,7 @@ def as_logs(returned: Any, *, convert: bool = True) -> dict[str, Any]:
     return {k: float(v) if isinstance(v, torch.Tensor) and v.numel() == 1 else v for k, v in returned.items()}
 
 
-class MetricResults(Mapping):
+class MetricResults(Mapping[str, Any]):
     """``{name: metric.result()}``, each result computed when read (a step returns it at no cost)."""
 
     def __init__(self, metrics: Sequence[MetricLike]) -> None:

@@ -168,7 +168,7 @@ class CheckpointSaver(Callback):
 
     def save_for_preemption(self) -> None:
         """Called by the loop when a worker got SIGTERM: every replica saves at the same step."""
-        if self._saved_at != self.loop.counters.iterations:  # not already saved at this step
+        if self._saved_at != self._require_loop().counters.iterations:  # not already saved at this step
             self.save()
         self.wait()
 
@@ -180,7 +180,7 @@ class CheckpointSaver(Callback):
     def reset_clock(self, saved: bool = False) -> None:
         """Count the policy's steps and seconds from now; ``saved``: the current step is saved."""
         self._last_save_time = time.monotonic()
-        self._checked_at = self.loop.counters.iterations
+        self._checked_at = self._require_loop().counters.iterations
         if saved:
             self._saved_at = self._checked_at
 

@@ -56,10 +56,11 @@ def agree_on_tensors(gather: Any, entries: list[Entry], what: str, fix: str) -> 
 
 
 def _difference(index: int, at: list[Entry | None]) -> str:
-    names = {a[0] for a in at if a is not None}
-    if len(names) == 1 and None not in at:
+    present = [a for a in at if a is not None]
+    names = {a[0] for a in present}
+    if len(names) == 1 and len(present) == len(at):  # every worker has it, under one name
         (name,) = names
-        return f"{name}: " + ", ".join(f"worker {r} has shape {_shape(a[1])} {a[2]}" for r, a in enumerate(at))
+        return f"{name}: " + ", ".join(f"worker {r} has shape {_shape(a[1])} {a[2]}" for r, a in enumerate(present))
     return f"tensor #{index + 1}: " + ", ".join(
         f"worker {r} has " + ("none" if a is None else f"{a[0]} of shape {_shape(a[1])} {a[2]}")
         for r, a in enumerate(at))

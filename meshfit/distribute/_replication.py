@@ -49,6 +49,7 @@ _HOOKS: list[Any] = []
 _BATCH_AXIS = "batch"
 # Set on a tensor once its value was broadcast from rank 0 (created in a scope: replicas start equal).
 _BROADCAST = "_meshfit_broadcast"
+_LABEL = "_meshfit_label"  # how error messages name a tensor
 
 
 def _record(tensor: torch.Tensor | None, strategy: Any) -> None:
@@ -63,8 +64,8 @@ def _on_registration(module: torch.nn.Module, name: str, tensor: Any) -> None:
     strategy = current_scope_strategy()
     if strategy is not None and isinstance(tensor, torch.Tensor):
         _record(tensor, strategy)
-        if not hasattr(tensor, "_meshfit_label"):  # how messages name it; `adopt` names it better
-            tensor._meshfit_label = f"{name!r} of a {type(module).__name__}"
+        if not hasattr(tensor, _LABEL):  # how messages name it; `adopt` names it better
+            setattr(tensor, _LABEL, f"{name!r} of a {type(module).__name__}")
 
 
 @contextlib.contextmanager
@@ -96,7 +97,7 @@ def adopt(module: torch.nn.Module, strategy: Any) -> None:
     for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
         for name, tensor in named:
             _record(tensor, strategy)
-            tensor._meshfit_label = f"{kind} {name!r}"
+            setattr(tensor, _LABEL, f"{kind} {name!r}")
 
 
 def owner_of(tensor: torch.Tensor) -> Any:
@@ -115,7 +116,7 @@ def broadcast_initial_values(tensors: Iterable[torch.Tensor], strategy: Any) -> 
         return
     # Tensors of other sizes on another worker would abort gloo: name the first difference instead.
     agree_on_tensors(strategy.all_gather_object,
-                     describe([(getattr(t, "_meshfit_label", f"tensor #{i + 1}"), t) for i, t in enumerate(pending)]),
+                     describe([(getattr(t, _LABEL, f"tensor #{i + 1}"), t) for i, t in enumerate(pending)]),
                      "models in strategy.scope()", "Build the same model on every worker.")
     with torch.no_grad():
         for group in _by_dtype(pending):

@@ -43,7 +43,7 @@ def input_data(estimator: Any, input_fn: Callable[..., Any], mode: str, strategy
     data = DataHandler(source, None, None, None, None if finite else _UNBOUNDED, False, strategy,
                        argument="steps_per_epoch" if mode == "train" else "steps")
     if steps is not None:
-        data.steps = min(steps, data.steps)
+        data.steps = min(steps, data.steps) if data.steps is not None else steps
     return data
 
 

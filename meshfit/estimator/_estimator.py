@@ -337,6 +337,8 @@ class Estimator:
         was_training = module.training
         try:
             module.eval()
+            if data.steps is None:  # input_data gives infinite data a bound, finite data its length
+                raise RuntimeError("Estimator.predict: the input has no number of steps.")
             for step in range(data.steps):
                 hook_callback.on_predict_batch_begin(step)
                 batch, _ = data.next_batch()

@@ -106,7 +106,7 @@ class EstimatorCheckpointSaver(CheckpointSaver):
     def make_manager(self, checkpoint: Any) -> Any:
         from meshfit.train import CheckpointManager  # lazily loaded public subpackage
 
-        loop = self.loop
+        loop = self._require_loop()
         return CheckpointManager(checkpoint, self.directory, max_to_keep=self.hook.max_to_keep,
                                  checkpoint_name=CHECKPOINT_NAME, step_counter=lambda: loop.counters.iterations)
 
@@ -115,14 +115,14 @@ class EstimatorCheckpointSaver(CheckpointSaver):
         for listener in self.hook.listeners:
             listener.begin()
         latest = self.manager.latest_checkpoint
-        step = self.loop.counters.iterations
+        step = self._require_loop().counters.iterations
         if latest is None or not latest.endswith(f"-{step}"):
             self.save()  # TF saves the starting step ("Saving checkpoints for 0")
         else:
             self.reset_clock(saved=True)
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        step = self.loop.counters.iterations
+        step = self._require_loop().counters.iterations
         if self.saved_at != step:
             self.save()
         super().on_train_end(logs)
@@ -130,7 +130,7 @@ class EstimatorCheckpointSaver(CheckpointSaver):
             listener.end(self.session, step)
 
     def save(self) -> None:
-        step = self.loop.counters.iterations
+        step = self._require_loop().counters.iterations
         for listener in self.hook.listeners:
             listener.before_save(self.session, step)
         if self.session.is_chief:

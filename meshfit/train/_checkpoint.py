@@ -149,6 +149,10 @@ class Checkpoint:
     def save(self, path: str | os.PathLike, async_save: Literal[True], *,
              on_commit: Callable[..., None] | None = None) -> SaveFuture: ...
 
+    @overload
+    def save(self, path: str | os.PathLike, async_save: bool, *,
+             on_commit: Callable[[str], None] | None = None) -> str | SaveFuture: ...
+
     def save(self, path: str | os.PathLike, async_save: bool = False, *,
              on_commit: Callable[..., None] | None = None) -> str | SaveFuture:
         """Write a checkpoint directory at ``path``, collectively when a process group exists.

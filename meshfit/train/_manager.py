@@ -238,7 +238,7 @@ class CheckpointManager:
         for old in doomed:
             # In the foreground: a checkpoint is a few files (one per writing rank), so unlinking them
             # is cheap, and a caller listing the folder after save() returns sees only kept checkpoints.
-            _best_effort(lambda old=old: remove_tree(old),
+            _best_effort(functools.partial(remove_tree, old),
                          f"delete old checkpoint {old!r}")
         state = {"latest_checkpoint": os.path.basename(path),
                  "all_checkpoints": [os.path.basename(p) for p in kept]}
