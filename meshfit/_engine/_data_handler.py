@@ -29,7 +29,7 @@ from meshfit.data import (
     to_tensor,
     topology_mismatches,
 )
-from meshfit.distribute import DistributedDataset, InputContext, LoaderPlan, PerReplicaLoader
+from meshfit.distribute import DistributedDataset, LoaderPlan, PerReplicaLoader
 
 
 class EndOfData(Exception):
@@ -53,7 +53,7 @@ class _StreamSource:
     the iterable from the start of the pass and skips the batches already seen.
     """
 
-    def __init__(self, loader: Any, context: InputContext, plan: LoaderPlan) -> None:
+    def __init__(self, loader: Any, context: InputContextLike, plan: LoaderPlan) -> None:
         self.loader, self.num_replicas, self.replica_id = loader, context.num_input_pipelines, context.input_pipeline_id
         self.plan = plan  # which examples this replica reads (distribute/_torch_loader.py)
         self._iterator: Iterator[Any] | None = None

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from meshfit._protocols import InputContextLike
 from meshfit.data import leaves, to_tensor
 from meshfit.distribute._values import InputContext
 
@@ -82,7 +83,7 @@ class LoaderPlan:
         per_replica: the loader came from ``distribute_datasets_from_function``.
     """
 
-    def __init__(self, loader: Any, context: InputContext, broadcast: Callable[[Any], Any],
+    def __init__(self, loader: Any, context: InputContextLike, broadcast: Callable[[Any], Any],
                  all_gather: Callable[[Any], list[Any]], per_replica: bool = False) -> None:
         self.loader, self.all_gather = loader, all_gather
         self.num_replicas, self.replica_id = context.num_input_pipelines, context.input_pipeline_id

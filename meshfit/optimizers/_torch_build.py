@@ -4,6 +4,7 @@ parameters broadcast once materialised, DTensor state placed like its parameter.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,13 +37,13 @@ def broadcast_lazy_params(params: list[torch.Tensor]) -> None:
         broadcast_initial_values(group, strategy)
 
 
-def fusable(torch_class: type, params: list[torch.Tensor]) -> bool:
+def fusable(torch_class: Callable[..., Any], params: list[torch.Tensor]) -> bool:
     """Whether torch's fused kernel can update ``params`` (floating point, on a CPU or a GPU)."""
-    if "fused" not in inspect.signature(torch_class.__init__).parameters or not params:
+    if "fused" not in inspect.signature(torch_class).parameters or not params:
         return False
     return all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
 
 
-def accepts_foreach(torch_class: type) -> bool:
+def accepts_foreach(torch_class: Callable[..., Any]) -> bool:
     """Whether a torch optimizer class takes ``foreach=`` (every built-in one does)."""
-    return "foreach" in inspect.signature(torch_class.__init__).parameters
+    return "foreach" in inspect.signature(torch_class).parameters
