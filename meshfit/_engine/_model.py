@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -211,9 +211,7 @@ class Model(WeightsMixin):
             return self._forward_only_step(x, y, sample_weight)
         if self.optimizer is None:
             raise RuntimeError("train_step needs an optimizer: call compile(optimizer=...) first.")
-        # Freed, as Keras leaves an unused variable's gradient None (the optimizer skips it); the
-        # re-allocation costs no page faults because training keeps freed memory in the heap
-        # (meshfit/_runtime/_allocator.py).
+        # Freed, as Keras leaves an unused gradient None; no page faults: meshfit/_runtime/_allocator.py.
         self.optimizer.zero_grad(set_to_none=True)
         with mixed_precision.autocast(self.strategy.device):  # forward + loss in the policy's dtype
             y_pred = self(x)
@@ -323,8 +321,8 @@ class Model(WeightsMixin):
         return cbs.history
 
     def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None, verbose: str | int = "auto",
-                 sample_weight: Any = None, steps: int | None = None,
-                 callbacks: list[Any] | CallbackList | None = None, return_dict: bool = False) -> Any:
+                 sample_weight: Any = None, steps: int | None = None, callbacks: Iterable[Any] | None = None,
+                 return_dict: bool = False) -> Any:
         """Loss and metrics over the data, aggregated across replicas (a list, or a dict)."""
         self._require_compiled("evaluate")
         verbose = resolve_verbose(verbose, self.strategy.is_chief)  # a bad value fails before any data is read
