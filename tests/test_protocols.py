@@ -42,10 +42,21 @@ def test_a_plain_callback_has_the_loops_defaults():
 
 
 def test_data_sources_offer_the_random_access_protocol():
-    from meshfit._engine._data_handler import _StreamSource
+    import torch
 
-    view = mf.distribute.OneDeviceStrategy("cpu").experimental_distribute_dataset(Dataset.range(6).batch(2))
-    stream = _StreamSource([[1, 2], [3, 4]], mf.distribute.InputContext())
+    from meshfit._engine._data_handler import DataHandler, _StreamSource
+
+    class Loader:  # an iterable of batches with a length, read as a stream
+        def __iter__(self):
+            return iter([torch.tensor([1, 2]), torch.tensor([3, 4])])
+
+        def __len__(self):
+            return 2
+
+    strategy = mf.distribute.OneDeviceStrategy("cpu")
+    view = strategy.experimental_distribute_dataset(Dataset.range(6).batch(2))
+    stream = DataHandler(Loader(), None, None, None, None, False, strategy).source
+    assert isinstance(stream, _StreamSource)
     for source in (view, stream):
         missing = sorted(n for n in _members(_protocols.DataSource) if not hasattr(source, n))
         assert not missing, f"{type(source).__name__} lacks {missing}"
