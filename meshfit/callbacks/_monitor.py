@@ -78,10 +78,12 @@ def monitor_op(monitor: str, mode: str, owner: str, model: Any = None, required:
     return op
 
 
-def is_improvement(op: Comparison, value: float, reference: float | None, min_delta: float = 0.0) -> bool:
+def is_improvement(op: Comparison | None, value: float, reference: float | None, min_delta: float = 0.0) -> bool:
     """Whether ``value`` beats ``reference`` by more than ``min_delta`` (anything beats ``None``)."""
     if reference is None:
         return True
+    if op is None:  # mode "auto" on a metric named nowhere yet: the callback resolves it when fit starts
+        raise RuntimeError("The monitor's mode is not resolved yet: is_improvement needs 'min' or 'max'.")
     delta = -abs(min_delta) if op is np.less else abs(min_delta)
     return bool(op(value - delta, reference))
 

@@ -62,7 +62,8 @@ def reduce_weighted(
     return total / max(values.numel(), 1)
 
 
-def _warn_if_logits(loss: Loss, y_pred: torch.Tensor) -> None:
+def _warn_if_logits(loss: SparseCategoricalCrossentropy | CategoricalCrossentropy | BinaryCrossentropy,
+                    y_pred: torch.Tensor) -> None:
     """Warn once per loss when ``from_logits=False`` meets outputs outside ``[0, 1]``: logits, almost surely
     (Keras warns for the opposite mistake). Looked at on the first batch only: one host sync per loss."""
     if loss.from_logits or loss._outputs_checked:
