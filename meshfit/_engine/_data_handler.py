@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from meshfit._engine._fit_arguments import batch_and_shuffle
-from meshfit._protocols import DistributionStrategy
+from meshfit._protocols import DataSource, DistributionStrategy, InputContextLike
 from meshfit._storage import StateMismatchError
 from meshfit.data import (
     AutoShardPolicy,

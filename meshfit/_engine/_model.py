@@ -29,6 +29,7 @@ from meshfit._engine._loop import TrainingLoop, resolve_verbose
 from meshfit._engine._model_weights import WeightsMixin
 from meshfit._engine._state import LoopState
 from meshfit._engine._step_logs import MetricResults
+from meshfit._protocols import PlacementLike
 from meshfit._runtime import flush_denormals
 from meshfit._validation import check_bool, non_negative_int, positive_int
 from meshfit.callbacks import CallbackList, announce_quiet_worker, checkpoint_settings

@@ -46,7 +46,7 @@ def data_topology(dataset: Dataset | None, *, global_batch_factor: int, batches_
             topology["global_batch_size"] = dataset.batch_size
             topology["drop_remainder"] = bool(getattr(dataset, "drop_last", False))
         return topology
-    nodes = dataset._nodes()
+    nodes = dataset.node.nodes()
     batch = next((n for n in nodes if isinstance(n, Batch)), None)
     topology["shuffle_buffers"] = [n.buffer_size for n in nodes if isinstance(n, Shuffle)]
     if batch is not None:

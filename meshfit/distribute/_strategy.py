@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from meshfit._protocols import DistributionStrategy
 from meshfit._runtime import flush_denormals
 from meshfit.data import Dataset, map_structure
 from meshfit.distribute._distributed_dataset import DistributedDataset, agree_on_shuffle_seeds
