@@ -352,7 +352,7 @@ class DataHandler:
                         node.reseed(seed)
 
     def _topology(self) -> dict[str, Any]:
-        source = self.source
+        source: Any = self.source  # the concrete source: its dataset, view, loader and replica count
         view = getattr(source, "view", None)
         per_replica_pipeline = hasattr(source, "context")  # built by a dataset_fn for this replica alone
         rebatched = isinstance(view, Dataset) and (view is not source.dataset or per_replica_pipeline)

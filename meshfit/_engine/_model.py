@@ -300,8 +300,9 @@ class Model(WeightsMixin):
             return {f"val_{k}": v for k, v in logs.items()}
 
         with self.strategy.guard(), flush_denormals():
-            data = DataHandler(x, y, sample_weight, batch_size, steps_per_epoch, shuffle, self.strategy,
-                               unbounded_ok=bool(callbacks))  # a callback may stop an endless epoch
+            data: DataHandler | ClassWeightedData = DataHandler(
+                x, y, sample_weight, batch_size, steps_per_epoch, shuffle, self.strategy,
+                unbounded_ok=bool(callbacks))  # a callback may stop an endless epoch
             if class_weights is not None:
                 data = ClassWeightedData(data, class_weights)
             try:

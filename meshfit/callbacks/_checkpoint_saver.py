@@ -196,8 +196,9 @@ class CheckpointSaver(Callback):
     def save(self) -> None:
         """Save the loop's state now (collective; in the background with ``async_save``)."""
         self.wait()
-        self.loop.agree_buffers()  # one defined copy of running statistics is saved: rank 0's
-        self._saved_at = self.loop.counters.iterations
+        loop = self._require_loop()
+        loop.agree_buffers()  # one defined copy of running statistics is saved: rank 0's
+        self._saved_at = loop.counters.iterations
         self._last_save_time = time.monotonic()
         if self.async_save:
             self._pending = self.manager.save(async_save=True)

@@ -42,8 +42,9 @@ def data_topology(dataset: Dataset | None, *, global_batch_factor: int, batches_
     if count_examples:
         topology["batches_per_pass"] = batches_per_pass
     if not isinstance(dataset, Dataset):  # a torch DataLoader (or another iterable of batches)
-        if isinstance(getattr(dataset, "batch_size", None), int):
-            topology["global_batch_size"] = dataset.batch_size
+        batch_size = getattr(dataset, "batch_size", None)
+        if isinstance(batch_size, int):
+            topology["global_batch_size"] = batch_size
             topology["drop_remainder"] = bool(getattr(dataset, "drop_last", False))
         return topology
     nodes = dataset.node.nodes()

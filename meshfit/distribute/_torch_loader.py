@@ -91,7 +91,9 @@ class LoaderPlan:
         distributed = [s for s in samplers if isinstance(s, torch.utils.data.DistributedSampler)]
         seeded = [s for s in samplers if isinstance(s, _SEEDED_SAMPLERS)]
         self.sharded = per_replica or bool(distributed)
-        self._distributed, self._seeded, self._base_seed = distributed, seeded, 0
+        self._distributed: list[Any] = distributed
+        self._seeded: list[Any] = seeded  # samplers with a ``generator`` (RandomSampler and its kin)
+        self._base_seed = 0
         self.check_first_batch = False
         if self.num_replicas == 1 or per_replica:
             return

@@ -103,7 +103,7 @@ class LossScaleOptimizer(Optimizer):
         return self.inner_optimizer.torch_optimizer
 
     @property
-    def iterations(self) -> int:  # type: ignore[override]
+    def iterations(self) -> int:
         """The inner optimizer's updates (a skipped step is not counted, as in Keras)."""
         return self.inner_optimizer.iterations
 
@@ -112,7 +112,7 @@ class LossScaleOptimizer(Optimizer):
         self.inner_optimizer.iterations = value
 
     @property
-    def learning_rate(self) -> float:  # type: ignore[override]
+    def learning_rate(self) -> float:
         return self.inner_optimizer.learning_rate
 
     @learning_rate.setter
@@ -133,8 +133,7 @@ class LossScaleOptimizer(Optimizer):
     # ---- the scale -----------------------------------------------------------------------------
     def build(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]]) -> None:
         """Build the inner optimizer on ``params``, and the scale and counter on their device."""
-        params = list(params)
-        self.inner_optimizer.build(params)
+        self.inner_optimizer.build(list(params))
         if self._scale is None:
             device = self._params()[0].device if self._params() else torch.device("cpu")
             self._scale = torch.full((), self.initial_scale, dtype=torch.float32, device=device)
@@ -184,11 +183,12 @@ class LossScaleOptimizer(Optimizer):
         if not self.built:
             raise RuntimeError("LossScaleOptimizer.step() needs a built optimizer: call `build(params)` first "
                                "(Model.fit and Model.compile do so).")
+        scale, counter = self._scale_state()
         params = self._params()
         synchronize_gradients(params)
-        found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
-        inverse = torch.ones((), dtype=torch.float32, device=self._scale.device) if self._unscaled \
-            else self._scale.double().reciprocal().float()
+        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+        inverse = torch.ones((), dtype=torch.float32, device=scale.device) if self._unscaled \
+            else scale.double().reciprocal().float()
         self._unscaled = False
         grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for p in params:
@@ -200,17 +200,23 @@ class LossScaleOptimizer(Optimizer):
             found_inf += flag.to(found_inf.device)
         if not found_inf.item():  # the step's one host read: whether to apply it
             self.inner_optimizer._apply_update()
-        torch._amp_update_scale_(self._scale, self._counter, found_inf, 2.0, 0.5, self.dynamic_growth_steps)
+        torch._amp_update_scale_(scale, counter, found_inf, 2.0, 0.5, self.dynamic_growth_steps)
         return loss
 
     # ---- saving --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's `state_dict` plus ``"loss_scale"``: the scale and the counter."""
         state = self.inner_optimizer.state_dict()
-        if self._scale is None:
-            raise RuntimeError("LossScaleOptimizer.state_dict() needs a built optimizer: call `build(params)` first.")
-        state["loss_scale"] = {"scale": self._scale.detach().clone(), "step_counter": self._counter.detach().clone()}
+        scale, counter = self._scale_state()
+        state["loss_scale"] = {"scale": scale.detach().clone(), "step_counter": counter.detach().clone()}
         return state
+
+    def _scale_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scale and the growth counter (made by `build`)."""
+        if self._scale is None or self._counter is None:
+            raise RuntimeError("LossScaleOptimizer needs a built optimizer: call `build(params)` first "
+                               "(Model.fit and Model.compile do so).")
+        return self._scale, self._counter
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore from `state_dict()`; an inner optimizer's state without a scale keeps the current one."""
@@ -218,8 +224,9 @@ class LossScaleOptimizer(Optimizer):
         saved = state.pop("loss_scale", None)
         self.inner_optimizer.load_state_dict(state)
         if saved is not None:
-            self._scale.copy_(torch.as_tensor(saved["scale"]))
-            self._counter.copy_(torch.as_tensor(saved["step_counter"]))
+            scale, counter = self._scale_state()
+            scale.copy_(torch.as_tensor(saved["scale"]))
+            counter.copy_(torch.as_tensor(saved["step_counter"]))
 
     def get_config(self) -> dict[str, Any]:
         """Keras's config: the inner optimizer (serialized), the initial scale and the growth steps."""

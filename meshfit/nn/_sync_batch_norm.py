@@ -75,12 +75,15 @@ class SyncBatchNorm(_BatchNorm):
         return out
 
     def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, count: float) -> None:
+        tracked, running_mean, running_var = self.num_batches_tracked, self.running_mean, self.running_var
+        if tracked is None or running_mean is None or running_var is None:
+            return  # track_running_stats=False: nothing to update
         with torch.no_grad():
-            self.num_batches_tracked.add_(1)
-            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+            tracked.add_(1)
+            factor = 1.0 / float(tracked) if self.momentum is None else self.momentum
             unbiased = var * (count / max(count - 1.0, 1.0))
-            self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
-            self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
+            running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
+            running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype), alpha=factor)
 
     @classmethod
     def convert_sync_batchnorm(cls, module: nn.Module, process_group: Any = None) -> nn.Module:
