@@ -354,11 +354,14 @@ class DataHandler:
     def _topology(self) -> dict[str, Any]:
         source: Any = self.source  # the concrete source: its dataset, view, loader and replica count
         view = getattr(source, "view", None)
-        per_replica_pipeline = hasattr(source, "context")  # built by a dataset_fn for this replica alone
-        rebatched = isinstance(view, Dataset) and (view is not source.dataset or per_replica_pipeline)
+        per_replica_pipeline = getattr(source, "context", None) is not None  # a dataset_fn built it for one replica
         own_data = per_replica_pipeline or getattr(source, "policy", None) is AutoShardPolicy.FILE
-        return data_topology(view if view is not None else getattr(source, "loader", None),
-                             global_batch_factor=source.num_replicas if rebatched else 1,
+        # The user's dataset, batched with the global batch size, whatever view a replica reads; a
+        # dataset_fn's pipeline holds one replica's batches.
+        users = getattr(source, "dataset", None)
+        data = users if isinstance(users, Dataset) and not per_replica_pipeline else view
+        return data_topology(data if data is not None else getattr(source, "loader", None),
+                             global_batch_factor=source.num_replicas if per_replica_pipeline else 1,
                              batches_per_pass=self._length, world_size=self.strategy.num_replicas_in_sync,
                              count_examples=not own_data)
 
