@@ -28,7 +28,7 @@ from meshfit.cluster import (
 )
 from meshfit.distribute._gradient_sync import DataParallelSync, ReplicatedSync
 from meshfit.distribute._gradient_weight import GradientWeight, weighted_allreduce_hook
-from meshfit.distribute._heartbeat import Heartbeat, PeerFailureError
+from meshfit.distribute._heartbeat import Heartbeat, PeerFailureError, report_uncaught_peer_failures
 from meshfit.distribute._liveness import (
     LIVENESS_INVITATION,
     invitation,
@@ -116,6 +116,7 @@ def join_world(options: CommunicationOptions, rank: int, world_size: int, master
     if world.distributed:
         world.form_planes()
         set_process_world(world)
+        report_uncaught_peer_failures()
         _start_heartbeat(world, options, hosting)
 
         def shutdown() -> None:

@@ -52,6 +52,24 @@ class PeerFailureError(RuntimeError):
         self.rank = rank
 
 
+def report_uncaught_peer_failures() -> None:
+    """An uncaught `PeerFailureError` ends the worker with its message alone, not a traceback into
+    meshfit's internals (the message names the peer and the backup). Installed when a group of
+    several processes forms, never at import; other exceptions go to the previous hook."""
+    previous = sys.excepthook
+    if getattr(previous, "meshfit_peer_failures", False):
+        return
+
+    def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+        if isinstance(value, PeerFailureError):
+            print(f"meshfit: {type(value).__name__}: {value}", file=sys.stderr, flush=True)
+            return
+        previous(kind, value, traceback)
+
+    hook.meshfit_peer_failures = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
 class _Peer:
     """What a watcher knows of one peer."""
 
