@@ -42,6 +42,7 @@ from meshfit.distribute import (
     weighted_allreduce_hook,
 )
 from meshfit.dtensor._apply import apply_layouts, attach_layout, resolve_layouts
+from meshfit.dtensor._fully_sharded import fully_shard_module
 from meshfit.dtensor._layout import Layout
 from meshfit.dtensor._layout_map import LayoutMap
 from meshfit.dtensor._mesh import Mesh
@@ -146,6 +147,12 @@ class MeshStrategy(CollectiveStrategy):
         """Lay out ``module``'s parameters, compile if asked; replicated-only layouts take DDP's bucketed path."""
         source = module = module.to(self._device)
         layout_map = self.layout_map if self.layout_map is not None else LayoutMap(self.mesh)
+        if layout_map.is_fully_sharded:
+            if jit_compile:
+                raise ValueError("Invalid `jit_compile=True` with LayoutMap.fully_sharded: torch.compile of a "
+                                 "fully sharded model is not supported yet. Compile with jit_compile=False.")
+            self._sharded = True
+            return fully_shard_module(module, layout_map, self._device_mesh, self._batch, self._gradient_weight)
         layouts = resolve_layouts(module, layout_map)
         # Layouts given (any key, even all replicated: the seed's Dense(kernel_layout=unsharded...)) make
         # DTensor parameters, as apply_layouts per layer does, so pack()ed inputs meet them in custom loops.
