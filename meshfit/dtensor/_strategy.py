@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from meshfit.data import map_structure
 from meshfit.distribute import (
@@ -87,6 +88,12 @@ class MeshStrategy(CollectiveStrategy):
         view = copy.copy(self)
         view.layout_map = layout_map
         return view
+
+    def places_on_creation(self, module: nn.Module) -> bool:
+        """Whether ``mf.Model(module)`` places the module at once: fully sharded (Keras's ``ModelParallel``
+        lays variables out when they are created), unless a lazy parameter waits for the first batch."""
+        return self.layout_map is not None and self.layout_map.is_fully_sharded and \
+            not any(is_lazy(p) for p in module.parameters())
 
     # ---- identity: the data-parallel axis --------------------------------------------------
     @property

@@ -1,0 +1,160 @@
+"""Fully sharded data parallel (issue 21): ``LayoutMap.fully_sharded(mesh)`` on torch's ``fully_shard``.
+
+On 2 gloo processes: ``fit`` and the seed-style custom loop equal one plain process on the same
+global batch (SGD and Adam, 20 steps, the last batch uneven across the processes); each process
+holds half of the parameters, gradients and optimizer state; backups and saved models reshard onto
+one process; bad input is refused before any step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from tests._multiproc import run_distributed
+
+BATCH, STEPS = 8, 20
+EXAMPLES = BATCH * (STEPS - 1) + 5  # the 20th batch holds 5 examples: 3 on rank 0, 2 on rank 1
+
+
+def _data():
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(EXAMPLES, 8)).astype("float32")
+    y = rng.integers(0, 4, size=(EXAMPLES,)).astype("int64")
+    return x, y
+
+
+def _module():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def _optimizer(mf, name):
+    return mf.optimizers.SGD(0.1) if name == "sgd" else mf.optimizers.Adam(0.01)
+
+
+def _scope(mf, world):
+    if world is None:
+        return mf.get_strategy().scope()
+    return mf.dtensor.LayoutMap.fully_sharded(mf.dtensor.create_mesh([("batch", world)])).scope()
+
+
+def _fit(rank, world, sharded, optimizer, backup_dir=None, epochs=1):
+    from torch.distributed.tensor import DTensor
+
+    import meshfit as mf
+
+    with _scope(mf, world if sharded else None):
+        model = mf.Model(_module())
+        model.compile(optimizer=_optimizer(mf, optimizer),
+                      loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data()
+    callbacks = [mf.callbacks.BackupAndRestore(backup_dir, delete_checkpoint=False)] if backup_dir else []
+    history = model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks)
+    first = model.module[0].weight
+    local = tuple(first.to_local().shape) if isinstance(first, DTensor) else tuple(first.shape)
+    return model.get_weights(), history.history["loss"], local, model.optimizer.iterations
+
+
+def _max_rel(a, b):
+    return max(float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) + 1e-12)) for x, y in zip(a, b, strict=True))
+
+
+@pytest.fixture(scope="module")
+def plain_sgd():
+    return run_distributed(_fit, world_size=1, args=(False, "sgd"), timeout=300)[0]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_fit_on_two_sharded_processes_equals_one_plain_process(optimizer, plain_sgd):
+    plain = plain_sgd if optimizer == "sgd" else run_distributed(_fit, world_size=1, args=(False, optimizer),
+                                                                 timeout=300)[0]
+    sharded = run_distributed(_fit, world_size=2, args=(True, optimizer), timeout=300)
+    for weights, losses, local, iterations in sharded:
+        assert local == (16, 8)  # each process holds half of the first weight's rows
+        assert iterations == STEPS
+        if optimizer == "sgd":
+            assert _max_rel(weights, plain[0]) <= 1e-5
+        else:
+            for got, want in zip(weights, plain[0], strict=True):
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(losses, plain[1], rtol=1e-5)
+    for a, b in zip(sharded[0][0], sharded[1][0], strict=True):
+        np.testing.assert_array_equal(a, b)  # both processes gather the same full weights
+
+
+# ---- the seed's custom loop: strategy.run, compute_average_loss, apply_gradients -----------------
+def _custom_loop(rank, world, sharded, optimizer_name):
+    import meshfit as mf
+
+    x, y = (torch.from_numpy(a) for a in _data())
+    replicas = world if sharded else 1
+    with _scope(mf, world if sharded else None) as strategy:
+        model = mf.Model(_module())
+        optimizer = _optimizer(mf, optimizer_name)
+    loss_object = mf.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    variables = model.trainable_variables
+    optimizer.build(variables)
+
+    def step_fn(inputs, global_batch_size):
+        features, labels = inputs
+        per_example = loss_object(labels, model(features, training=True))
+        loss = mf.nn.compute_average_loss(per_example, global_batch_size=global_batch_size)
+        loss.backward()  # fully sharded: the gradients reach the variables in the backward (tape.gradient)
+        optimizer.apply_gradients(zip([v.grad for v in variables], variables, strict=True))
+        optimizer.zero_grad()
+        return loss.detach()
+
+    losses = []
+    for start in range(0, EXAMPLES, BATCH):
+        gx, gy = x[start:start + BATCH], y[start:start + BATCH]
+        shard = (torch.tensor_split(gx, replicas)[rank], torch.tensor_split(gy, replicas)[rank])
+        per_replica = strategy.run(step_fn, args=(shard, len(gx)))
+        losses.append(float(strategy.reduce(mf.ReduceOp.SUM, per_replica, axis=None)))
+    return model.get_weights(), losses, optimizer.iterations
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_seed_custom_loop_on_two_sharded_processes_equals_one_plain_process(optimizer):
+    plain = run_distributed(_custom_loop, world_size=1, args=(False, optimizer), timeout=300)[0]
+    for weights, losses, iterations in run_distributed(_custom_loop, world_size=2, args=(True, optimizer),
+                                                       timeout=300):
+        assert iterations == STEPS
+        if optimizer == "sgd":
+            assert _max_rel(weights, plain[0]) <= 1e-5
+        else:
+            for got, want in zip(weights, plain[0], strict=True):
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(losses, plain[1], rtol=1e-5)  # SUM of compute_average_loss: global mean
+
+
+# ---- memory: 1/N of parameters + gradients + optimizer state ---------------------------------------
+def _training_bytes(rank, world, sharded):
+    from torch.distributed.tensor import DTensor
+
+    import meshfit as mf
+
+    def local(t):
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    with _scope(mf, world if sharded else None):
+        model = mf.Model(nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]))
+        model.compile(optimizer=mf.optimizers.Adam(0.01), loss="mse")
+    x = np.ones((8, 64), "float32")
+    model.fit(x, x, batch_size=8, epochs=1, verbose=0)
+    params = list(model.module.parameters())
+    for p in params:  # the gradients of one more backward (fit clears them after each step)
+        p.grad = None
+    model.module(torch.ones(4, 64)).sum().backward()
+    state = [v for s in model.optimizer.torch_optimizer.state.values() for v in s.values()
+             if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return sum(local(p) for p in params) + sum(local(p.grad) for p in params) + sum(local(v) for v in state)
+
+
+def test_each_process_holds_half_of_the_training_state():
+    replicated = run_distributed(_training_bytes, world_size=1, args=(False,), timeout=300)[0]
+    for per_process in run_distributed(_training_bytes, world_size=2, args=(True,), timeout=300):
+        assert per_process <= replicated / 2 * 1.05, (per_process, replicated)
