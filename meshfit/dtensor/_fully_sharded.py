@@ -43,6 +43,7 @@ class FullyShardedSync(ReplicatedSync):
             if torch.is_grad_enabled():
                 mark_reduced([p for p in module.parameters() if p.requires_grad])
 
+        pre_hook.meshfit_placement = True  # type: ignore[attr-defined]  # saving: no math changes here
         root.register_forward_pre_hook(pre_hook)
 
     def weighting(self, local_size: int, global_size: int) -> contextlib.AbstractContextManager[None]:

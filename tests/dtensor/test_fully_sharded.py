@@ -158,3 +158,48 @@ def test_each_process_holds_half_of_the_training_state():
     replicated = run_distributed(_training_bytes, world_size=1, args=(False,), timeout=300)[0]
     for per_process in run_distributed(_training_bytes, world_size=2, args=(True,), timeout=300):
         assert per_process <= replicated / 2 * 1.05, (per_process, replicated)
+
+
+# ---- checkpoints: sharded through DCP, resharded on load -------------------------------------------
+def test_backup_from_two_sharded_processes_continues_in_one_plain_process(plain_sgd, tmp_path):
+    import shutil
+
+    backup = str(tmp_path / "backup")
+    saved = run_distributed(_fit, world_size=2, args=(True, "sgd", backup, 1), timeout=300)
+    assert _max_rel(saved[0][0], plain_sgd[0]) <= 1e-5
+    uninterrupted = run_distributed(_fit, world_size=1, args=(False, "sgd", None, 2), timeout=300)[0]
+    for world, sharded in ((1, False), (2, True)):
+        copy = str(tmp_path / f"copy{world}")
+        shutil.copytree(backup, copy)
+        for weights, losses, _, iterations in run_distributed(_fit, world_size=world,
+                                                              args=(sharded, "sgd", copy, 2), timeout=300):
+            assert iterations == 2 * STEPS  # resumed at the start of epoch 2 (printed), then 20 more steps
+            assert _max_rel(weights, uninterrupted[0]) <= 1e-5
+            np.testing.assert_allclose(losses, uninterrupted[1], rtol=1e-5)  # epoch 1's from the backup
+
+
+def _fit_and_save(rank, world, path):
+    import meshfit as mf
+
+    with _scope(mf, world):
+        model = mf.Model(_module())
+        model.compile(optimizer=mf.optimizers.Adam(0.01),
+                      loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data()
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    model.save(path)  # every process calls it; the file holds full tensors
+    return model.get_weights()
+
+
+def test_model_save_gathers_full_weights_for_a_plain_process(tmp_path):
+    import meshfit as mf
+
+    path = str(tmp_path / "model.keras")
+    saved = run_distributed(_fit_and_save, world_size=2, args=(path,), timeout=300)[0]
+    loaded = mf.load_model(path)  # this plain process
+    assert [w.shape for w in loaded.get_weights()] == [(32, 8), (32,), (32, 32), (32,), (4, 32), (4,)]
+    for got, want in zip(loaded.get_weights(), saved, strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert loaded.optimizer.iterations == STEPS  # the optimizer state came too
+    x, y = _data()
+    loaded.fit(x[:16], y[:16], batch_size=BATCH, epochs=1, verbose=0)  # and it trains on
