@@ -132,8 +132,9 @@ def _check_not_shared(module: nn.Module, blocks: list[str]) -> None:
             paths = list(by_owner.values())
             where = [f"block {o!r}" if o else "the root (outside every block)" for o in by_owner]
             raise ValueError(f"Parameter {paths[0]!r} is shared with {paths[1]!r} ({where[0]} and {where[1]}): "
-                             "fully_shard cannot shard one parameter in two blocks. Name a block that holds both "
-                             f"in LayoutMap.fully_sharded(mesh, blocks=[...]), or untie the parameter.")
+                             "fully_shard cannot shard one parameter in two units. Name blocks that keep its uses "
+                             "together, e.g. LayoutMap.fully_sharded(mesh, blocks=[]) to shard the model as one "
+                             "unit, or untie the parameter.")
 
 
 def _broadcast_from_rank0(module: nn.Module, device_mesh: Any) -> None:

@@ -8,6 +8,8 @@ one process; bad input is refused before any step.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -166,6 +168,8 @@ def test_backup_from_two_sharded_processes_continues_in_one_plain_process(plain_
 
     backup = str(tmp_path / "backup")
     saved = run_distributed(_fit, world_size=2, args=(True, "sgd", backup, 1), timeout=300)
+    shards = sorted(f for f in os.listdir(os.path.join(backup, "ckpt-1")) if f.endswith(".distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]  # DCP: each process wrote its own shards
     assert _max_rel(saved[0][0], plain_sgd[0]) <= 1e-5
     uninterrupted = run_distributed(_fit, world_size=1, args=(False, "sgd", None, 2), timeout=300)[0]
     for world, sharded in ((1, False), (2, True)):
@@ -203,3 +207,52 @@ def test_model_save_gathers_full_weights_for_a_plain_process(tmp_path):
     assert loaded.optimizer.iterations == STEPS  # the optimizer state came too
     x, y = _data()
     loaded.fit(x[:16], y[:16], batch_size=BATCH, epochs=1, verbose=0)  # and it trains on
+
+
+# ---- bad input: refused when the model is created, before any step --------------------------------
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x):
+        return self.head(self.embed(x))
+
+
+def _create(rank, world, case):
+    import meshfit as mf
+
+    mesh = mf.dtensor.create_mesh([("batch", world)])
+    module = _Tied() if case.startswith("tied") else _module()
+    layout_map = mf.dtensor.LayoutMap.fully_sharded(mesh, blocks=[] if case == "tied-one-unit" else None)
+    if case == "hand-layout":
+        layout_map[r"^2\.weight$"] = mf.dtensor.Layout(["batch", mf.dtensor.UNSHARDED], mesh)
+    if case == "no-block":
+        layout_map = mf.dtensor.LayoutMap.fully_sharded(mesh, blocks=["0", "encoder"])
+    try:
+        with layout_map.scope():
+            model = mf.Model(module)
+    except ValueError as error:
+        return str(error)
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.ones((4, 4 if case.startswith("tied") else 8), "float32")
+    model.fit(x, np.ones((4, 4), "float32"), batch_size=4, verbose=0)
+    return "trained"
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("tied", ["Parameter 'embed.weight' is shared with 'head.weight'", "block 'embed' and block 'head'",
+              "blocks=[]"]),
+    ("hand-layout", ["Parameter '2.weight' has a hand layout", "LayoutMap.fully_sharded",
+                     "Remove the key that matches '2.weight'"]),
+    ("no-block", ["Invalid block 'encoder'", "expected a submodule path"]),
+])
+def test_bad_input_is_refused_before_any_step_naming_the_parameter_and_the_fix(case, expected):
+    (message,) = run_distributed(_create, world_size=1, args=(case,), timeout=120)
+    for part in expected:
+        assert part in message, message
+
+
+def test_a_tied_model_shards_as_one_unit_when_asked():
+    assert run_distributed(_create, world_size=2, args=("tied-one-unit",), timeout=120) == ["trained"] * 2
