@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshfit.distribute import GradientWeight, Placement, ReplicatedSync, mark_reduced
+from meshfit.distribute import DataParallelSync, GradientWeight, Placement, ReplicatedSync, mark_reduced
 
 
 @dataclasses.dataclass
@@ -47,8 +47,6 @@ class FullyShardedSync(ReplicatedSync):
         root.register_forward_pre_hook(pre_hook)
 
     def weighting(self, local_size: int, global_size: int) -> contextlib.AbstractContextManager[None]:
-        from meshfit.distribute import DataParallelSync
-
         return DataParallelSync.weighting_of(self.weight, self.replicas, local_size, global_size)
 
     def reduce(self, params: Any) -> None:
