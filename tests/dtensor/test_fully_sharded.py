@@ -57,7 +57,9 @@ def _fit(rank, world, sharded, optimizer, backup_dir=None, epochs=1):
     history = model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks)
     first = model.module[0].weight
     local = tuple(first.to_local().shape) if isinstance(first, DTensor) else tuple(first.shape)
-    return model.get_weights(), history.history["loss"], local, model.optimizer.iterations
+    evaluated = model.evaluate(x, y, batch_size=BATCH, verbose=0)
+    predicted = model.predict(x, batch_size=BATCH, verbose=0)
+    return model.get_weights(), history.history["loss"], local, model.optimizer.iterations, evaluated, predicted
 
 
 def _max_rel(a, b):
@@ -74,7 +76,7 @@ def test_fit_on_two_sharded_processes_equals_one_plain_process(optimizer, plain_
     plain = plain_sgd if optimizer == "sgd" else run_distributed(_fit, world_size=1, args=(False, optimizer),
                                                                  timeout=300)[0]
     sharded = run_distributed(_fit, world_size=2, args=(True, optimizer), timeout=300)
-    for weights, losses, local, iterations in sharded:
+    for weights, losses, local, iterations, evaluated, predicted in sharded:
         assert local == (16, 8)  # each process holds half of the first weight's rows
         assert iterations == STEPS
         if optimizer == "sgd":
@@ -83,6 +85,9 @@ def test_fit_on_two_sharded_processes_equals_one_plain_process(optimizer, plain_
             for got, want in zip(weights, plain[0], strict=True):
                 np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(losses, plain[1], rtol=1e-5)
+        np.testing.assert_allclose(evaluated, plain[4], rtol=1e-5)  # evaluate and predict work on it too
+        assert predicted.shape == (EXAMPLES, 4)
+        np.testing.assert_allclose(predicted, plain[5], rtol=1e-4, atol=1e-6)
     for a, b in zip(sharded[0][0], sharded[1][0], strict=True):
         np.testing.assert_array_equal(a, b)  # both processes gather the same full weights
 
@@ -175,7 +180,7 @@ def test_backup_from_two_sharded_processes_continues_in_one_plain_process(plain_
     for world, sharded in ((1, False), (2, True)):
         copy = str(tmp_path / f"copy{world}")
         shutil.copytree(backup, copy)
-        for weights, losses, _, iterations in run_distributed(_fit, world_size=world,
+        for weights, losses, _, iterations, _, _ in run_distributed(_fit, world_size=world,
                                                               args=(sharded, "sgd", copy, 2), timeout=300):
             assert iterations == 2 * STEPS  # resumed at the start of epoch 2 (printed), then 20 more steps
             assert _max_rel(weights, uninterrupted[0]) <= 1e-5
