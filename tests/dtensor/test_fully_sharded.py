@@ -214,6 +214,64 @@ def test_model_save_gathers_full_weights_for_a_plain_process(tmp_path):
     loaded.fit(x[:16], y[:16], batch_size=BATCH, epochs=1, verbose=0)  # and it trains on
 
 
+
+def _load_sharded(rank, world, path):
+    import meshfit as mf
+
+    with _scope(mf, world):
+        model = mf.load_model(path)  # full tensors from the file, split again over `batch`
+    weights = model.get_weights()
+    x, y = _data()
+    model.fit(x[:16], y[:16], batch_size=BATCH, epochs=1, verbose=0)
+    return weights, model.optimizer.iterations, tuple(model.module[0].weight.to_local().shape)
+
+
+def test_load_model_in_a_fully_sharded_scope_splits_the_saved_weights(tmp_path):
+    path = str(tmp_path / "model.keras")
+    saved = run_distributed(_fit_and_save, world_size=2, args=(path,), timeout=300)[0]
+    for weights, iterations, local in run_distributed(_load_sharded, world_size=2, args=(path,), timeout=300):
+        assert local == (16, 8)
+        for got, want in zip(weights, saved, strict=True):
+            np.testing.assert_array_equal(got, want)
+        assert iterations == STEPS + 2  # the saved optimizer state, resharded, then 2 more steps
+
+
+def _checkpoint(rank, world, sharded, directory, restore):
+    import meshfit as mf
+
+    with _scope(mf, world if sharded else None):
+        model = mf.Model(_module())
+        optimizer = mf.optimizers.Adam(0.01)
+    variables = model.trainable_variables
+    optimizer.build(variables)
+    step = torch.tensor(0)
+    checkpoint = mf.train.Checkpoint(model=model, optimizer=optimizer, step=step)
+    if restore:
+        checkpoint.restore(mf.train.latest_checkpoint(directory))
+    else:
+        model(torch.ones(4, 8), training=True).sum().backward()
+        optimizer.apply_gradients(zip([v.grad for v in variables], variables, strict=True))
+        step += 7
+        mf.train.CheckpointManager(checkpoint, directory, max_to_keep=1).save()
+    state = next(iter(optimizer.torch_optimizer.state.values()))
+    return model.get_weights(), int(step), optimizer.iterations, [np.asarray(_full(state["exp_avg"]))]
+
+
+def _full(tensor):
+    from torch.distributed.tensor import DTensor
+
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().numpy()
+
+
+def test_train_checkpoint_from_two_sharded_processes_restores_in_one_plain_process(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    saved = run_distributed(_checkpoint, world_size=2, args=(True, directory, False), timeout=300)[0]
+    weights, step, iterations, moments = run_distributed(_checkpoint, world_size=1,
+                                                         args=(False, directory, True), timeout=300)[0]
+    assert step == 7 and iterations == 1
+    for got, want in zip(weights + moments, saved[0] + saved[3], strict=True):
+        np.testing.assert_array_equal(got, want)
+
 # ---- bad input: refused when the model is created, before any step --------------------------------
 class _Tied(nn.Module):
     def __init__(self):
