@@ -96,11 +96,9 @@ def fully_shard_module(module: nn.Module, layout_map: Any, device_mesh: Any, bat
     _broadcast_from_rank0(module, device_mesh)
     replicas = mesh.dim_size(batch_axis)
     for name in blocks:
-        block = module.get_submodule(name)
-        fully_shard(block, mesh=device_mesh)
-        block.set_custom_reduce_scatter(_weighted_reduce_scatter(weight, replicas))
-    fully_shard(module, mesh=device_mesh)
-    module.set_custom_reduce_scatter(_weighted_reduce_scatter(weight, replicas))
+        fully_shard(module.get_submodule(name), mesh=device_mesh).set_custom_reduce_scatter(
+            _weighted_reduce_scatter(weight, replicas))
+    fully_shard(module, mesh=device_mesh).set_custom_reduce_scatter(_weighted_reduce_scatter(weight, replicas))
     sync = FullyShardedSync(weight, replicas)
     sync.install(module)
     return Placement(module, module, sync)
