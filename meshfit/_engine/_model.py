@@ -88,6 +88,8 @@ class Model(WeightsMixin):
         self.steps_per_execution = 1  # training steps between two batch-callback calls (compile's argument)
         self._input_example: Any = None  # one example of the batch built on, for summary()'s shapes
         self._warned_untrainable = False  # once a fit: "The model does not have any trainable weights"
+        if getattr(self.strategy, "places_on_creation", lambda m: False)(module):  # sharded as Keras lays out
+            self.placement = self.strategy.setup_module(module)  # variables: at creation (custom loops too)
 
     # ---- compile -------------------------------------------------------------------------
     def compile(self, optimizer: Any = "rmsprop", loss: Any = None, metrics: list[Any] | None = None,

@@ -18,6 +18,7 @@ Layout (``json.dumps`` works on it)::
 from __future__ import annotations
 
 import json
+import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -162,21 +163,42 @@ def _has_custom_behaviour(module: nn.Module) -> bool:
         pre_hooks.pop(lazy_hook.id, None)
     forward_hooks = dict(module._forward_hooks)
     for table in (pre_hooks, forward_hooks):  # a strategy's placement hooks (mf.dtensor) change no math
-        for key in [k for k, hook in table.items() if getattr(hook, "meshfit_placement", False)]:
+        for key in [k for k, hook in table.items() if _is_placement_hook(hook)]:
             del table[key]
     hooks = (forward_hooks, pre_hooks, module._backward_hooks, module._state_dict_hooks)
     return any(hooks) or "forward" in vars(module)
 
 
+def _is_placement_hook(hook: Any) -> bool:
+    """A hook of a strategy's placement: meshfit's (marked) or torch ``fully_shard``'s (its state's methods)."""
+    if getattr(hook, "meshfit_placement", False):
+        return True
+    owner = getattr(hook, "__self__", None)
+    return owner is not None and type(owner).__module__.startswith("torch.distributed.fsdp.")
+
+
+def plain_type(module: nn.Module) -> type:
+    """The module's own class: the one ``fully_shard`` subclassed (``FSDPLinear`` -> ``Linear``), else its type."""
+    cls = type(module)
+    if "torch.distributed.fsdp" not in sys.modules:  # nothing was fully sharded in this process
+        return cls
+    from torch.distributed.fsdp import FSDPModule
+
+    if issubclass(cls, FSDPModule) and FSDPModule in cls.__bases__:
+        return next(base for base in cls.__bases__ if base is not FSDPModule)
+    return cls
+
+
 def _describe(module: nn.Module) -> dict[str, Any]:
     """The config node of one module (raises `_Unsupported`)."""
-    class_name = type(module).__name__
+    cls = plain_type(module)
+    class_name = cls.__name__
     if _has_custom_behaviour(module):
         raise _Unsupported
-    if class_name in _CONTAINERS and type(module) is _CONTAINERS[class_name]:
+    if class_name in _CONTAINERS and cls is _CONTAINERS[class_name]:
         layers = [{"name": name, **_describe(child)} for name, child in module.named_children()]
         return {"class_name": class_name, "layers": layers}
-    if class_name not in _LAYERS or type(module) is not _LAYERS[class_name][0]:
+    if class_name not in _LAYERS or cls is not _LAYERS[class_name][0]:
         raise _Unsupported
     kwargs = _LAYERS[class_name][1](module)
     config = {name: _json_value(value) for name, value in kwargs.items()}

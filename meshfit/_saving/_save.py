@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshfit._saving._architecture import module_to_config
+from meshfit._saving._architecture import module_to_config, plain_type
 from meshfit._saving._keras_archive import is_archive_path, pack, unpack
 from meshfit._saving._weights import (
     flatten_optimizer_state,
@@ -121,7 +121,7 @@ def save_model(model: Any, filepath: str | os.PathLike) -> None:
         config: dict[str, Any] = {
             "format": FORMAT,
             "name": model.name,
-            "module_class": f"{type(module).__module__}.{type(module).__qualname__}",
+            "module_class": f"{plain_type(module).__module__}.{plain_type(module).__qualname__}",
             "architecture": module_to_config(module),
             "compile": compile_config,
             "optimizer_state": None,

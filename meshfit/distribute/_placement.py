@@ -4,7 +4,7 @@
 ``placement.module``, weights and state dicts are read from ``placement.source`` (the user's module),
 and an optimizer step asks ``placement.gradient_sync`` which gradients still need a reduction.
 
-Three ways gradients are kept in sync, each a `GradientSync`:
+Four ways gradients are kept in sync, each a `GradientSync`:
 
 Implementations (`meshfit.distribute._gradient_sync`):
 
@@ -20,7 +20,8 @@ Implementations (`meshfit.distribute._gradient_sync`):
 - layouts (DTensor parameters, `meshfit.dtensor`): their placements say how each gradient is reduced
   (`ReplicatedSync` reduces a DTensor gradient by its layout).
 
-Fully sharded data parallel plugs in as a fourth.
+- fully sharded (`meshfit.dtensor._fully_sharded.FullyShardedSync`, ``LayoutMap.fully_sharded``):
+  torch's ``fully_shard`` reduce-scatters the gradients in the backward, weighted as DDP's hook does.
 """
 
 from __future__ import annotations

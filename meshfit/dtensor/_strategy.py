@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from meshfit.data import map_structure
 from meshfit.distribute import (
@@ -42,6 +43,7 @@ from meshfit.distribute import (
     weighted_allreduce_hook,
 )
 from meshfit.dtensor._apply import apply_layouts, attach_layout, resolve_layouts
+from meshfit.dtensor._fully_sharded import fully_shard_module
 from meshfit.dtensor._layout import Layout
 from meshfit.dtensor._layout_map import LayoutMap
 from meshfit.dtensor._mesh import Mesh
@@ -86,6 +88,12 @@ class MeshStrategy(CollectiveStrategy):
         view = copy.copy(self)
         view.layout_map = layout_map
         return view
+
+    def places_on_creation(self, module: nn.Module) -> bool:
+        """Whether ``mf.Model(module)`` places the module at once: fully sharded (Keras's ``ModelParallel``
+        lays variables out when they are created), unless a lazy parameter waits for the first batch."""
+        return self.layout_map is not None and self.layout_map.is_fully_sharded and \
+            not any(is_lazy(p) for p in module.parameters())
 
     # ---- identity: the data-parallel axis --------------------------------------------------
     @property
@@ -146,6 +154,12 @@ class MeshStrategy(CollectiveStrategy):
         """Lay out ``module``'s parameters, compile if asked; replicated-only layouts take DDP's bucketed path."""
         source = module = module.to(self._device)
         layout_map = self.layout_map if self.layout_map is not None else LayoutMap(self.mesh)
+        if layout_map.is_fully_sharded:
+            if jit_compile:
+                raise ValueError("Invalid `jit_compile=True` with LayoutMap.fully_sharded: torch.compile of a "
+                                 "fully sharded model is not supported yet. Compile with jit_compile=False.")
+            self._sharded = True
+            return fully_shard_module(module, layout_map, self._device_mesh, self._batch, self._gradient_weight)
         layouts = resolve_layouts(module, layout_map)
         # Layouts given (any key, even all replicated: the seed's Dense(kernel_layout=unsharded...)) make
         # DTensor parameters, as apply_layouts per layer does, so pack()ed inputs meet them in custom loops.
