@@ -77,14 +77,16 @@ def _form_world(value: Mesh, devices: Sequence[str] | None, options: Communicati
     if replica_identity() is not None:  # a replica a plain-script mesh started
         parsed, options = local_devices(list(devices or []) or None, options)
         return form_local_world(parsed, options), options
-    options = options if options is not None else CommunicationOptions()
     if dist.is_initialized() or resolve_cluster() is not None:
+        options = options if options is not None else CommunicationOptions()
         return form_cluster_world(options), options
     if value.size > 1 and devices is None:
         raise ValueError(f"Invalid mesh {value!r}: it needs {value.size} processes but this one was started alone. "
                          f"Pass devices=[...] with {value.size} local devices (the others are started for you), "
                          f"or start the job with `meshfit launch --workers {value.size}` or torchrun.")
     if value.size > 1 and devices is not None:  # (None was refused above)
+        # the options the replicas it starts derive too (local_devices' defaults): they must agree
         parsed, options = local_devices(list(devices), options)
         return form_local_world(parsed, options), options
+    options = options if options is not None else CommunicationOptions()
     return form_cluster_world(options), options
