@@ -47,10 +47,12 @@ def _round(scale: float) -> dict:
              scale_1p2t={"ms_per_step": 9.0}, scale_2w1t={"ms_per_step": 10.0}, scale_2x1t_alone={"ms_per_step": 9.5},
              scale_2w1t_bf16={"ms_per_step": 9.0},
              imports={"torch_s": [2.0, 1.0, 3.0], "meshfit_s": [2.2, 1.2, 3.3]},
-             first_1p={"spawned": 100.0, "first_step_end": 103.5}, first_2w={"spawned": 0.0, "first_step_end": 5.0})
+             first_1p={"spawned": 100.0, "first_step_end": 103.5}, first_2w={"spawned": 0.0, "first_step_end": 5.0},
+             mlp50k_meshfit={"ms_per_step": 1.5}, mlp50k_meshfit_off={"ms_per_step": 3.0},
+             fit_1t_flush_off={"ms_per_step": 10.0 * scale}, recovery={"total": 4.0, "detection": 0.2})
     steps = [10.0] * 89
     steps[60 - 1] = 13.0  # the save at step 60 (step 90 ends the run: no next start)
-    r.update(backup_none={"step_ms": [10.0] * 89}, backup_sync={"step_ms": steps}, backup_async={"step_ms": steps})
+    r.update(backup_none={"step_ms": [10.0] * 89}, backup_sync={"step_ms": steps}, backup_default={"step_ms": steps})
     return r
 
 
@@ -62,9 +64,11 @@ def test_rows_are_per_round_ratios_and_the_table_shows_their_median():
     assert rows["fit/hand 1t"] == [1.25, 2.5, 1.875]
     assert rows["2w/1p2t"] == [0.9] * 3
     assert rows["backup sync saving step +ms"] == [3.0] * 3
+    assert rows["backup default saving step +ms"] == [3.0] * 3
+    assert rows["mlp50k flush/off"] == [0.5] * 3 and rows["recovery total"] == [4.0] * 3
     assert rows["import meshfit/torch"] == pytest.approx([1.1] * 3)  # median of per-pair 1.1, 1.2, 1.1
     assert rows["import torch s"] == [2.0] * 3
-    text = bench_all.table(rows, cores=2, load=(0.5, 3.0), save_freq=30)
+    text = bench_all.table(rows, cores=2, load=(0.5, 3.0), save_freq=30, mlp50k_steps=1563)
     assert "machine: 2 cores" in text and "MEASURED UNDER LOAD" in text
     assert "| 1.875 [1.250–2.500] |" in text                      # median of the per-round ratios
     assert "| 0.500 [0.500–0.500] | – | ≤ 1.0 |" in text            # meshfit ÷ TF
