@@ -33,10 +33,16 @@ class Chaos(mf.callbacks.Callback):
         super().__init__()
         self.args, self.rank = args, rank
         self.first_round = os.environ.get("MESHFIT_RESTART_COUNT", "0") == "0"
+        self.backup = None  # the run's BackupAndRestore, if any
 
     def on_train_batch_begin(self, batch, logs=None):
         step = self.model.loop_state.iterations + 1
         if self.first_round and self.args.kill_rank == self.rank and step == self.args.kill_at:
+            if self.backup is not None:
+                # BackupAndRestore saves in the background by default: let the backup in flight land, so
+                # the kill follows a complete one as with synchronous saves (a kill inside a save is the
+                # --kill-end-rank trials' and the checkpoint chaos tests' case).
+                self.backup.wait()
             with open(os.path.join(self.args.out, "killed-at.txt"), "w") as f:
                 f.write(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
@@ -147,13 +153,15 @@ def main() -> None:
     if args.record:
         restart = os.environ.get("MESHFIT_RESTART_COUNT", "0")
         model.record = open(os.path.join(args.out, f"seen-{rank}-{restart}.txt"), "a")
-    callbacks = [Chaos(args, rank)]
+    chaos = Chaos(args, rank)
+    callbacks = [chaos]
     if args.backup_dir:
         save_freq = args.save_freq if args.save_freq == "epoch" else int(args.save_freq)
-        callbacks.insert(1 if args.kill_end_rank >= 0 else 0, mf.callbacks.BackupAndRestore(args.backup_dir, save_freq=save_freq,
-                                                          delete_checkpoint=not args.keep_backup,
-                                                          **({} if args.async_save is None
-                                                             else {"async_save": args.async_save})))
+        chaos.backup = mf.callbacks.BackupAndRestore(args.backup_dir, save_freq=save_freq,
+                                                     delete_checkpoint=not args.keep_backup,
+                                                     **({} if args.async_save is None
+                                                        else {"async_save": args.async_save}))
+        callbacks.insert(1 if args.kill_end_rank >= 0 else 0, chaos.backup)
     if args.checkpoint_dir:
         callbacks.append(mf.callbacks.ModelCheckpoint(os.path.join(args.checkpoint_dir, "ckpt-{epoch}")))
     model.fit(dataset, epochs=args.epochs, steps_per_epoch=steps, callbacks=callbacks, verbose=2)
