@@ -293,7 +293,9 @@ def test_a_corrupt_latest_backup_falls_back_to_the_previous_one(data, tmp_path):
     backup = tmp_path / "backup"
     reference, _ = fit(x, y, [], epochs=1)
     with pytest.raises(RuntimeError, match="Interruption"):
-        fit(x, y, [mf.callbacks.BackupAndRestore(str(backup), save_freq=2), InterruptAtStep(7)], epochs=1)
+        # synchronous: the backup of step 6 is complete when the interruption at step 7 ends fit
+        fit(x, y, [mf.callbacks.BackupAndRestore(str(backup), save_freq=2, async_save=False), InterruptAtStep(7)],
+            epochs=1)
     latest = mf.train.latest_checkpoint(backup)
     assert latest.endswith("ckpt-3")
     data_file = os.path.join(latest, "__0_0.distcp")
