@@ -139,13 +139,12 @@ def test_agree_on_settings_names_each_workers_value():
 
 _NEW_GROUP_AFTER_PEER_DIED = r"""
 import os, sys, time, torch.distributed as dist, meshfit as mf
-from meshfit.distribute._rendezvous import new_group
 strategy = mf.MultiWorkerMirroredStrategy(communication_options=mf.CommunicationOptions(timeout_seconds=5))
 if strategy.replica_id == 1:
     os._exit(0)  # gone before the group below is created
 started = time.monotonic()
 try:
-    new_group(backend="gloo")
+    strategy.world.new_group(backend="gloo")  # every group creation gets the World's timeout
     print("created")
 except Exception as error:
     print(f"new_group failed after {time.monotonic() - started:.1f} s: {type(error).__name__}", flush=True)
@@ -164,7 +163,5 @@ def test_group_creation_is_bounded_by_the_configured_timeout(tmp_path):
 
 
 def test_communication_options_timeout_reaches_the_group():
-    from meshfit.distribute._rendezvous import group_timeout
-
-    mf.MultiWorkerMirroredStrategy(communication_options=mf.CommunicationOptions(timeout_seconds=12))
-    assert group_timeout().total_seconds() == 12
+    strategy = mf.MultiWorkerMirroredStrategy(communication_options=mf.CommunicationOptions(timeout_seconds=12))
+    assert strategy.world.timeout.total_seconds() == 12

@@ -48,7 +48,7 @@ def _interrupted_backup(data, backup: str, **pipeline) -> None:
     x, y = data
     with pytest.raises(RuntimeError, match="Interruption"):
         _model().fit(_pipeline(x, y, **pipeline), epochs=2, verbose=0,
-                     callbacks=[mf.callbacks.BackupAndRestore(backup, save_freq=3), InterruptAt(5)])
+                     callbacks=[mf.callbacks.BackupAndRestore(backup, save_freq=3, async_save=False), InterruptAt(5)])
 
 
 def _resume(model: mf.Model, dataset, backup: str, **fit) -> None:
@@ -79,7 +79,7 @@ def test_array_input_with_another_batch_size_is_refused(data, tmp_path):
     backup = str(tmp_path / "backup")
     with pytest.raises(RuntimeError, match="Interruption"):
         _model().fit(x, y, batch_size=32, epochs=2, verbose=0,
-                     callbacks=[mf.callbacks.BackupAndRestore(backup, save_freq=3), InterruptAt(5)])
+                     callbacks=[mf.callbacks.BackupAndRestore(backup, save_freq=3, async_save=False), InterruptAt(5)])
     with pytest.raises(ValueError, match=r"global batch size: saved 32, now 16"):
         _model().fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[mf.callbacks.BackupAndRestore(backup)])
 
