@@ -103,7 +103,9 @@ def main(argv: list[str] | None = None) -> None:
     with strategy.scope():
         model = build_and_compile_cnn_model()
     backup_dir = args.backup_dir or os.path.join(tempfile.gettempdir(), "meshfit-demo-backup")
-    callbacks = [mf.callbacks.BackupAndRestore(backup_dir=backup_dir, save_freq=args.save_freq),
+    # Synchronous saves: the demo shows each backup as it lands, at the step it holds (the default
+    # async write lands a few steps later; the resume is exact either way).
+    callbacks = [mf.callbacks.BackupAndRestore(backup_dir=backup_dir, save_freq=args.save_freq, async_save=False),
                  ShowBackups(backup_dir)]
     task = tf_config.get("task", {})
     crash_worker = num_workers - 1
