@@ -69,7 +69,6 @@ class World:
     owns_group: bool = False
     hosts_store: bool = False
     _async_group: Any = dataclasses.field(default=None, repr=False)
-    _on_shutdown: list[Any] = dataclasses.field(default_factory=list, repr=False)
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> World:
@@ -135,12 +134,6 @@ class World:
             dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=self.control_group)
         return tensor
 
-    def control_broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Broadcast a CPU tensor from ``src`` over the control plane, in place."""
-        if self.distributed:
-            dist.broadcast(tensor, src=src, group=self.control_group)
-        return tensor
-
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, by rank, over the control plane."""
         if not self.distributed:
@@ -163,18 +156,11 @@ class World:
             dist.barrier(group=self.control_group)
 
     # ---- lifetime -------------------------------------------------------------------------------
-    def on_shutdown(self, action: Any) -> None:
-        """Run ``action()`` when this world shuts down (before the group is destroyed)."""
-        self._on_shutdown.append(action)
-
     def shutdown(self, wait_for_peers: float = 0.0) -> None:
-        """Stop the heartbeat, run the shutdown actions, destroy the group this world formed."""
+        """Stop the heartbeat, destroy the group this world formed."""
         if self.heartbeat is not None:
             self.heartbeat.stop(wait_for_peers=wait_for_peers if self.hosts_store else 0.0)
             self.heartbeat = None
-        actions, self._on_shutdown = self._on_shutdown, []
-        for action in reversed(actions):
-            action()
         if self.owns_group and dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
