@@ -7,7 +7,6 @@ from meshfit.distribute._failure import FailureState as FailureState
 from meshfit.distribute._gradient_sync import DataParallelSync as DataParallelSync
 from meshfit.distribute._gradient_sync import ReplicatedSync as ReplicatedSync
 from meshfit.distribute._gradient_weight import GradientWeight as GradientWeight
-from meshfit.distribute._gradient_weight import weighted_allreduce_hook as weighted_allreduce_hook
 from meshfit.distribute._heartbeat import PEER_FAILURE_EXIT_CODE, PeerFailureError
 from meshfit.distribute._mirrored import MirroredStrategy
 

@@ -27,7 +27,7 @@ from meshfit.cluster import (
     resolve_cluster,
 )
 from meshfit.distribute._gradient_sync import DataParallelSync, ReplicatedSync
-from meshfit.distribute._gradient_weight import GradientWeight, weighted_allreduce_hook
+from meshfit.distribute._gradient_weight import GradientWeight, bfloat16_allreduce_hook
 from meshfit.distribute._heartbeat import Heartbeat, PeerFailureError, report_uncaught_peer_failures
 from meshfit.distribute._liveness import (
     LIVENESS_INVITATION,
@@ -281,7 +281,8 @@ class CollectiveStrategy(Strategy):
         options = self.communication_options
         pack: dict[str, Any] = {"bucket_cap_mb": options.bytes_per_pack / 2**20} if options.bytes_per_pack else {}
         wrapped = DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True, **pack)
-        wrapped.register_comm_hook(self._gradient_weight, weighted_allreduce_hook)
+        if self._gradient_weight.compression == "bfloat16":
+            wrapped.register_comm_hook(self._gradient_weight, bfloat16_allreduce_hook)
         sync = DataParallelSync(self._gradient_weight, self._world)
         sync.install(wrapped)  # the optimizer must not reduce these gradients again
         return Placement(wrapped, source, sync)

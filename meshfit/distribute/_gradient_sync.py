@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshfit.distribute._gradient_weight import GradientWeight
+from meshfit.distribute._gradient_weight import GradientWeight, scale_accumulated_gradients
 from meshfit.distribute._placement import mark_reduced
 from meshfit.distribute._replication import synchronize_gradients
 
@@ -30,18 +30,21 @@ class ReplicatedSync:
 
 @dataclasses.dataclass
 class DataParallelSync(ReplicatedSync):
-    """DDP's all-reduce through the batch-weighting hook; see the module docstring."""
+    """DDP's all-reduce, each replica's gradient weighted by its batch share; see `GradientWeight`."""
 
     weight: GradientWeight
     replicas: int
 
     def install(self, wrapper: nn.Module) -> None:
-        """Mark the wrapper's parameters as reduced whenever it runs a training forward."""
+        """Whenever the wrapper runs a training forward: mark its parameters as reduced, and on an
+        uneven step have their gradients weighted before DDP's reducer reads them."""
         params = [p for p in wrapper.parameters() if p.requires_grad]
+        weight = self.weight
 
         def pre_hook(module: nn.Module, args: Any) -> None:
             if torch.is_grad_enabled() and getattr(module, "require_backward_grad_sync", True):
                 mark_reduced(params)
+                scale_accumulated_gradients(weight, params)
 
         wrapper.register_forward_pre_hook(pre_hook)
 
@@ -61,4 +64,4 @@ class DataParallelSync(ReplicatedSync):
         try:
             yield
         finally:
-            weight.factor, weight.in_step = 1.0, False
+            weight.end_step()

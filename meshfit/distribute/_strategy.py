@@ -226,8 +226,8 @@ class Strategy:
 
         Replicas average their gradients, which is the gradient of the global batch's mean loss
         only when their shares are equal. For a last, uneven global batch, each replica's
-        contribution is scaled by ``local_size * replicas / global_size`` — in the gradient
-        all-reduce itself, so it holds for a user's own ``train_step`` too. One replica: nothing to do.
+        contribution is scaled by ``local_size * replicas / global_size`` — on each parameter's
+        gradient before the all-reduce reads it, so it holds for a user's own ``train_step`` too. One replica: nothing to do.
         """
         return contextlib.nullcontext()
 

@@ -40,7 +40,6 @@ from meshfit.distribute import (
     ReplicatedSync,
     World,
     compiled,
-    weighted_allreduce_hook,
 )
 from meshfit.dtensor._apply import apply_layouts, attach_layout, resolve_layouts
 from meshfit.dtensor._fully_sharded import fully_shard_module
@@ -179,7 +178,6 @@ class MeshStrategy(CollectiveStrategy):
         device_ids = [self._device.index] if self._device.type == "cuda" else None
         wrapped = DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True,
                                           process_group=self._group_of(self._batch))
-        wrapped.register_comm_hook(self._gradient_weight, weighted_allreduce_hook)
         sync = DataParallelSync(self._gradient_weight, self.num_replicas_in_sync)
         sync.install(wrapped)  # a meshfit optimizer must not reduce these gradients again
         return Placement(wrapped, source, sync)
@@ -201,7 +199,7 @@ class MeshStrategy(CollectiveStrategy):
         try:
             yield
         finally:
-            self._gradient_weight.factor, self._gradient_weight.in_step = 1.0, False
+            self._gradient_weight.end_step()
             self._grad_factor = 1.0 / replicas
 
     def batch_placements(self) -> list[Any]:
