@@ -8,7 +8,7 @@ these, never against `Model` or a concrete strategy: `Model` and the Estimator a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -52,8 +52,6 @@ class GradientSyncLike(Protocol):
     """How a placement's gradients reach every replica (see `meshfit.distribute.GradientSync`)."""
 
     def weighting(self, local_size: int, global_size: int) -> AbstractContextManager[None]: ...
-
-    def reduce(self, params: Iterable[torch.Tensor]) -> None: ...
 
     def in_step(self) -> bool: ...
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -12,7 +12,6 @@ from torch import nn
 
 from meshfit.distribute._gradient_weight import GradientWeight, scale_accumulated_gradients
 from meshfit.distribute._placement import mark_reduced
-from meshfit.distribute._replication import synchronize_gradients
 
 
 class ReplicatedSync:
@@ -20,9 +19,6 @@ class ReplicatedSync:
 
     def weighting(self, local_size: int, global_size: int) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
-
-    def reduce(self, params: Iterable[torch.Tensor]) -> None:
-        synchronize_gradients(params)
 
     def in_step(self) -> bool:
         return True  # no wrapper: the module itself runs every forward

@@ -2,7 +2,8 @@
 
 ``strategy.setup_module(module)`` returns a `Placement`; the loop runs the training forward through
 ``placement.module``, weights and state dicts are read from ``placement.source`` (the user's module),
-and an optimizer step asks ``placement.gradient_sync`` which gradients still need a reduction.
+and ``placement.gradient_sync`` marks the gradients its wrapper reduced, so that an optimizer step
+reduces only the others.
 
 Four ways gradients are kept in sync, each a `GradientSync`:
 
@@ -55,14 +56,16 @@ def take_reduced(param: torch.Tensor) -> bool:
 
 
 class GradientSync(Protocol):
-    """How a placement's gradients reach every replica (the seam an optimizer step asks)."""
+    """How a placement's gradients reach every replica.
+
+    An optimizer step holds parameters, not placements (one optimizer may train several models'
+    parameters): it asks each parameter. A placement whose wrapper reduced a gradient in the backward
+    marks the parameter (`mark_reduced`); the step's `synchronize_gradients` reduces every gradient not
+    marked, by the strategy whose scope created the parameter (or its DTensor layout).
+    """
 
     def weighting(self, local_size: int, global_size: int) -> contextlib.AbstractContextManager[None]:
         """Inside ``fit``'s step: a replica's gradient counts by its share of the global batch."""
-        ...
-
-    def reduce(self, params: Iterable[torch.Tensor]) -> None:
-        """Reduce the gradients of ``params`` that are not reduced yet (an optimizer step calls it)."""
         ...
 
     def in_step(self) -> bool:

@@ -49,9 +49,6 @@ class FullyShardedSync(ReplicatedSync):
     def weighting(self, local_size: int, global_size: int) -> contextlib.AbstractContextManager[None]:
         return DataParallelSync.weighting_of(self.weight, self.replicas, local_size, global_size)
 
-    def reduce(self, params: Any) -> None:
-        """Nothing left to reduce: FSDP reduce-scattered the gradients in the backward."""
-
     def in_step(self) -> bool:
         return True  # the module is the sharded module: every forward runs through FSDP
 
