@@ -58,6 +58,8 @@ def main() -> None:
     parser.add_argument("--save-freq", default="epoch")
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-at", type=int, default=-1)
+    parser.add_argument("--fully-sharded", action="store_true",
+                        help="LayoutMap.fully_sharded(mesh) instead of the seed's hand layouts (mesh batch=N)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(1337)  # every process starts from the same seed, as the seed tutorial asks
@@ -67,9 +69,12 @@ def main() -> None:
     mesh = mf.dtensor.create_mesh(dims, devices=devices)
     rank = mesh.strategy.mesh.device_mesh.get_rank()
 
-    layout_map = mf.dtensor.LayoutMap(mesh=mesh)
-    layout_map["feature.*weight"] = mf.dtensor.Layout(["model", mf.dtensor.UNSHARDED], mesh)
-    layout_map["feature.*bias"] = mf.dtensor.Layout(["model"], mesh)
+    if args.fully_sharded:
+        layout_map = mf.dtensor.LayoutMap.fully_sharded(mesh)
+    else:
+        layout_map = mf.dtensor.LayoutMap(mesh=mesh)
+        layout_map["feature.*weight"] = mf.dtensor.Layout(["model", mf.dtensor.UNSHARDED], mesh)
+        layout_map["feature.*bias"] = mf.dtensor.Layout(["model"], mesh)
     with layout_map.scope():
         model = mf.Model(SubclassedModel())
         model.compile(optimizer=mf.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy",
@@ -92,7 +97,8 @@ def main() -> None:
     np.savez(os.path.join(args.out, f"weights-{rank}.npz"), **{f"w{i}": w for i, w in enumerate(weights)})
     with open(os.path.join(args.out, f"layouts-{rank}.txt"), "w") as f:
         for path, param in model.module.named_parameters():
-            f.write(f"{path} {type(param).__mro__[1].__name__} {param.layout.to_string()}\n")
+            layout = "fully sharded" if args.fully_sharded else param.layout.to_string()
+            f.write(f"{path} {type(param).__mro__[1].__name__} {layout}\n")
         f.write(f"loss {history.history['loss'][-1]:.6f}\n")
 
 
