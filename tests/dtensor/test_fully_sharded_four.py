@@ -1,5 +1,5 @@
-"""Fully sharded data parallel on 4 gloo processes (issue 21): ``fit`` on ``[("batch", 4)]`` equals one
-plain process, and a backup written mid-epoch by 4 processes resumes on 2, then on 1, and the model
+"""Fully sharded data parallel on 4 gloo processes (issue 21): ``fit`` and the seed's custom loop on
+``[("batch", 4)]`` equal one plain process, and a backup written mid-epoch by 4 processes resumes on 2, then on 1, and the model
 that run saves loads in a plain process.
 
 The model, data and run are ``test_fully_sharded``'s: 20 steps of 8 examples an epoch, the last one of
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_fully_sharded import BATCH, STEPS, _data, _fit, _max_rel, _module, _scope
+from test_fully_sharded import BATCH, STEPS, _custom_loop, _data, _fit, _max_rel, _module, _scope
 
 from tests._multiproc import run_distributed
 
@@ -38,6 +38,20 @@ def test_fit_on_four_sharded_processes_equals_one_plain_process(optimizer, plain
     for other in sharded[1:]:
         for a, b in zip(sharded[0][0], other[0], strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_seed_custom_loop_on_four_sharded_processes_equals_one_plain_process(optimizer):
+    plain = run_distributed(_custom_loop, world_size=1, args=(False, optimizer), timeout=300)[0]
+    for weights, losses, iterations in run_distributed(_custom_loop, world_size=4, args=(True, optimizer),
+                                                       timeout=400):
+        assert iterations == STEPS
+        if optimizer == "sgd":
+            assert _max_rel(weights, plain[0]) <= 1e-5
+        else:
+            for got, want in zip(weights, plain[0], strict=True):
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(losses, plain[1], rtol=1e-5)
 
 
 # ---- resharding a mid-epoch backup: 4 -> 2 -> 1 -> a plain process --------------------------------
