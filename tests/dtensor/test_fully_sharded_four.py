@@ -1,6 +1,6 @@
 """Fully sharded data parallel on 4 gloo processes (issue 21): ``fit`` and the seed's custom loop on
-``[("batch", 4)]`` equal one plain process, and a backup written mid-epoch by 4 processes resumes on 2, then on 1, and the model
-that run saves loads in a plain process.
+``[("batch", 4)]`` equal one plain process, and a backup written mid-epoch by 4 processes resumes on
+2, then on 1, and the model that run saves loads in a plain process.
 
 The model, data and run are ``test_fully_sharded``'s: 20 steps of 8 examples an epoch, the last one of
 5 (2, 1, 1, 1 examples on the 4 processes).
