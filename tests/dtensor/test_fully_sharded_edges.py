@@ -63,10 +63,11 @@ def _fit_mixed(rank, world, sharded):
         model.compile(optimizer=mf.optimizers.SGD(0.1),
                       loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
     x, y = _data()
+    computed = set()
+    model.module[0].register_forward_hook(lambda module, args, output: computed.add(str(output.dtype)))
     history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     dtypes = sorted({str(p.dtype) for p in model.module.parameters()})
-    output = model.predict(x[:4], verbose=0)
-    return model.get_weights(), history.history["loss"], dtypes, str(output.dtype)
+    return model.get_weights(), history.history["loss"], dtypes, sorted(computed)
 
 
 def _initial():
@@ -76,8 +77,12 @@ def _initial():
 @pytest.mark.filterwarnings("ignore")
 def test_mixed_bfloat16_trains_on_two_sharded_processes_like_one(tmp_path):
     plain = run_distributed(_fit_mixed, world_size=1, args=(False,), timeout=300)[0]
-    for weights, losses, dtypes, _ in run_distributed(_fit_mixed, world_size=2, args=(True,), timeout=300):
+    assert plain[3] == ["torch.bfloat16"]
+    for weights, losses, dtypes, computed in run_distributed(_fit_mixed, world_size=2, args=(True,), timeout=300):
         assert dtypes == ["torch.float32"]  # variables stay float32 (the policy's variable dtype)
-        assert _max_rel(weights, plain[0]) <= 2e-2  # bfloat16 compute: sums over other splits of the batch
-        np.testing.assert_allclose(losses, plain[1], rtol=2e-2)
+        assert computed == ["torch.bfloat16"]  # the sharded layers compute in bfloat16
+        # bfloat16 compute, its sums over another split of the batch: 3.0e-3 measured (float32 vs
+        # mixed_bfloat16 in one process differ by 8.0e-3)
+        assert _max_rel(weights, plain[0]) <= 1e-2
+        np.testing.assert_allclose(losses, plain[1], rtol=1e-4)
         assert _max_rel(weights, _initial()) > 1e-2  # and it trained
