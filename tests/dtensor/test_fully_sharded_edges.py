@@ -19,7 +19,7 @@ def _narrow():
     return nn.Sequential(nn.Linear(8, 15), nn.Tanh(), nn.Linear(15, 1))
 
 
-def _fit_narrow(rank, world, sharded, backup=None, epochs=1):
+def _fit_narrow(rank, world, sharded, backup=None, epochs=1, save_path=None):
     from torch.distributed.tensor import DTensor
 
     import meshfit as mf
@@ -31,6 +31,8 @@ def _fit_narrow(rank, world, sharded, backup=None, epochs=1):
     y = x.sum(axis=1, keepdims=True)
     callbacks = [mf.callbacks.BackupAndRestore(backup, delete_checkpoint=False)] if backup else []
     history = model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks)
+    if save_path:
+        model.save(save_path)
     local = [tuple(p.to_local().shape) if isinstance(p, DTensor) else tuple(p.shape)
              for p in (model.module[0].bias, model.module[2].bias)]
     return model.get_weights(), history.history["loss"], local, model.optimizer.iterations
@@ -46,12 +48,17 @@ def test_a_weight_with_fewer_rows_than_processes_trains_padded_like_one_process(
         assert [w.shape for w in weights] == [(15, 8), (15,), (1, 15), (1,)]
         np.testing.assert_allclose(losses, plain[1][:1], rtol=1e-5)  # epoch 1's loss: one process's
     # its backup resumes on 2 processes for the second epoch, equal to 2 uninterrupted epochs
-    for weights, losses, _, iterations in run_distributed(_fit_narrow, world_size=2, args=(True, backup, 2),
-                                                          timeout=300):
+    saved = str(tmp_path / "model.keras")
+    resumed = run_distributed(_fit_narrow, world_size=2, args=(True, backup, 2, saved), timeout=300)
+    for weights, losses, _, iterations in resumed:
         assert iterations == 2 * STEPS
         for got, want in zip(weights, plain[0], strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(losses, plain[1], rtol=1e-5)
+    import meshfit as mf
+
+    for got, want in zip(mf.load_model(saved).get_weights(), resumed[0][0], strict=True):
+        np.testing.assert_array_equal(got, want)  # model.save gathers the padded weights whole
 
 
 def _fit_mixed(rank, world, sharded):
