@@ -17,7 +17,8 @@ The scripts (each writes one JSON object; the first epoch of every timed run is 
   (``.venv-tf``, made by ``bench/tf_venv.sh``; the rows are skipped without it), also over ~50,000
   examples, where Adam's state goes denormal (meshfit flushes denormals in ``fit``, as TF does; the
   ``MESHFIT_FLUSH_DENORMALS=0`` runs show the difference).
-- ``bench_recovery.py``: one ``kill -9`` → first resumed step trial a round, under ``meshfit launch``,
+- ``bench_recovery.py``: one ``kill -9`` → first resumed step trial a round, under ``meshfit launch``
+  and ``meshfit launch --standby``,
   timed by phase.
 - ``_imports.py``: ``import torch`` and ``import meshfit``, each in its own fresh ``python -c``, in
   interleaved pairs (``--import-pairs``, default 5 a round); the figure is the median per-pair ratio.
@@ -190,9 +191,10 @@ def collect(runs: list[dict[str, dict]], args: argparse.Namespace) -> dict[str, 
         pairs = zip(r["imports"]["meshfit_s"], r["imports"]["torch_s"], strict=True)
         add("import meshfit/torch", statistics.median(m / t for m, t in pairs))
         add("import torch s", statistics.median(r["imports"]["torch_s"]))
-        for phase, value in r["recovery"].items():
-            if value is not None:
-                add(f"recovery {phase}", value)
+        for key, label in (("recovery", "recovery"), ("recovery_standby", "standby recovery")):
+            for phase, value in r.get(key, {}).items():
+                if value is not None:
+                    add(f"{label} {phase}", value)
         add("first step 1p s", r["first_1p"]["first_step_end"] - r["first_1p"]["spawned"])
         add("first step 2w s", r["first_2w"]["first_step_end"] - r["first_2w"]["spawned"])
     return rows
@@ -276,6 +278,12 @@ def table(rows: dict[str, list[float]], cores: int, load: tuple[float, float], s
         f"after {m.get('recovery detection by the launcher', float('nan')):.2f} s; then "
         + ", ".join(f"{p} {m[f'recovery {p}']:.2f}" for p in phases) + " s (medians; bench/bench_recovery.py "
         "also runs torchrun's elastic agent) |")
+    if "standby recovery total" in rows:
+        lines.append(
+            f"| the same with `meshfit launch --standby` (warm processes: no import on restart) | "
+            f"{m['standby recovery total']:.2f} s [{rng('standby recovery total', '.2f')}] | – | ≤ 5 s | "
+            + ", ".join(f"{p} {m[f'standby recovery {p}']:.2f}" for p in phases
+                        if f"standby recovery {p}" in rows) + " s |")
     lines.append(
         "| `kill -9` → the surviving worker names the dead peer | "
         + (f"{statistics.median(survivor):.2f} s [{min(survivor):.2f}–{max(survivor):.2f}]" if survivor else
@@ -333,6 +341,7 @@ def main() -> None:
                 argv, env = plan[name]
                 results[name] = run_one(name, argv, env, tmp, args.timeout)
             results["recovery"] = bench_recovery.trial("meshfit", steps=30, timeout=args.timeout)
+            results["recovery_standby"] = bench_recovery.trial("meshfit-standby", steps=30, timeout=args.timeout)
             runs.append(results)
             print(f"round {r + 1}/{args.rounds} done", flush=True)
     for t in (1, 2):

@@ -4,7 +4,9 @@ Runs ``bench/_resume_worker.py`` (the seed CNN, global batch 128, ``BackupAndRes
 worker 1 SIGKILLs itself before step 25 of round 0; round 1 resumes from the backup of step 20)
 under a launcher that restarts the group:
 
-- ``meshfit launch --workers 2 --max-restarts 1`` (``--launcher meshfit``);
+- ``meshfit launch --workers 2 --max-restarts 1`` (``--launcher meshfit``), and the same with
+  ``--standby`` (``--launcher meshfit-standby``: the restarted workers are warm standbys that have
+  imported torch, ``torch._dynamo`` and meshfit, so the import phase is ~0);
 - torchrun's elastic agent (``--launcher torchrun``): ``--nnodes=1:2 --nproc-per-node=2
   --max-restarts=1 --rdzv-backend=c10d --rdzv-conf=join_timeout=60,last_call_timeout=1``, with
   ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (the recipe in the README and ``deploy/``). One host here,
@@ -18,7 +20,7 @@ The phases, in seconds (each worker logs timestamped events; launcher lines are 
 - import (torch, meshfit), rendezvous (``MultiWorkerMirroredStrategy()``), model, fit setup, restore
   (``BackupAndRestore.on_train_begin``), first step: each gated by the slowest worker.
 
-Run:  .venv/bin/python bench/bench_recovery.py [--launcher meshfit|torchrun|both] [--trials N] [--quick]
+Run:  .venv/bin/python bench/bench_recovery.py [--launcher meshfit|meshfit-standby|torchrun|all] [--trials N] [--quick]
 """
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ PHASES = ("detection by the survivor", "detection by the launcher", "teardown + 
 def command(launcher: str, events_dir: str, backup_dir: str, steps: int) -> list[str]:
     script = [os.path.join(C.BENCH, "_resume_worker.py"), "--events", events_dir, "--backup-dir", backup_dir,
               "--steps", str(steps), "--save-freq", "10", "--kill-rank", "1", "--kill-at", "25"]
-    if launcher == "meshfit":
-        return [C.python(), "-m", "meshfit._cli", "launch", "--workers", "2", "--max-restarts", "1", *script]
+    if launcher.startswith("meshfit"):
+        standby = ["--standby"] if launcher == "meshfit-standby" else []
+        return [C.python(), "-m", "meshfit._cli", "launch", "--workers", "2", "--max-restarts", "1", *standby,
+                *script]
     port = _free_port()
     return [C.python(), "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=2", "--max-restarts=1",
             "--monitor-interval=0.1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
@@ -86,7 +90,7 @@ def phases(launcher: str, events_dir: str, child: C.Child) -> dict[str, float | 
     with open(os.path.join(events_dir, "kill-time")) as f:
         killed = float(f.read())
     survivor, resumed = _events(events_dir, 0, 0), [_events(events_dir, r, 1) for r in (0, 1)]
-    marks = ("worker 1 exited with code",) if launcher == "meshfit" else ("closing signal", "exitcode")
+    marks = ("worker 1 exited with code",) if launcher.startswith("meshfit") else ("closing signal", "exitcode")
     reported = next((t for t, line in child.lines if t > killed and any(m in line for m in marks)), None)
 
     def latest(name: str) -> float:
@@ -125,12 +129,12 @@ def median_phases(results: list[dict[str, float | None]]) -> dict[str, float | N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--launcher", default="both", choices=("meshfit", "torchrun", "both"))
+    parser.add_argument("--launcher", default="all", choices=("meshfit", "meshfit-standby", "torchrun", "all"))
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="one trial each")
     args = parser.parse_args()
     trials = 1 if args.quick else args.trials
-    launchers = ("meshfit", "torchrun") if args.launcher == "both" else (args.launcher,)
+    launchers = ("meshfit", "meshfit-standby", "torchrun") if args.launcher == "all" else (args.launcher,)
     for launcher in launchers:
         results = [trial(launcher, steps=30, timeout=180) for _ in range(trials)]
         print(f"\n{launcher}: medians of {trials} trial(s), seconds after the kill (target: total <= 5 s "

@@ -23,6 +23,7 @@ from types import FrameType
 from typing import Any
 
 from meshfit._runtime._exit_codes import PEER_FAILURE_EXIT_CODE, PREEMPTED_EXIT_CODE
+from meshfit._runtime._standby import StandbyPool
 from meshfit._runtime._supervisor import TERMINATE_TIMEOUT_S, Child, ChildGroup, Output, free_ports
 
 __all__ = ["build_parser", "free_ports", "main"]
@@ -31,8 +32,19 @@ MAX_PREEMPTION_RESTARTS = 100
 _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def _start_round(group: ChildGroup, command: list[str], args: argparse.Namespace, round_: int) -> None:
-    """Start one round's workers (and evaluator), each with its own ``TF_CONFIG``, on fresh ports."""
+def _task_env(args: argparse.Namespace) -> dict[str, str]:
+    """Every task's environment before its round's keys (``TF_CONFIG``, ``MESHFIT_RESTART_COUNT``)."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(args.threads))
+    env.setdefault("MKL_NUM_THREADS", str(args.threads))
+    env["PYTHONUNBUFFERED"] = "1"
+    return ChildGroup.environment(env)
+
+
+def _start_round(group: ChildGroup, command: list[str], args: argparse.Namespace, round_: int,
+                 standbys: StandbyPool | None = None) -> None:
+    """Start one round's workers (and evaluator), each with its own ``TF_CONFIG``, on fresh ports;
+    from warm standbys where there are some."""
     count = args.workers + int(args.evaluator)
     ports = free_ports(count)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports[: args.workers]]}
@@ -42,14 +54,21 @@ def _start_round(group: ChildGroup, command: list[str], args: argparse.Namespace
     group.output.message(f"round {round_}: starting {args.workers} worker(s)"
                          f"{' and 1 evaluator' if args.evaluator else ''}: "
                          f"{' '.join(command[1:])} (cluster {json.dumps(cluster)})")
+    warm = 0
     for task_type, index in roles:
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", str(args.threads))
-        env.setdefault("MKL_NUM_THREADS", str(args.threads))
-        env["PYTHONUNBUFFERED"] = "1"
+        env = _task_env(args)
         env["MESHFIT_RESTART_COUNT"] = str(round_)
         env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})
-        group.start(task_type, index, command, env)
+        proc = standbys.take(command, env) if standbys is not None and round_ else None
+        if proc is None:
+            group.start(task_type, index, command, env)
+        else:
+            group.adopt(task_type, index, proc)
+            warm += 1
+    if warm:
+        group.output.message(f"round {round_}: {warm} of {len(roles)} process(es) from warm standbys")
+    if standbys is not None:
+        standbys.fill(len(roles))  # for the next failure
 
 
 def _training(group: ChildGroup) -> list[Child]:
@@ -135,6 +154,15 @@ def _restart_message(failed: Child, counts: dict[str, int], max_restarts: int) -
 
 
 def _run(command: list[str], args: argparse.Namespace, output: Output) -> int:
+    standbys = StandbyPool(command[0], _task_env(args)) if args.standby else None
+    try:
+        return _rounds(command, args, output, standbys)
+    finally:
+        if standbys is not None:
+            standbys.close()
+
+
+def _rounds(command: list[str], args: argparse.Namespace, output: Output, standbys: StandbyPool | None) -> int:
     counts = {"restarts": 0, "preemptions": 0}
     round_ = 0
     with _Signals() as signals:
@@ -143,7 +171,7 @@ def _run(command: list[str], args: argparse.Namespace, output: Output) -> int:
             signals.group = group
             grace, kill = 0.0, False
             try:
-                _start_round(group, command, args, round_)
+                _start_round(group, command, args, round_, standbys)
                 failed = _supervise(group, args, signals)
                 if signals.received is not None:
                     group.signal(signals.received)  # children started before the handler saw them
@@ -221,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds between checks of the processes (default 0.1)")
     parser.add_argument("--evaluator-timeout", type=_positive(float, 0), default=60.0,
                         help="seconds to wait for the evaluator after training ends (default 60)")
+    parser.add_argument("--standby", action="store_true",
+                        help="keep one warm process per task that has imported torch and meshfit, so "
+                             "that a restart skips the imports (~3 s here); costs ~300 MB of memory each")
     parser.add_argument("-m", "--module", action="store_true",
                         help="run `script` as a module (python -m script)")
     parser.add_argument("script", help="the training script (or module with -m)")

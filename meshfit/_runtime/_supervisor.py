@@ -158,13 +158,23 @@ class ChildGroup:
         """
         own_session = capture if own_session is None else own_session
         pipe = subprocess.PIPE if capture else None
-        live = capture and _stdout_is_terminal()
-        if live:
-            env = {**env, FORWARDED_TERMINAL_ENV: "1"}
-        proc = subprocess.Popen(list(command), env=dict(env), stdin=subprocess.DEVNULL if capture else None,
+        proc = subprocess.Popen(list(command), env=self.environment(env, capture),
+                                stdin=subprocess.DEVNULL if capture else None,
                                 stdout=pipe, stderr=pipe, start_new_session=own_session)
+        return self.adopt(task_type, index, proc, capture=capture, own_session=own_session)
+
+    @staticmethod
+    def environment(env: Mapping[str, str], capture: bool = True) -> dict[str, str]:
+        """The environment `start` gives a child: ``env``, plus the forwarded-terminal mark when its
+        captured output goes on to a terminal."""
+        return {**env, FORWARDED_TERMINAL_ENV: "1"} if capture and _stdout_is_terminal() else dict(env)
+
+    def adopt(self, task_type: str, index: int, proc: subprocess.Popen[bytes], capture: bool = True,
+              own_session: bool = True) -> Child:
+        """Supervise ``proc`` (started by `start`, or a warm standby) as task ``task_type index``."""
         child = Child(task_type, index, proc, own_session=own_session)
         if capture:
+            live = _stdout_is_terminal()
             prefix = f"[{child.name}] ".encode()
             for stream, to_stderr in ((proc.stdout, False), (proc.stderr, True)):
                 reader = threading.Thread(target=_pump_live if live else _pump,
