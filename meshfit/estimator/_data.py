@@ -70,11 +70,13 @@ def restore_for_inference(trainable: Any, path: str) -> int:
     Under a strategy with several replicas they all read it together; otherwise this process reads
     it alone (an evaluator, or one worker evaluating by itself).
     """
+    from meshfit.estimator._sharding import is_sharded_module
     from meshfit.estimator._trainable import ModulesState
     from meshfit.estimator._variables import load_modules
     from meshfit.train import Checkpoint
 
-    if trainable.strategy.num_replicas_in_sync == 1:
+    sharded = any(is_sharded_module(m) for m in trainable.caller.modules.values())
+    if trainable.strategy.num_replicas_in_sync == 1 and not sharded:
         return load_modules(path, trainable.caller.modules)
     step = _GlobalStep()
     Checkpoint(model=ModulesState(trainable.caller.modules), loop=step).restore(path)

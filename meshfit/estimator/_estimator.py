@@ -153,10 +153,16 @@ class Estimator:
         return self._config.train_distribute or get_strategy()
 
     def _eval_strategy(self) -> Any:
-        """``eval_distribute``, else this process alone (TF evaluates without a strategy)."""
+        """``eval_distribute``, else this process alone (TF evaluates without a strategy); a fully sharded
+        training strategy evaluates on its processes together (the weights are split over them)."""
         if self._config.eval_distribute is not None:
             return self._config.eval_distribute
+        if self._shards_weights():
+            return self._train_strategy()
         return OneDeviceStrategy(self._train_strategy().device)
+
+    def _shards_weights(self) -> bool:
+        return bool(getattr(getattr(self._train_strategy(), "layout_map", None), "is_fully_sharded", False))
 
     def _seed_before_first_build(self) -> None:
         seed = self._config.tf_random_seed
@@ -322,7 +328,9 @@ class Estimator:
         hooks = _check_hooks(hooks)
         strategy = OneDeviceStrategy(self._train_strategy().device)  # TF's predict is not distributed
         data = input_data(self, input_fn, ModeKeys.PREDICT, strategy)
-        trainable = EstimatorModel(self._caller, ModeKeys.PREDICT, strategy)
+        # fully sharded weights: every process predicts every example, gathering the weights together
+        placing = self._train_strategy() if self._shards_weights() else strategy
+        trainable = EstimatorModel(self._caller, ModeKeys.PREDICT, placing)
         self._seed_before_first_build()
         trainable.build(data.peek())
         path = checkpoint_path or self.latest_checkpoint()

@@ -146,6 +146,7 @@ class ModelFnCaller:
         self._modes_seen: set[str] = set()
         self._building = 0
         self.synchronized = False  # replicas started from rank 0's weights
+        self.gradient_sync: Any = None  # fully sharded modules: how their gradients are weighted
         self.step_source: Callable[[], int] = lambda: 0  # the running train/evaluate sets it
 
     def once(self, factory: Callable[[], Any], key: str | tuple[Any, ...] | None, frame: Any) -> Any:

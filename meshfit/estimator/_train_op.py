@@ -79,8 +79,10 @@ def trained_parameters(optimizer: Any, default: Iterable[torch.Tensor]) -> list[
     return [p for group in torch_optimizer.param_groups for p in group["params"]]
 
 
-def run_train_op(train_op: Any, loss: torch.Tensor, params: list[torch.Tensor], strategy: Any) -> None:
-    """Apply ``train_op``: backward, average the gradients of ``params`` over replicas, step."""
+def run_train_op(train_op: Any, loss: torch.Tensor, params: list[torch.Tensor], strategy: Any,
+                 reduce: bool = True) -> None:
+    """Apply ``train_op``: backward, average the gradients of ``params`` over replicas (unless the
+    backward did, ``reduce=False``: fully sharded modules), step."""
     optimizer = optimizer_of(train_op)
     if isinstance(train_op, TrainOp):
         loss = train_op.loss
@@ -89,7 +91,8 @@ def run_train_op(train_op: Any, loss: torch.Tensor, params: list[torch.Tensor], 
                          "from the module's output in model_fn.")
     optimizer.zero_grad(set_to_none=True)  # a parameter the loss does not use keeps no gradient (not zeros)
     loss.backward()
-    average_gradients(params, strategy)
+    if reduce:
+        average_gradients(params, strategy)
     mark_reduced(params)  # no optimizer sums them again
     optimizer.step()
 

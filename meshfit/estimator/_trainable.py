@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from meshfit.estimator._model_fn import ModelFnCaller
+from meshfit.estimator._sharding import is_fully_sharded, shard_modules
 from meshfit.estimator._spec import ModeKeys
 from meshfit.estimator._train_op import run_train_op, trained_parameters
 
@@ -134,6 +135,7 @@ class EstimatorModel:
         self.step_values: dict[str, Any] = {}
         self._params: list[torch.Tensor] = []
         self._module: nn.Module | None = None
+        self._sharded = False
 
     # ---- Trainable ------------------------------------------------------------------------
     @property
@@ -156,10 +158,7 @@ class EstimatorModel:
 
     def build(self, sample: Any) -> None:
         """Call ``model_fn`` on the first batch: builds (or finds) its modules and optimizer, then places them."""
-        if getattr(self.strategy, "layout_map", None) is not None:
-            raise ValueError("Invalid `train_distribute`: a mesh strategy with a LayoutMap (layout_map.scope()) is not "
-                             "supported by the Estimator yet: its modules would train replicated, not laid out. Use "
-                             "the mesh without a LayoutMap, or MultiWorkerMirroredStrategy.")
+        sharded = is_fully_sharded(self.strategy)  # refuses a hand LayoutMap before model_fn runs
         features, labels = split_features_labels(sample)
         with torch.no_grad():
             spec = self.caller(features, labels, self.mode)
@@ -175,6 +174,11 @@ class EstimatorModel:
         for module in modules.values():
             # Placed, not wrapped in DDP: model_fn calls the module itself; the train op averages gradients.
             module.to(self.strategy.device)
+        if sharded:  # in place: model_fn calls the same module objects, now fully_shard's (rank 0's weights)
+            sync = shard_modules(self.strategy, modules, self.caller.optimizer)
+            self.caller.gradient_sync = sync or self.caller.gradient_sync
+            self.caller.synchronized = True
+        self._sharded = sharded
         if self.strategy.num_replicas_in_sync > 1 and not self.caller.synchronized:
             broadcast_from_first_replica([t for m in modules.values() for t in (*m.parameters(), *m.buffers())])
             self.caller.synchronized = True
@@ -192,7 +196,13 @@ class EstimatorModel:
     def train_step(self, batch: Any) -> None:
         features, labels = split_features_labels(batch)
         spec = self.caller(features, labels, ModeKeys.TRAIN)
-        run_train_op(spec.train_op, spec.loss, self._params, self.strategy)
+        sync = self.caller.gradient_sync if self._sharded else None
+        if sync is None:
+            run_train_op(spec.train_op, spec.loss, self._params, self.strategy)
+        else:  # FSDP's reduce-scatter averages the replicas' gradients (every share counts 1, as TF's Estimator)
+            replicas = self.strategy.num_replicas_in_sync
+            with sync.weighting(1, replicas):
+                run_train_op(spec.train_op, spec.loss, self._params, self.strategy, reduce=False)
         loss = spec.loss.detach()
         self.loss_metric.update_state(loss)
         values = {"loss": loss}
