@@ -88,6 +88,7 @@ def fully_shard_module(module: nn.Module, layout_map: Any, device_mesh: Any, bat
                              "LayoutMap.fully_sharded map, which already shards every weight over 'batch'. Remove "
                              f"the key that matches {path!r}, or use a plain mf.dtensor.LayoutMap(mesh) for "
                              "hand layouts.")
+    _check_keys(module, layout_map)
     blocks = _blocks(module, layout_map.blocks)
     _check_not_shared(module, blocks)
     _broadcast_from_rank0(module, device_mesh)
@@ -101,6 +102,21 @@ def fully_shard_module(module: nn.Module, layout_map: Any, device_mesh: Any, bat
     return Placement(module, module, sync)
 
 
+def _check_keys(module: nn.Module, layout_map: Any) -> None:
+    """Refuse a key that matches no parameter: it shards nothing (a hand layout is refused above)."""
+    paths = [path for path, _ in module.named_parameters()]
+    unmatched = layout_map.unmatched_keys(paths)
+    if unmatched:
+        raise ValueError(f"Invalid LayoutMap key {unmatched[0]!r} in a LayoutMap.fully_sharded map: expected a weight "
+                         f"path or regular expression matching a parameter of {type(module).__name__} (e.g. "
+                         f"{_few(paths)}), received {unmatched[0]!r}, which matches none. The map already shards "
+                         f"every weight over 'batch': remove the key (del layout_map[{unmatched[0]!r}]).")
+
+
+def _few(names: list[str], count: int = 6) -> str:
+    return repr(names[:count])[:-1] + (", ...]" if len(names) > count else "]")
+
+
 def _blocks(module: nn.Module, names: Sequence[str] | None) -> list[str]:
     """The named blocks (checked), else the direct children that hold parameters."""
     if names is None:
@@ -108,9 +124,13 @@ def _blocks(module: nn.Module, names: Sequence[str] | None) -> list[str]:
     found = dict(module.named_modules())
     for name in names:
         if not name or name not in found:
-            children = [n for n, _ in module.named_children()]
+            holders = [n for n, child in found.items() if n and any(True for _ in child.parameters())]
+            params = [path for path, _ in module.named_parameters()]
             raise ValueError(f"Invalid block {name!r} in LayoutMap.fully_sharded(blocks=...): expected a submodule "
-                             f"path of the model (e.g. one of {children}), received {name!r}.")
+                             f"path of {type(module).__name__} that holds parameters (e.g. {_few(holders)}; its "
+                             f"parameters are {_few(params)}), received {name!r}, which names no submodule. Name "
+                             "submodules (module.named_modules() names, not parameter paths), or leave blocks=None to "
+                             "shard each direct child that holds parameters.")
     return list(names)
 
 

@@ -121,6 +121,12 @@ class LayoutMap(MutableMapping):
         layout = self[key]
         return default if layout is None else layout
 
+    def unmatched_keys(self, paths: Sequence[str]) -> list[str]:
+        """The keys that match none of ``paths`` (exactly or as a regex); Keras ignores them, a
+        fully sharded map refuses them."""
+        return [key for key, pattern in self._patterns.items()
+                if key not in paths and not any(pattern.search(path) for path in paths)]
+
     def layout_for(self, path: str, rank: int) -> Layout:
         """The layout of weight ``path`` of ``rank`` dims: its match, else replicated."""
         layout = self[path]

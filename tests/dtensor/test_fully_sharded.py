@@ -307,6 +307,10 @@ def _create(rank, world, case):
         layout_map[r"^2\.weight$"] = mf.dtensor.Layout(["batch", mf.dtensor.UNSHARDED], mesh)
     if case == "no-block":
         layout_map = mf.dtensor.LayoutMap.fully_sharded(mesh, blocks=["0", "encoder"])
+    if case == "unmatched-key":  # a typo: it would shard nothing
+        layout_map[r"^encoder\.weight$"] = mf.dtensor.Layout(["batch", mf.dtensor.UNSHARDED], mesh)
+    if case == "parameter-as-block":
+        layout_map = mf.dtensor.LayoutMap.fully_sharded(mesh, blocks=["0.weight"])
     try:
         with layout_map.scope():
             model = mf.Model(module)
@@ -323,7 +327,13 @@ def _create(rank, world, case):
               "blocks=[]"]),
     ("hand-layout", ["Parameter '2.weight' has a hand layout", "LayoutMap.fully_sharded",
                      "Remove the key that matches '2.weight'"]),
-    ("no-block", ["Invalid block 'encoder'", "expected a submodule path"]),
+    ("no-block", ["Invalid block 'encoder'", "expected a submodule path", "which names no submodule",
+                  "e.g. ['0', '2', '4']", "its parameters are ['0.weight', '0.bias', '2.weight', '2.bias',",
+                  "leave blocks=None"]),
+    ("parameter-as-block", ["Invalid block '0.weight'", "not parameter paths"]),
+    ("unmatched-key", ["Invalid LayoutMap key '^encoder\\\\.weight$' in a LayoutMap.fully_sharded map",
+                       "matches none", "e.g. ['0.weight', '0.bias', '2.weight',", "remove the key",
+                       "del layout_map['^encoder\\\\.weight$']"]),
 ])
 def test_bad_input_is_refused_before_any_step_naming_the_parameter_and_the_fix(case, expected):
     (message,) = run_distributed(_create, world_size=1, args=(case,), timeout=120)

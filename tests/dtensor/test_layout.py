@@ -136,6 +136,18 @@ def test_layout_map_sequential_keys():
     assert resolve_layouts(plain, layout_map)["0.weight"].sharding_specs == ("model", UNSHARDED)
 
 
+def test_a_hand_map_key_that_matches_nothing_is_ignored_as_in_keras():
+    # Keras 3's LayoutMap returns None for a path no key matches and never checks the keys themselves
+    # (one map serves several layers/models); a fully sharded map refuses such a key (test_fully_sharded).
+    layout_map = LayoutMap(MESH)
+    layout_map["feature.*weight"] = Layout(["model", UNSHARDED], MESH)
+    layout_map["encoder.*weight"] = Layout(["model", UNSHARDED], MESH)
+    layouts = resolve_layouts(Subclassed(), layout_map)
+    assert layouts["feature.weight"].sharding_specs == ("model", UNSHARDED)
+    assert layouts["head.weight"].is_fully_replicated()
+    assert layout_map.unmatched_keys(list(layouts)) == ["encoder.*weight"]
+
+
 def test_two_keys_matching_one_path_is_an_error_naming_both():
     layout_map = LayoutMap(MESH)
     layout_map["feature"] = Layout(["model", UNSHARDED], MESH)
