@@ -114,3 +114,31 @@ def test_estimator_on_two_fully_sharded_processes_equals_one_plain_process(tmp_p
     alone = run_distributed(_evaluate_alone, world_size=1, args=(sharded_dir,), timeout=300)[0]
     assert alone["global_step"] == STEPS  # the sharded checkpoint, read whole by a plain process
     np.testing.assert_allclose(alone["loss"], plain[2]["loss"], rtol=1e-5)
+
+
+def _torch_optimizer(rank, world, model_dir):
+    import meshfit as mf
+    from meshfit.estimator import Estimator, EstimatorSpec, RunConfig, minimize, once
+
+    input_fn, _ = _fns(world, [])
+
+    def model_fn(features, labels, mode):
+        model = once(lambda: nn.Linear(8, 4))
+        optimizer = once(lambda: torch.optim.SGD(model.parameters(), lr=0.1))  # built on unsharded parameters
+        loss = nn.functional.cross_entropy(model(features), labels)
+        return EstimatorSpec(mode, loss=loss, train_op=minimize(optimizer, loss))
+
+    with mf.dtensor.LayoutMap.fully_sharded(mf.dtensor.create_mesh([("batch", world)])).scope() as strategy:
+        config = RunConfig(train_distribute=strategy, log_step_count_steps=None, save_checkpoints_steps=1)
+    try:
+        Estimator(model_fn, model_dir=model_dir, config=config).train(input_fn, max_steps=2)
+    except ValueError as error:
+        return str(error), sorted(os.listdir(model_dir)) if os.path.isdir(model_dir) else []
+    return "trained", None
+
+
+def test_a_torch_optimizer_built_before_sharding_is_refused_before_any_step(tmp_path):
+    message, written = run_distributed(_torch_optimizer, world_size=1, args=(str(tmp_path / "m"),), timeout=120)[0]
+    assert "Invalid optimizer for LayoutMap.fully_sharded: a SGD built on the module's parameters" in message
+    assert "mf.optimizers.SGD(0.1)" in message
+    assert not [name for name in written if name.startswith("model.ckpt")]
