@@ -63,6 +63,8 @@ class Estimator:
     batches (TF's Estimator semantics: the batch size in ``input_fn`` is per replica). Checkpoints
     in ``model_dir`` hold the global step, the data position and the random streams, so a new
     Estimator on the same ``model_dir`` continues exactly where the last checkpoint left off.
+    With the strategy of ``mf.dtensor.LayoutMap.fully_sharded(mesh)``, ``model_fn``'s modules are
+    sharded in place (FSDP), and ``evaluate``/``predict`` run on every process together.
 
     Args:
         model_fn: the model function.
@@ -162,6 +164,10 @@ class Estimator:
         return OneDeviceStrategy(self._train_strategy().device)
 
     def _shards_weights(self) -> bool:
+        """Whether training shards the weights (``LayoutMap.fully_sharded``): evaluate and predict then need every
+        process, each holding a part (an ``evaluator`` task, outside the mesh, reads whole weights alone)."""
+        if self._config.task_type == "evaluator":
+            return False
         return bool(getattr(getattr(self._train_strategy(), "layout_map", None), "is_fully_sharded", False))
 
     def _seed_before_first_build(self) -> None:
