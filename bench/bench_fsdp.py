@@ -280,12 +280,13 @@ def _big(args: argparse.Namespace) -> None:
               "machine for every process on it)")
     else:
         print("replicated: it would fit in MemTotal here; not run by --big (the default mode compares)")
-    # meshfit materialises the whole module in each process before sharding it: one full copy of the
-    # parameters, then 1/N of parameters + gradients + Adam state.
-    need = n * (4 * params + per_replica / n + 0.5 * GIB)
+    # meshfit materialises the whole module in each process before sharding it (one full copy of the
+    # parameters, freed once sharded), then holds 1/N of parameters + gradients + Adam state, plus the
+    # interpreter and torch (~0.3 GiB) and a few gathered blocks in flight.
+    need = n * (max(4 * params, per_replica / n) + GIB)
     min_free = args.min_free_gib * GIB
-    print(f"sharded: estimated peak {need / GIB:.1f} GiB for the {n} processes (each one full copy of the "
-          f"parameters while building, then 1/{n} of the training state, + ~0.5 GiB); MemAvailable now "
+    print(f"sharded: estimated peak {need / GIB:.1f} GiB for the {n} processes (each the larger of one full copy "
+          f"of the parameters while building and 1/{n} of the training state, + 1 GiB); MemAvailable now "
           f"{info['MemAvailable'] / GIB:.1f} GiB; aborted if it falls under {args.min_free_gib} GiB", flush=True)
     if info["MemAvailable"] - need < min_free:
         raise SystemExit(f"Not started: MemAvailable {info['MemAvailable'] / GIB:.1f} GiB minus the estimated "
