@@ -111,15 +111,18 @@ def _meshfit_worker(args: argparse.Namespace) -> tuple[int, dict]:
 
     import meshfit as mf
 
+    begin = time.perf_counter()
     torch.manual_seed(0)
     module = _module(args.width, args.layers)
     full = _local_bytes(module.parameters())
+    _progress(args, f"built the full module in {time.perf_counter() - begin:.1f} s, RSS {_rss()['vmrss'] / 2**20:,.0f} MiB")
     mesh = mf.dtensor.create_mesh([("batch", args.processes)])
     with mf.dtensor.LayoutMap.fully_sharded(mesh).scope():
         model = mf.Model(module)
         model.compile(optimizer=mf.optimizers.Adam(1e-4),
                       loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
     built = _rss()["vmrss"]
+    _progress(args, f"sharded, {time.perf_counter() - begin:.1f} s since start, RSS {built / 2**20:,.0f} MiB")
     x, y = _data(args.steps + args.warmup, args.width, args.batch)
     stamps: list[float] = []
 
@@ -129,6 +132,7 @@ def _meshfit_worker(args: argparse.Namespace) -> tuple[int, dict]:
 
         def on_train_batch_end(self, batch, logs=None):
             stamps.append(time.perf_counter())
+            _progress(args, f"step {len(stamps) - 1}: {stamps[-1] - stamps[-2]:.2f} s, RSS {_rss()['vmrss'] / 2**20:,.0f} MiB")
 
     model.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0, callbacks=[Timer()])
     memory = _memory(list(model.module.parameters()), model.optimizer.torch_optimizer)
@@ -173,6 +177,12 @@ def _hand_worker(args: argparse.Namespace) -> tuple[int, dict]:
                   "rss_built": built, **memory}
 
 
+def _progress(args: argparse.Namespace, line: str) -> None:
+    """``--big``: a progress line from each process (``meshfit launch`` prefixes its worker number)."""
+    if args.progress:
+        print(line, flush=True)
+
+
 def _worker_main(args: argparse.Namespace) -> None:
     rank, result = (_meshfit_worker if args.worker == "meshfit" else _hand_worker)(args)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
@@ -202,7 +212,7 @@ def _run(variant: str, n: int, args: argparse.Namespace, show: bool, watch=None)
     with tempfile.TemporaryDirectory(prefix="meshfit-bench-fsdp-") as tmp:
         worker = [os.path.abspath(__file__), "--worker", variant, "--out", tmp, "--processes", str(n),
                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--width", str(args.width),
-                  "--layers", str(args.layers), "--batch", str(args.batch)]
+                  "--layers", str(args.layers), "--batch", str(args.batch), *(["--progress"] if watch else [])]
         if variant == "meshfit":
             argv = [C.python(), "-m", "meshfit._cli", "launch", "--workers", str(n), *worker]
             specs = [("meshfit launch", argv, C.clean_env())]
@@ -216,7 +226,7 @@ def _run(variant: str, n: int, args: argparse.Namespace, show: bool, watch=None)
         if show:
             for _, argv, env in specs:
                 print("command: " + C.command_line(argv, env, keys), flush=True)
-        C.run_children(specs, timeout=args.timeout, watch=watch)
+        C.run_children(specs, timeout=args.timeout, echo=watch is not None, watch=watch)
         return [C.read_json(os.path.join(tmp, f"rank{r}.json")) for r in range(n)]
 
 
@@ -316,6 +326,7 @@ def main() -> None:
     parser.add_argument("--big", action="store_true", help="a 604 M-parameter model, sharded on 4 processes")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--progress", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         args.processes = args.processes[0]
