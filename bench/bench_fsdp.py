@@ -24,12 +24,16 @@ per replica). The replicated run is not started: the arithmetic against ``MemTot
 is skipped (it would exhaust the machine). The sharded run trains ``--steps`` steps (default 2, after
 1 warm-up) on 4 processes under ``meshfit launch``, 8 rows per process, and prints each step's time,
 each process's bytes and peak RSS. meshfit builds the whole model in every process before sharding
-it (``mf.Model(module)`` takes a materialised module), so the peak RSS holds one full copy of the
-parameters (2.4 GB) per process. The run is aborted if the machine's ``MemAvailable`` falls under
-``--min-free-gib`` (default 4).
+it (``mf.Model(module)`` takes a materialised module: one full copy of the parameters, 2.4 GB, per
+process while building, freed once sharded); at N = 4 that copy is as large as the sharded training
+state, so the peak RSS (~3.1 GiB a process, measured) comes from training either way. The run is
+aborted if the machine's ``MemAvailable`` falls under ``--min-free-gib`` (default 4).
+
+Wall time (2 cores, measured under load, niced): ``--quick`` 1.5 min; ``--big`` 5.3 min (~90 s a
+step); the default mode ~1.6 s a step at N = 2 and ~2.4 s at N = 4, so 5 rounds ~13 min.
 
 Run (do not read figures from a loaded machine):
-  .venv/bin/python bench/bench_fsdp.py                      # N = 2 and 4, 3 rounds x 20 steps
+  .venv/bin/python bench/bench_fsdp.py                      # N = 2 and 4, 5 rounds x 10 steps
   .venv/bin/python bench/bench_fsdp.py --processes 2        # one N only
   .venv/bin/python bench/bench_fsdp.py --big                # 604 M parameters, sharded on 4 processes
   .venv/bin/python bench/bench_fsdp.py --quick              # smoke run: tiny model, 1 round, N = 2 and 4
@@ -314,9 +318,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--processes", type=int, action="append", default=None,
                         help="process count N (repeatable; default 2 and 4, --big: 4)")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 20; --big: 2)")
-    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per run (default 3; --big: 1)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 10; --big: 2)")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per run (default 2; --big: 1)")
     parser.add_argument("--width", type=int, default=None, help="block width (default 2048; --big: 4096)")
     parser.add_argument("--layers", type=int, default=None, help="blocks (default 8; --big: 36)")
     parser.add_argument("--batch", type=int, default=None, help="global batch (default 64; --big: 8 per process)")
@@ -338,7 +342,7 @@ def main() -> None:
         defaults = {"steps": 3, "warmup": 2, "width": 64, "layers": 3, "timeout": 300, "batch": 64}
         args.rounds = 1
     else:
-        defaults = {"steps": 20, "warmup": 3, "width": 2048, "layers": 8, "timeout": 900, "batch": 64}
+        defaults = {"steps": 10, "warmup": 2, "width": 2048, "layers": 8, "timeout": 900, "batch": 64}
     for key, value in {"processes": [2, 4], **defaults}.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
