@@ -27,7 +27,10 @@ each process's bytes and peak RSS. meshfit builds the whole model in every proce
 it (``mf.Model(module)`` takes a materialised module: one full copy of the parameters, 2.4 GB, per
 process while building, freed once sharded); at N = 4 that copy is as large as the sharded training
 state, so the peak RSS (~3.1 GiB a process, measured) comes from training either way. The run is
-aborted if the machine's ``MemAvailable`` falls under ``--min-free-gib`` (default 4).
+aborted if the machine's ``MemAvailable`` falls under ``--min-free-gib`` (default 4). With ``--meta``
+meshfit's model is built under ``torch.device("meta")`` and ``LayoutMap.fully_sharded`` materialises
+and shards it one block at a time, so no process ever holds the whole model (the hand loop, in the
+default mode, builds it eagerly either way).
 
 Wall time (2 cores, measured under load, niced): ``--quick`` 1.5 min; ``--big`` 5.3 min (~90 s a
 step); the default mode ~1.6 s a step at N = 2 and ~2.4 s at N = 4, so 5 rounds ~13 min.
@@ -36,12 +39,14 @@ Run (do not read figures from a loaded machine):
   .venv/bin/python bench/bench_fsdp.py                      # N = 2 and 4, 5 rounds x 10 steps
   .venv/bin/python bench/bench_fsdp.py --processes 2        # one N only
   .venv/bin/python bench/bench_fsdp.py --big                # 604 M parameters, sharded on 4 processes
+  .venv/bin/python bench/bench_fsdp.py --big --meta         # the same, built on the meta device
   .venv/bin/python bench/bench_fsdp.py --quick              # smoke run: tiny model, 1 round, N = 2 and 4
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -117,9 +122,10 @@ def _meshfit_worker(args: argparse.Namespace) -> tuple[int, dict]:
 
     begin = time.perf_counter()
     torch.manual_seed(0)
-    module = _module(args.width, args.layers)
+    with torch.device("meta") if args.meta else contextlib.nullcontext():
+        module = _module(args.width, args.layers)
     full = _local_bytes(module.parameters())
-    _progress(args, f"built the full module in {time.perf_counter() - begin:.1f} s, RSS {_rss()['vmrss'] / 2**20:,.0f} MiB")
+    _progress(args, f"built the {'meta' if args.meta else 'full'} module in {time.perf_counter() - begin:.1f} s, RSS {_rss()['vmrss'] / 2**20:,.0f} MiB")
     mesh = mf.dtensor.create_mesh([("batch", args.processes)])
     with mf.dtensor.LayoutMap.fully_sharded(mesh).scope():
         model = mf.Model(module)
@@ -216,7 +222,8 @@ def _run(variant: str, n: int, args: argparse.Namespace, show: bool, watch=None)
     with tempfile.TemporaryDirectory(prefix="meshfit-bench-fsdp-") as tmp:
         worker = [os.path.abspath(__file__), "--worker", variant, "--out", tmp, "--processes", str(n),
                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--width", str(args.width),
-                  "--layers", str(args.layers), "--batch", str(args.batch), *(["--progress"] if watch else [])]
+                  "--layers", str(args.layers), "--batch", str(args.batch), *(["--progress"] if watch else []),
+                  *(["--meta"] if args.meta else [])]
         if variant == "meshfit":
             argv = [C.python(), "-m", "meshfit._cli", "launch", "--workers", str(n), *worker]
             specs = [("meshfit launch", argv, C.clean_env())]
@@ -297,10 +304,12 @@ def _big(args: argparse.Namespace) -> None:
     # meshfit materialises the whole module in each process before sharding it (one full copy of the
     # parameters, freed once sharded), then holds 1/N of parameters + gradients + Adam state, plus the
     # interpreter and torch (~0.3 GiB) and a few gathered blocks in flight.
-    need = n * (max(4 * params, per_replica / n) + GIB)
+    need = n * ((per_replica / n if args.meta else max(4 * params, per_replica / n)) + GIB)
     min_free = args.min_free_gib * GIB
-    print(f"sharded: estimated peak {need / GIB:.1f} GiB for the {n} processes (each the larger of one full copy "
-          f"of the parameters while building and 1/{n} of the training state, + 1 GiB); MemAvailable now "
+    built = "built on the meta device, sharded block by block: 1/{n}" if args.meta else \
+        "the larger of one full copy of the parameters while building and 1/{n}"
+    print(f"sharded: estimated peak {need / GIB:.1f} GiB for the {n} processes (each {built.format(n=n)} of the "
+          f"training state, + 1 GiB); MemAvailable now "
           f"{info['MemAvailable'] / GIB:.1f} GiB; aborted if it falls under {args.min_free_gib} GiB", flush=True)
     if info["MemAvailable"] - need < min_free:
         raise SystemExit(f"Not started: MemAvailable {info['MemAvailable'] / GIB:.1f} GiB minus the estimated "
@@ -326,6 +335,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None, help="global batch (default 64; --big: 8 per process)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per run (default 900; --big: 3600)")
     parser.add_argument("--min-free-gib", type=float, default=4.0, help="--big: abort under this MemAvailable")
+    parser.add_argument("--meta", action="store_true",
+                        help="meshfit builds the model on the meta device (sharded block by block, never whole)")
     parser.add_argument("--quick", action="store_true", help="1 round, a tiny model: checks that it works")
     parser.add_argument("--big", action="store_true", help="a 604 M-parameter model, sharded on 4 processes")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
