@@ -252,11 +252,13 @@ class Child:
 
 
 def run_children(children_spec: Sequence[tuple[str, Sequence[str], dict[str, str]]], timeout: float,
-                 echo: bool = False) -> list[Child]:
+                 echo: bool = False, watch: Any = None) -> list[Child]:
     """Start ``(name, argv, env)`` children together, wait for all (or ``timeout``), kill every group.
 
     Raises ``RuntimeError`` with the children's output if one fails or the timeout passes; a failing
-    child makes the others be killed at once rather than left waiting in a collective.
+    child makes the others be killed at once rather than left waiting in a collective. ``watch``, if
+    given, is called while waiting; a non-empty string it returns aborts the run with that reason
+    (e.g. the machine running out of memory).
     """
     children: list[Child] = []
     try:
@@ -271,6 +273,9 @@ def run_children(children_spec: Sequence[tuple[str, Sequence[str], dict[str, str
                 raise RuntimeError(_failure("a child failed", children))
             if time.monotonic() > deadline:
                 raise RuntimeError(_failure(f"timed out after {timeout:.0f} s", children))
+            reason = watch() if watch is not None else None
+            if reason:
+                raise RuntimeError(_failure(f"aborted: {reason}", children))
             time.sleep(0.05)
         return children
     finally:

@@ -6,6 +6,10 @@ block (the names the user gave, else the direct children that hold parameters), 
 so a block's weights are all-gathered in one bucket just before its forward/backward (with
 prefetch) and its gradients reduce-scattered in one bucket after its backward.
 
+A module built on the meta device (``with torch.device("meta"): module = build()``) is never
+materialised whole: each block in turn gets storage, ``reset_parameters()`` and rank 0's values, and
+is sharded before the next one, so a process holds at most one block's full weights (`_materialise`).
+
 Gradients (`FullyShardedSync`): FSDP reduces them in the backward, so no optimizer reduces them
 again (the parameters are marked reduced by a forward pre-hook, as DDP's are). The reduce-scatter
 goes through `_WeightedReduceScatter`, which scales each process's bucket before FSDP's average:
@@ -73,7 +77,8 @@ def fully_shard_module(module: nn.Module, layout_map: Any, device_mesh: Any, bat
 
     Raises:
         ValueError: the mesh has no ``batch`` axis or other axes, a weight also has a hand layout,
-            a named block does not exist, or a parameter is shared between blocks.
+            a named block does not exist, a parameter is shared between blocks, or a module built on the
+            meta device has no ``reset_parameters()``.
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -91,11 +96,18 @@ def fully_shard_module(module: nn.Module, layout_map: Any, device_mesh: Any, bat
     _check_keys(module, layout_map)
     blocks = _blocks(module, layout_map.blocks)
     _check_not_shared(module, blocks)
-    _broadcast_from_rank0(module, device_mesh)
+    on_meta = _check_meta(module)
+    if not on_meta:
+        _broadcast_from_rank0(module, device_mesh)
     replicas = mesh.dim_size(batch_axis)
     for name in blocks:
-        fully_shard(module.get_submodule(name), mesh=device_mesh).set_custom_reduce_scatter(
+        block = module.get_submodule(name)
+        if on_meta:  # one block's full weights at a time: materialise, initialise, rank 0's values, shard
+            _materialise(block, device_mesh)
+        fully_shard(block, mesh=device_mesh).set_custom_reduce_scatter(
             _weighted_reduce_scatter(weight, replicas))
+    if on_meta:
+        _materialise(module, device_mesh, skip=blocks)
     fully_shard(module, mesh=device_mesh).set_custom_reduce_scatter(_weighted_reduce_scatter(weight, replicas))
     sync = FullyShardedSync(weight, replicas)
     sync.install(module)
@@ -115,6 +127,41 @@ def _check_keys(module: nn.Module, layout_map: Any) -> None:
 
 def _few(names: list[str], count: int = 6) -> str:
     return repr(names[:count])[:-1] + (", ...]" if len(names) > count else "]")
+
+
+def _materialise(module: nn.Module, device_mesh: Any, skip: Sequence[str] = ()) -> None:
+    """Storage, ``reset_parameters()`` and rank 0's values for the meta tensors outside ``skip``.
+
+    Module by module in ``named_modules()`` order, the order ``__init__`` ran ``reset_parameters`` in
+    an eager build: with the same seed the values equal the eager build's.
+
+    """
+    device = torch.device(device_mesh.device_type)
+    for path, sub in module.named_modules():
+        if any(path == b or path.startswith(b + ".") for b in skip):
+            continue
+        if _has_meta(sub):
+            sub.to_empty(device=device, recurse=False)
+            sub.reset_parameters()  # checked by _check_meta
+            _broadcast_from_rank0(sub, device_mesh, recurse=False)
+
+
+def _has_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)])
+
+
+def _check_meta(module: nn.Module) -> bool:
+    """Whether ``module`` was built on the meta device; refuses one that could not be initialised."""
+    on_meta = False
+    for path, sub in module.named_modules():
+        if _has_meta(sub):
+            on_meta = True
+            if not callable(getattr(sub, "reset_parameters", None)):
+                raise ValueError(f"Invalid meta-device module for LayoutMap.fully_sharded: expected every module "
+                                 f"with weights to have reset_parameters(), received {path or 'the root'!r} "
+                                 f"({type(sub).__name__}) without one. Give it reset_parameters(), or build the "
+                                 "model outside torch.device('meta').")
+    return on_meta
 
 
 def _blocks(module: nn.Module, names: Sequence[str] | None) -> list[str]:
@@ -150,12 +197,12 @@ def _check_not_shared(module: nn.Module, blocks: list[str]) -> None:
                              "unit, or untie the parameter.")
 
 
-def _broadcast_from_rank0(module: nn.Module, device_mesh: Any) -> None:
+def _broadcast_from_rank0(module: nn.Module, device_mesh: Any, recurse: bool = True) -> None:
     """Rank 0's initial weights on every process (each then keeps its shard)."""
     if device_mesh.size() == 1:
         return
     group = device_mesh.get_group()
     src = dist.get_global_rank(group, 0)
     with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
+        for tensor in [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]:
             dist.broadcast(tensor.data, src=src, group=group)

@@ -151,8 +151,9 @@ class MeshStrategy(CollectiveStrategy):
     # ---- placement -------------------------------------------------------------------------
     def setup_module(self, module: nn.Module, jit_compile: bool = False) -> Placement:
         """Lay out ``module``'s parameters, compile if asked; replicated-only layouts take DDP's bucketed path."""
-        source = module = module.to(self._device)
         layout_map = self.layout_map if self.layout_map is not None else LayoutMap(self.mesh)
+        on_meta = layout_map.is_fully_sharded and any(p.is_meta for p in module.parameters())
+        source = module = module if on_meta else module.to(self._device)  # meta: built block by block
         if layout_map.is_fully_sharded:
             if jit_compile:
                 raise ValueError("Invalid `jit_compile=True` with LayoutMap.fully_sharded: torch.compile of a "
