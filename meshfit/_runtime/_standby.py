@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -79,7 +80,7 @@ class StandbyPool:
         """End every waiting standby (its whole session) and reap it."""
         for proc in self._waiting:
             try:
-                os.killpg(proc.pid, 9)
+                os.killpg(proc.pid, signal.SIGKILL)
             except OSError:
                 pass
             proc.wait()
