@@ -1,8 +1,9 @@
 """Warm standbys for ``meshfit launch --standby``: processes that have already imported torch and meshfit.
 
 A restarted worker spends most of its way back to the first resumed step importing (torch,
-meshfit, and ``torch._dynamo``, which DDP's constructor imports): ~3 s of the ~5 s from a
-``kill -9`` to the first resumed step on 2 workers here, far more on a loaded machine. With
+meshfit, and ``torch._dynamo``, which DDP's constructor imports): a ``kill -9`` to the first resumed
+step on 2 workers took 3.2 s here cold and 0.8 s from standbys (``bench/bench_recovery.py``), and
+far more cold on a loaded machine. With
 ``--standby`` the launcher keeps one waiting process per task of the group, started with the
 workers' environment less the per-round keys, which has done those imports and blocks on its stdin.
 A restart hands each task a standby instead of a cold ``python script.py``: one JSON line with the

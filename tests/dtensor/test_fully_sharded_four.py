@@ -10,7 +10,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_fully_sharded import BATCH, STEPS, _custom_loop, _data, _fit, _max_rel, _module, _scope
+from test_fully_sharded import (
+    BATCH,
+    STEPS,
+    _assert_weights_match,
+    _custom_loop,
+    _data,
+    _fit,
+    _max_rel,
+    _module,
+    _scope,
+)
 
 from tests._multiproc import run_distributed
 
@@ -28,11 +38,7 @@ def test_fit_on_four_sharded_processes_equals_one_plain_process(optimizer, plain
     for weights, losses, local, iterations, evaluated, _ in sharded:
         assert local == (8, 8)  # each process holds a quarter of the first weight's rows
         assert iterations == 2 * STEPS
-        if optimizer == "sgd":
-            assert _max_rel(weights, want[0]) <= 1e-5
-        else:
-            for got, expected in zip(weights, want[0], strict=True):
-                np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
+        _assert_weights_match(weights, want[0], optimizer)
         np.testing.assert_allclose(losses, want[1], rtol=1e-5)
         np.testing.assert_allclose(evaluated, want[4], rtol=1e-5)
     for other in sharded[1:]:
@@ -46,11 +52,7 @@ def test_seed_custom_loop_on_four_sharded_processes_equals_one_plain_process(opt
     for weights, losses, iterations in run_distributed(_custom_loop, world_size=4, args=(True, optimizer),
                                                        timeout=400):
         assert iterations == STEPS
-        if optimizer == "sgd":
-            assert _max_rel(weights, plain[0]) <= 1e-5
-        else:
-            for got, want in zip(weights, plain[0], strict=True):
-                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+        _assert_weights_match(weights, plain[0], optimizer)
         np.testing.assert_allclose(losses, plain[1], rtol=1e-5)
 
 
