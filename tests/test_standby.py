@@ -37,7 +37,7 @@ def standby_pids():
                 cmdline = f.read()
         except OSError:
             continue
-        if TOKEN in environ and b"_standby" in cmdline and int(pid) != os.getpid():
+        if TOKEN in environ and b"from meshfit._runtime._standby import main" in cmdline:
             pids.append(int(pid))
     return pids
 
