@@ -44,10 +44,20 @@ bench: bytecode
 # On a machine with CUDA: the tests marked `gpu` (tests/gpu/), then fit ÷ a hand-written loop on one
 # GPU, in one report (README "On a GPU") that also counts the tests; a failed test still lets the bench
 # report (then the target exits non-zero). Without CUDA the tests skip, saying why, and the bench says so.
-gpu-check: bytecode
+# A GPU image that brings its own CUDA build of torch and no package index: `make gpu-check
+# GPU_PYTHON=python3` runs the same check with that interpreter and this checkout on PYTHONPATH.
+ifdef GPU_PYTHON
+GPU_CHECK_PY := PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON)
+GPU_CHECK_DEPS :=
+else
+GPU_CHECK_PY := $(BIN)/python
+GPU_CHECK_DEPS := bytecode
+endif
+
+gpu-check: $(GPU_CHECK_DEPS)
 	mkdir -p build
-	$(BIN)/python -m pytest -q -m gpu -rs --junitxml=build/gpu-tests.xml tests/gpu; status=$$?; \
-	$(BIN)/python bench/bench_gpu.py --tests-xml build/gpu-tests.xml && exit $$status
+	$(GPU_CHECK_PY) -m pytest -q -m gpu -rs --junitxml=build/gpu-tests.xml tests/gpu; status=$$?; \
+	$(GPU_CHECK_PY) bench/bench_gpu.py --tests-xml build/gpu-tests.xml && exit $$status
 
 tf-venv:
 	PY=$(PY) bash bench/tf_venv.sh

@@ -472,3 +472,21 @@ def test_async_saves_without_dcps_stager_stage_plain_copies(tmp_path, monkeypatc
     restored = torch.zeros(6)
     Checkpoint(w=restored).restore(future.result(timeout=60))
     assert torch.equal(restored, torch.arange(6.0))
+
+
+def test_async_saves_copy_into_the_same_staging_buffers_every_time(tmp_path):
+    # The staging cache outlives a save: the second save copies into the first save's buffers (a
+    # DCP whose stager dropped its cache after each stage failed on the second save).
+    weight = torch.arange(6.0)
+    checkpoint = Checkpoint(w=weight)
+    first = checkpoint._staging.stage({"w": weight})["w"]
+    weight.add_(1.0)
+    second = checkpoint._staging.stage({"w": weight})["w"]
+    assert second.data_ptr() == first.data_ptr() and torch.equal(second, weight)
+    assert second.data_ptr() != weight.data_ptr()
+    for _ in range(3):
+        checkpoint.save(tmp_path / f"ckpt-{int(weight[0])}", async_save=True).result(timeout=60)
+        weight.add_(1.0)
+    restored = torch.zeros(6)
+    Checkpoint(w=restored).restore(tmp_path / "ckpt-3")
+    assert torch.equal(restored, torch.arange(6.0) + 3)

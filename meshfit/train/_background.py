@@ -6,10 +6,10 @@ stages into freshly allocated CPU tensors each time, and it starts two new threa
 and meshfit's finisher), each start waiting on the GIL while training runs. On the seed CNN that
 made a saving step about 8 ms slower; staged this way it is 3-7 ms (``make bench``).
 
-`Staging` keeps DCP's public ``DefaultStager`` alive for a `Checkpoint`, so every save copies into
-the same CPU buffers (pinned, with non-blocking copies, when an accelerator is present); `submit`
-runs the write on one writer thread per process, started once. Saves never overlap (the next save
-waits for the one in flight, `meshfit.train._checkpoint._wait_for_pending_save`), so a buffer is
+`Staging` keeps DCP's staging cache (``StateDictStager``) alive for a `Checkpoint`, so every save
+copies into the same CPU buffers (pinned, with non-blocking copies, when an accelerator is present);
+`submit` runs the write on one writer thread per process, started once. Saves never overlap (the
+next save waits for the one in flight, `meshfit.train._checkpoint._wait_for_pending_save`), so a buffer is
 never re-staged while the writer still reads it.
 """
 
@@ -43,25 +43,36 @@ class Staging:
 
     The buffers live as long as their `Checkpoint`: one CPU copy of the saved tensors, the price of
     saving without stopping training (DCP's own cached staging keeps the same).
+
+    meshfit holds DCP's ``StateDictStager`` (the cache behind ``DefaultStager``) itself: torch 2.11's
+    ``DefaultStager`` closes that cache after every stage, so its second stage failed (``KeyError:
+    <class 'type'>``, measured on a GPU) and no buffer was ever reused.
     """
 
     def __init__(self) -> None:
         self._stager: Any = None
+        self._non_blocking = False
 
     def stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A copy of ``tensors`` (DTensors stay DTensors with CPU local shards) that training may not touch."""
         if self._stager is None:
             self._stager = _new_stager()
-        if self._stager is False:  # torch without DCP's DefaultStager: plain copies
+            self._non_blocking = _accelerator_present()
+        if self._stager is False:  # torch without DCP's stager: plain copies
             return {key: value.detach().clone() for key, value in tensors.items()}
-        return self._stager.stage(tensors)
+        staged: dict[str, torch.Tensor] = self._stager.stage(tensors, non_blocking=self._non_blocking)
+        if self._non_blocking:
+            torch.accelerator.synchronize()  # the copies were queued; the writer reads them next
+        return staged
+
+
+def _accelerator_present() -> bool:
+    return bool(getattr(torch, "accelerator", None) and torch.accelerator.is_available())
 
 
 def _new_stager() -> Any:
     try:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from torch.distributed.checkpoint._state_dict_stager import StateDictStager
     except ImportError:  # an older torch: plain copies
         return False
-    accelerator = bool(getattr(torch, "accelerator", None) and torch.accelerator.is_available())
-    return DefaultStager(StagingOptions(use_pinned_memory=accelerator, use_shared_memory=False,
-                                        use_async_staging=False, use_non_blocking_copy=accelerator))
+    return StateDictStager(pin_memory=_accelerator_present(), share_memory=False)

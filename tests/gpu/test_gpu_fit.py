@@ -73,7 +73,7 @@ def test_mixed_precision_fit(policy, dtype):
     assert set(seen) == {dtype}
     assert all(p.dtype == torch.float32 for p in model.module.parameters())  # master weights
     assert isinstance(model.optimizer, mixed_precision.LossScaleOptimizer) == (policy == "mixed_float16")
-    assert history["loss"][-1] < history["loss"][0]
+    assert history.history["loss"][-1] < history.history["loss"][0]
     _, reference = _fit("cuda:0", epochs=3)
     np.testing.assert_allclose(history["loss"], reference["loss"], rtol=5e-2)
 
