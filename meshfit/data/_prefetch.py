@@ -10,10 +10,20 @@ from typing import Any
 _DONE = object()
 
 
+class _Failed:
+    """An item whose computation raised ``error`` (an element may itself be an exception object)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
 class Prefetcher:
     """Produce ``produce(k)`` for ``k = start, start + 1, ...`` on a daemon thread, ``size`` ahead.
 
-    ``produce`` raises ``StopIteration`` at the end. Errors in the thread are re-raised by ``get``.
+    ``produce`` raises ``StopIteration`` at the end. An error computing item ``k`` is re-raised by the
+    ``get`` that would have returned it, and production goes on with ``k + 1`` (as ``tf.data`` does).
     The consumer's position is all the state there is, so a stopped prefetcher loses nothing.
     """
 
@@ -41,22 +51,25 @@ class Prefetcher:
             except StopIteration:
                 self._put(_DONE)
                 return
-            except BaseException as error:  # handed to the consumer, which re-raises it
-                self._put(error)
+            except Exception as error:  # item k failed: handed to the consumer, then on with k + 1
+                item = _Failed(error)
+            except BaseException as error:  # KeyboardInterrupt, SystemExit: the producer stops
+                self._put(_Failed(error))
                 return
             if not self._put(item):
                 return
             k += 1
 
     def get(self) -> Any:
-        """The next item; raises ``StopIteration`` at the end, or the producer's error."""
+        """The next item; raises ``StopIteration`` at the end, or the error computing this item."""
         item = self._queue.get()
         if item is _DONE:
             self._queue.put(_DONE)
             raise StopIteration
-        if isinstance(item, BaseException):
-            self._queue.put(item)
-            raise item
+        if isinstance(item, _Failed):
+            if not isinstance(item.error, Exception):
+                self._queue.put(item)  # a stopped producer: every later get raises it too
+            raise item.error
         return item
 
     def close(self) -> None:
