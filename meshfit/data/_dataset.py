@@ -9,6 +9,7 @@ the global order: a distributed dataset only decides which rows of each global b
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -245,6 +246,7 @@ class DatasetIterator:
 
     def __init__(self, dataset: Dataset, pass_index: int = 0, index: int = 0) -> None:
         self._prefetcher: Prefetcher | None = None  # first: ``__del__`` runs even if the rest raises
+        self._lock = threading.Lock()  # next() from several threads, as a tf.data iterator allows
         self._dataset = dataset
         self._pass_index = pass_index
         self._index = index
@@ -277,6 +279,10 @@ class DatasetIterator:
         return self
 
     def __next__(self) -> Any:
+        with self._lock:
+            return self._next()
+
+    def _next(self) -> Any:
         size = self._dataset._prefetch_size()
         try:
             if size:

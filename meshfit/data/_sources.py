@@ -24,7 +24,9 @@ from meshfit.data._structure import (
 
 
 def _shape(leaf: Any) -> tuple[int, ...]:
-    return tuple(getattr(leaf, "shape", (len(leaf),) if hasattr(leaf, "__len__") else ()))
+    if isinstance(leaf, (torch.Tensor, np.ndarray)):
+        return tuple(leaf.shape)
+    return ()  # a Python object (a string, a number) is one value: it has no rows to slice
 
 
 class TensorSlices(Node):

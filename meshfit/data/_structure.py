@@ -22,7 +22,7 @@ def to_tensor(value: Any) -> Any:
     if isinstance(value, np.ndarray):
         if value.dtype.kind in "US":
             return value
-        return torch.from_numpy(np.ascontiguousarray(value))
+        return _from_array(value)
     if isinstance(value, dict):
         return {k: to_tensor(v) for k, v in value.items()}
     if isinstance(value, tuple):
@@ -70,7 +70,8 @@ def from_python(value: Any) -> Any:
 def _from_array(array: np.ndarray) -> Any:
     if array.dtype.kind in "USO":
         return array
-    return torch.from_numpy(np.ascontiguousarray(array))
+    # not np.ascontiguousarray: it turns a 0-d array into shape (1,)
+    return torch.from_numpy(array if array.flags.c_contiguous else np.ascontiguousarray(array))
 
 
 def _has_arrays(value: Any) -> bool:
@@ -95,7 +96,10 @@ def _list_to_tensor(value: list) -> Any:
             raise ValueError(f"Invalid list: a list is one tensor, so its items must have one shape; received "
                              f"shapes {shapes}. Use a tuple to pass components of different shapes.")
         return torch.stack(items)
-    array = np.asarray(value)
+    try:
+        array = np.asarray(value)
+    except ValueError:  # numpy refuses a ragged list
+        array = np.empty(0, dtype=object)
     if array.dtype == object:
         raise ValueError(f"Invalid list: a list is one tensor, so it must be rectangular and of one type; "
                          f"received {_short(value)}. Use a tuple to pass components of different shapes.")

@@ -81,7 +81,7 @@ def _unseeded_shuffle_seed() -> int:
     """
     import torch
 
-    return int(torch.empty((), dtype=torch.int64).random_().item())
+    return int(torch.randint(0, 2**62, (), dtype=torch.int64))
 
 
 def _buffer_permutation(n: int, buffer_size: int, rng: np.random.Generator) -> np.ndarray:
