@@ -95,6 +95,14 @@ class Zip(Node):
         # The zipped pipelines' nodes too: their shuffles are seeded, broadcast and saved like any other.
         return [self] + [node for child in self.children for node in child._nodes()]
 
+    def _transform_chain(self, fn: Callable[[Node], Node | None]) -> Node:
+        replaced = fn(self)
+        if replaced is not None:
+            return replaced
+        raise ValueError("A pipeline batched (or read from files) inside Dataset.zip cannot be split per replica "
+                         "by AutoShardPolicy.FILE or OFF. Batch after the zip (Dataset.zip((a, b)).batch(n)), or "
+                         "use Options(auto_shard_policy=AutoShardPolicy.DATA).")
+
 
 def _node_leaves(structure: Any) -> list[Node]:
     if isinstance(structure, Node):

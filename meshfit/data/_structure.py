@@ -167,7 +167,11 @@ def stack(elements: Sequence[Any], _path: str = "") -> Any:
         return torch.stack(list(elements))
     if isinstance(first, np.ndarray) or isinstance(first, (str, bytes)):
         return np.stack(elements) if isinstance(first, np.ndarray) else np.asarray(elements)
-    return from_python(np.asarray(elements))
+    array = np.asarray(elements)
+    if array.dtype == object:
+        raise TypeError(f"Cannot batch component {_path or 0}: its elements are {type(first).__name__} objects, not "
+                        "tensors, arrays, numbers or strings. Convert them to tensors in a map before batching.")
+    return from_python(array)
 
 
 def concat(parts: Sequence[Any]) -> Any:

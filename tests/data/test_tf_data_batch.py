@@ -4,9 +4,9 @@ Source: tensorflow/tensorflow, tensorflow/python/data/kernel_tests/batch_test.py
 0337b19fa6a7801e4156549a1ed56e8e41c4ec8f (the stored version; none is stored at 140b37d4).
 Translation rules: tests/data/_tf_port.py.
 
-Cases in the source: 20. Ported: 7. Passing with TF's assertions: 6. Listed as differences: 1
+Cases in the source: 21. Ported: 7. Passing with TF's assertions: 6. Listed as differences: 1
 (testDeterminismConfiguration: ``deterministic=False`` still gives the deterministic order).
-Skipped as TF-only (13): testDataset (datasets as elements, unbatch, flat_map), testSparse,
+Skipped as TF-only (14): testDataset (datasets as elements, unbatch, flat_map), testSparse,
 testSparseWithDifferentDenseShapes, testSparseNested (SparseTensor), testRagged, testRaggedWithDifferentShapes,
 testRaggedNested (RaggedTensor), testCheckpointLargeBatches (TF's 2 GB checkpoint-proto limit),
 BatchCheckpointTest.testSparse, .testNestedSparse (SparseTensor), and BatchRandomAccessTest's 4 cases

@@ -225,3 +225,20 @@ def _grows_beyond(values, n, seconds=0.3):
     event = threading.Event()
     event.wait(seconds)
     return len(values) > n
+
+
+def test_batching_python_objects_names_the_type_and_the_fix():
+    class Record:
+        pass
+
+    with pytest.raises(TypeError, match="Record objects.*Convert them to tensors in a map"):
+        next(iter(Dataset.range(2).map(lambda x: Record()).batch(2)))
+
+
+def test_zip_exposes_its_shuffles_and_refuses_a_per_replica_rewrite_by_name():
+    # The zipped pipelines' shuffles are found like any other (distribution agrees on their seeds, backups
+    # save them); rewriting below a zip per replica is refused with the fix instead of a bare LookupError.
+    zipped = Dataset.zip((Dataset.range(4).shuffle(4), Dataset.range(4).batch(2)))
+    assert sum(isinstance(n, Shuffle) for n in zipped.node.nodes()) == 1
+    with pytest.raises(ValueError, match="Batch after the zip"):
+        zipped.node.transform_chain(lambda node: None)

@@ -4,8 +4,8 @@ Source: tensorflow/tensorflow, tensorflow/python/data/kernel_tests/repeat_test.p
 0304934138cbfabd338ec432a630a9c3c1191564 (the stored version; none is stored at 140b37d4).
 Translation rules: tests/data/_tf_port.py.
 
-Cases in the source: 15. Ported: 8. Passing with TF's assertions: 8. Listed as differences: 0.
-Skipped as TF-only (7): RepeatRandomAccessTest's 4 cases (``tf.data.experimental.random_access``),
+Cases in the source: 16. Ported: 8. Passing with TF's assertions: 8. Listed as differences: 0.
+Skipped as TF-only (8): RepeatRandomAccessTest's 5 cases (``tf.data.experimental.random_access``),
 RepeatGlobalShuffleTest's 2 and RepeatGlobalShuffleCheckpointTest's 1 (the private
 ``global_shuffle_op._global_shuffle``).
 """
