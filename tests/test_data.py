@@ -366,10 +366,10 @@ def test_from_files_with_a_reader_returning_a_dict(tmp_path):
         (lambda ds: ds.shard(2, 2), "index=2"),
         (lambda ds: ds.shard(2, -1), "index=-1"),
         (lambda ds: ds.shard(0, 0), "num_shards=0"),
-        (lambda ds: ds.repeat(-2), "count=-2"),
+        (lambda ds: ds.repeat(1.5), "count=1.5"),
         (lambda ds: ds.take(-2), "count=-2"),
         (lambda ds: ds.skip(-1), "count=-1"),
-        (lambda ds: ds.prefetch(0), "buffer_size=0"),
+        (lambda ds: ds.prefetch(-2), "buffer_size=-2"),
     ],
 )
 def test_bad_arguments_raise_and_echo_the_value(build, echo):

@@ -177,7 +177,8 @@ class DataHandler:
                                  f"received lengths {sorted(lengths)} ({named}).")
             # Keras packs a list/tuple x alone as ``(x,)``: several inputs, not ``(x, y)``.
             alone = len(parts) > 1 or isinstance(x, (list, tuple))
-            dataset = Dataset.from_tensor_slices(parts if alone else parts[0])
+            # Keras's structure rules (a list x is several inputs), not tf.data's (a list is one tensor).
+            dataset = Dataset.from_tensor_slices(to_tensor(parts if alone else parts[0]))
             dataset = batch_and_shuffle(dataset, lengths.pop(), batch_size or 32, shuffle,
                                         seed=_shuffle_seed() if shuffle else None)
             return self.strategy.experimental_distribute_dataset(dataset)

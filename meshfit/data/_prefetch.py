@@ -10,53 +10,67 @@ from typing import Any
 _DONE = object()
 
 
+class _Failed:
+    """An item whose computation raised ``error`` (an element may itself be an exception object)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
 class Prefetcher:
     """Produce ``produce(k)`` for ``k = start, start + 1, ...`` on a daemon thread, ``size`` ahead.
 
-    ``produce`` raises ``StopIteration`` at the end. Errors in the thread are re-raised by ``get``.
-    The consumer's position is all the state there is, so a stopped prefetcher loses nothing.
+    At most ``size`` items are computed and not yet taken (as ``tf.data``'s prefetch buffer): the
+    thread waits for a free slot before it computes the next one. ``produce`` raises
+    ``StopIteration`` at the end. An error computing item ``k`` is re-raised by the ``get`` that would
+    have returned it, and production goes on with ``k + 1`` (as ``tf.data`` does). The consumer's
+    position is all the state there is, so a stopped prefetcher loses nothing.
     """
 
     def __init__(self, produce: Callable[[int], Any], start: int, size: int) -> None:
         self._produce = produce
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, size))
+        self._queue: queue.Queue = queue.Queue()
+        self._slots = threading.Semaphore(max(1, size))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(start,), daemon=True,
                                         name="meshfit-prefetch")
         self._thread.start()
 
-    def _put(self, item: Any) -> bool:
+    def _wait_for_slot(self) -> bool:
         while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
+            if self._slots.acquire(timeout=0.1):
                 return True
-            except queue.Full:
-                continue
         return False
 
     def _run(self, k: int) -> None:
-        while not self._stop.is_set():
+        while self._wait_for_slot():
             try:
                 item = self._produce(k)
             except StopIteration:
-                self._put(_DONE)
+                self._queue.put(_DONE)
                 return
-            except BaseException as error:  # handed to the consumer, which re-raises it
-                self._put(error)
+            except Exception as error:  # item k failed: handed to the consumer, then on with k + 1
+                item = _Failed(error)
+            except BaseException as error:  # KeyboardInterrupt, SystemExit: the producer stops
+                self._queue.put(_Failed(error))
                 return
-            if not self._put(item):
-                return
+            self._queue.put(item)
             k += 1
 
     def get(self) -> Any:
-        """The next item; raises ``StopIteration`` at the end, or the producer's error."""
+        """The next item; raises ``StopIteration`` at the end, or the error computing this item."""
         item = self._queue.get()
         if item is _DONE:
             self._queue.put(_DONE)
             raise StopIteration
-        if isinstance(item, BaseException):
-            self._queue.put(item)
-            raise item
+        if isinstance(item, _Failed) and not isinstance(item.error, Exception):
+            self._queue.put(item)  # a stopped producer: every later get raises it too
+            raise item.error
+        self._slots.release()
+        if isinstance(item, _Failed):
+            raise item.error
         return item
 
     def close(self) -> None:

@@ -11,17 +11,35 @@ import numpy as np
 import torch
 
 from meshfit.data._node import Node
-from meshfit.data._structure import concat, gather_rows, leaves, map_structure, stack, to_tensor
+from meshfit.data._structure import (
+    concat,
+    from_python,
+    gather_rows,
+    leaves,
+    map_structure,
+    rebuild,
+    stack,
+    to_tensor,
+)
+
+
+def _shape(leaf: Any) -> tuple[int, ...]:
+    if isinstance(leaf, (torch.Tensor, np.ndarray)):
+        return tuple(leaf.shape)
+    return ()  # a Python object (a string, a number) is one value: it has no rows to slice
 
 
 class TensorSlices(Node):
     def __init__(self, tensors: Any) -> None:
-        self.tensors = to_tensor(tensors)
-        lengths = {len(leaf) for leaf in leaves(self.tensors)}
+        self.tensors = from_python(tensors)
+        parts = leaves(self.tensors)
+        if not parts or any(len(_shape(leaf)) == 0 for leaf in parts):
+            raise ValueError(f"Invalid `tensors`: slicing needs components of at least one dimension, received "
+                             f"shapes {[_shape(leaf) for leaf in parts]}. Use Dataset.from_tensors for one element.")
+        lengths = {_shape(leaf)[0] for leaf in parts}
         if len(lengths) != 1:
-            shapes = [tuple(getattr(leaf, "shape", (len(leaf),))) for leaf in leaves(self.tensors)]
             raise ValueError(f"Invalid `tensors`: all components must have the same first dimension, "
-                             f"received shapes {shapes}.")
+                             f"received shapes {[_shape(leaf) for leaf in parts]}.")
         self._n = lengths.pop()
 
     def _length(self) -> int:
@@ -36,6 +54,74 @@ class TensorSlices(Node):
         return gather_rows(self.tensors, indices)
 
 
+class FromTensors(Node):
+    """One element: the whole structure (``tf.data``'s conversion rules)."""
+
+    def __init__(self, tensors: Any) -> None:
+        self.tensors = from_python(tensors)
+
+    def _length(self) -> int:
+        return 1
+
+    def _get(self, index: int, pass_index: int) -> Any:
+        if index != 0:
+            raise IndexError(index)
+        return self.tensors
+
+
+class Zip(Node):
+    """Element ``i`` is the structure (tuple or dict) of the datasets' elements ``i``."""
+
+    def __init__(self, nodes: Any) -> None:
+        self.structure = nodes
+        self.children: list[Node] = _node_leaves(nodes)
+        if not self.children:
+            raise ValueError("Invalid `datasets`: expected a tuple or dict of at least one Dataset, received none.")
+
+    def _length(self) -> int | None:
+        lengths = [n for n in (child._length() for child in self.children) if n is not None]
+        return min(lengths) if lengths else None
+
+    def _get(self, index: int, pass_index: int) -> Any:
+        return _node_map(lambda node: node._get(index, pass_index), self.structure)
+
+    def _gather(self, indices: np.ndarray, pass_index: int) -> Any:
+        return _node_map(lambda node: node._gather(indices, pass_index), self.structure)
+
+    def _prefetch_size(self) -> int:
+        return max(child._prefetch_size() for child in self.children)
+
+    def _nodes(self) -> list[Node]:
+        # The zipped pipelines' nodes too: their shuffles are seeded, broadcast and saved like any other.
+        return [self] + [node for child in self.children for node in child._nodes()]
+
+    def _transform_chain(self, fn: Callable[[Node], Node | None]) -> Node:
+        replaced = fn(self)
+        if replaced is not None:
+            return replaced
+        raise ValueError("A pipeline batched (or read from files) inside Dataset.zip cannot be split per replica "
+                         "by AutoShardPolicy.FILE or OFF. Batch after the zip (Dataset.zip((a, b)).batch(n)), or "
+                         "use Options(auto_shard_policy=AutoShardPolicy.DATA).")
+
+
+def _node_leaves(structure: Any) -> list[Node]:
+    if isinstance(structure, Node):
+        return [structure]
+    if isinstance(structure, dict):
+        return [n for v in structure.values() for n in _node_leaves(v)]
+    if isinstance(structure, tuple):
+        return [n for v in structure for n in _node_leaves(v)]
+    raise TypeError(f"Invalid `datasets`: expected a tuple or dict of Datasets, received {structure!r}.")
+
+
+def _node_map(fn: Any, structure: Any) -> Any:
+    if isinstance(structure, Node):
+        return fn(structure)
+    if isinstance(structure, dict):
+        return {k: _node_map(fn, v) for k, v in structure.items()}
+    return rebuild(structure, [_node_map(fn, v) for v in structure])
+
+
 class Range(Node):
     def __init__(self, *args: int) -> None:
         self._range = range(*args)
@@ -44,6 +130,8 @@ class Range(Node):
         return len(self._range)
 
     def _get(self, index: int, pass_index: int) -> torch.Tensor:
+        if not 0 <= index < len(self._range):
+            raise IndexError(index)
         return torch.tensor(self._range[index])
 
     def _gather(self, indices: np.ndarray, pass_index: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from meshfit.data._node import AUTOTUNE, Node, Transform
-from meshfit.data._structure import stack
+from meshfit.data._structure import from_python, is_namedtuple, stack
 
 
 def _check_positive_int(name: str, value: Any, allow: tuple = ()) -> None:
@@ -72,15 +72,16 @@ class Shuffle(Transform):
         return self._inner._gather(source, pass_index)
 
 
-_UNSEEDED = [0]
-
-
 def _unseeded_shuffle_seed() -> int:
-    """A seed for ``shuffle(seed=None)``: from torch's initial seed and a per-process counter."""
+    """A seed for ``shuffle(seed=None)``, drawn from torch's global generator.
+
+    As ``torch.utils.data.RandomSampler`` draws its seed: ``torch.manual_seed(s)`` makes a program's
+    orders reproducible (TF's ``tf.random.set_seed`` resets its op-seed counter to the same effect),
+    and two shuffles in one program get different orders. The draw advances torch's generator once.
+    """
     import torch
 
-    _UNSEEDED[0] += 1
-    return int(np.random.SeedSequence([torch.initial_seed() % 2**63, _UNSEEDED[0]]).generate_state(1)[0])
+    return int(torch.randint(0, 2**62, (), dtype=torch.int64))
 
 
 def _buffer_permutation(n: int, buffer_size: int, rng: np.random.Generator) -> np.ndarray:
@@ -104,13 +105,17 @@ def _buffer_permutation(n: int, buffer_size: int, rng: np.random.Generator) -> n
 
 
 class Repeat(Transform):
+    """``count`` passes over the input; forever when ``count`` is None or negative (as in TF)."""
+
     def __init__(self, inner: Node, count: int | None) -> None:
-        if count is not None and count != -1:
-            _check_positive_int("count", count)
-        self._inner, self.count = inner, None if count in (None, -1) else int(count)
+        if count is not None and (isinstance(count, bool) or not isinstance(count, (int, np.integer))):
+            raise ValueError(f"Invalid `count`: expected an int (negative or None: forever), received count={count!r}.")
+        self._inner, self.count = inner, None if count is None or count < 0 else int(count)
 
     def _length(self) -> int | None:
         n = self._inner._length()
+        if n == 0 or self.count == 0:  # nothing to repeat: empty, as in TF (even when repeating forever)
+            return 0
         if n is None or self.count is None:
             return None
         return n * self.count
@@ -175,6 +180,9 @@ class Batch(Transform):
 
 
 class Map(Transform):
+    """``map_func`` over each element: a tuple is unpacked into arguments, anything else (a namedtuple,
+    a dict, a tensor) is passed whole; the result follows ``tf.data``'s rules (a returned list is a tuple)."""
+
     def __init__(self, inner: Node, fn: Callable[..., Any]) -> None:
         if not callable(fn):
             raise TypeError(f"Invalid `map_func`: expected a callable, received {fn!r}.")
@@ -185,7 +193,16 @@ class Map(Transform):
 
     def _get(self, index: int, pass_index: int) -> Any:
         element = self._inner._get(index, pass_index)
-        return self.fn(*element) if isinstance(element, tuple) else self.fn(element)
+        try:
+            out = self.fn(*element) if isinstance(element, tuple) and not is_namedtuple(element) else self.fn(element)
+        except StopIteration as error:  # never the end of the data: an error in this element, as in TF
+            raise RuntimeError(f"`map_func` {_name(self.fn)} raised StopIteration on element {index}; a map "
+                               "function cannot end a dataset. Use take() or a shorter input.") from error
+        return from_python(tuple(out) if isinstance(out, list) else out)
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
 
 
 class Cache(Transform):
@@ -209,7 +226,7 @@ class Cache(Transform):
 
 class Prefetch(Transform):
     def __init__(self, inner: Node, buffer_size: int) -> None:
-        _check_positive_int("buffer_size", buffer_size, allow=(AUTOTUNE,))
+        _check_positive_int("buffer_size", buffer_size, allow=(AUTOTUNE, 0))
         self._inner, self.buffer_size = inner, 2 if buffer_size == AUTOTUNE else int(buffer_size)
 
     def _length(self) -> int | None:
