@@ -126,6 +126,14 @@ class Checkpoint:
         self.world: Any = None
         # Where snapshots go (the storage seam): DCP on a file system unless someone sets another.
         self.store: CheckpointStore = FileSystemStore(_FORMAT, _VERSION)
+        self._save_counter = 0
+
+    @property
+    def save_counter(self) -> int:
+        """How many times this checkpoint was saved (TF's ``save_counter``): counted by :meth:`save`, written
+        into each checkpoint and set back by :meth:`restore` (a checkpoint written before meshfit recorded it
+        leaves it as is)."""
+        return self._save_counter
 
     def _job_world(self) -> Any:
         if self.world is None:
@@ -197,7 +205,9 @@ class Checkpoint:
             _silence_single_process_warning()
         group = world.control_group
         rank = world.rank
+        self._save_counter += 1  # before writing, as TF: the checkpoint records the save that wrote it
         tensors, document, own_paths = self._collect(rank, distributed, group, path)
+        document["save_counter"] = self._save_counter
         if own_paths is not None:  # TF's write_filepath dance: each rank writes a whole copy (_own_copies.py)
             def write() -> None:
                 _silence_single_process_warning()  # DCP without its group: this rank writes everything
@@ -360,6 +370,13 @@ class Checkpoint:
                     target.load_state_dict(state)
                 except StateMismatchError as error:  # e.g. a data position saved on other data
                     raise StateMismatchError(f"Checkpoint {path!r} ({name!r}): {error}") from error
+        self._restore_save_counter(document)
+
+    def _restore_save_counter(self, document: dict) -> None:
+        """Take the saved ``save_counter`` back (absent from checkpoints of an older meshfit)."""
+        counter = document.get("save_counter")
+        if isinstance(counter, int) and not isinstance(counter, bool) and counter >= 0:
+            self._save_counter = counter
 
 
 def _entry_for(saved: dict, name: str, target: Any, per_rank: bool, path: str) -> dict:
