@@ -207,9 +207,11 @@ class CheckpointManager:
             FileExistsError: ``<checkpoint_name>-N`` is already a complete checkpoint.
         """
         _wait_for_pending_save()  # an async save in flight completes (and is recorded) first
-        if not self._is_due(check_interval):
+        needs_step = self._checkpoint_interval is not None or checkpoint_number is None
+        step = self._read_step_counter() if self._step_counter is not None and needs_step else None
+        if not self._is_due(step, check_interval):
             return None
-        number = self._number(checkpoint_number)
+        number = self._number(checkpoint_number, step)
         path = os.path.join(self._directory, f"{self._name}-{number}")
         self._refuse_existing(path, number, checkpoint_number)
         self._next_number = max(self._next_number, number + 1)
@@ -250,25 +252,23 @@ class CheckpointManager:
         self._seen_step = step_value(self._step_counter, "step_counter")
         return self._seen_step
 
-    def _is_due(self, check_interval: bool) -> bool:
-        """TF's interval rule: never twice at one step; with ``check_interval``, not before
-        ``checkpoint_interval`` steps passed. A due save records its step at once (as TF)."""
-        if self._checkpoint_interval is None:
+    def _is_due(self, current: int | None, check_interval: bool) -> bool:
+        """TF's interval rule at step ``current``: never twice at one step; with ``check_interval``, not
+        before ``checkpoint_interval`` steps passed. A due save records its step at once (as TF)."""
+        if self._checkpoint_interval is None or current is None:
             return True
-        current, last = self._read_step_counter(), self._last_checkpoint_step
+        last = self._last_checkpoint_step
         if last is not None:
             if current == last or (check_interval and current < last + self._checkpoint_interval):
                 return False
         self._last_checkpoint_step = current
         return True
 
-    def _number(self, checkpoint_number: Any) -> int:
-        """The ``N`` for the next save."""
+    def _number(self, checkpoint_number: Any, step: int | None) -> int:
+        """The ``N`` for the next save: the one given, else the step counter's value, else the next free one."""
         if checkpoint_number is not None:
             return step_value(checkpoint_number, "checkpoint_number")
-        if self._step_counter is not None:
-            return self._read_step_counter()
-        return self._next_number
+        return step if step is not None else self._next_number
 
     def _refuse_existing(self, path: str, number: int, checkpoint_number: Any) -> None:
         if not _storage.is_complete(path):
