@@ -290,9 +290,9 @@ def test_custom_numbering(tmp_path):
     manager = CheckpointManager(checkpoint, directory, max_to_keep=2)
     for i in range(5):
         path = manager.save(checkpoint_number=step)
-        expected_suffix = "-%d" % (2 * i,)
+        expected_suffix = f"-{2 * i}"
         if not path.endswith(expected_suffix):
-            pytest.fail("%s should have suffix %s" % (path, expected_suffix))
+            pytest.fail(f"{path} should have suffix {expected_suffix}")
         step.add_(2)
     assert 5 == int(checkpoint.save_counter)
     # Test regular integers
