@@ -27,12 +27,27 @@ class ClusterResolverLike(Protocol):
     def task_id(self) -> int | None: ...
 
 
+class CheckpointRecordLike(Protocol):
+    """Where a custom loop's checkpoints are, for failure messages (a `meshfit.train.CheckpointManager`)."""
+
+    @property
+    def directory(self) -> str: ...
+
+    @property
+    def latest_checkpoint(self) -> str | None: ...
+
+    @property
+    def current_step(self) -> int | None: ...  # its step counter's value, None without one
+
+
 class FailureStateLike(Protocol):
     """What the loop and savers record for failure messages (see `meshfit.distribute.FailureState`)."""
 
     step: int | None
     backup_dir: str | None
     terminating: bool  # SIGTERM received: a broken collective ends the worker at once
+
+    def register_checkpoints(self, record: CheckpointRecordLike) -> None: ...
 
 
 class InputContextLike(Protocol):

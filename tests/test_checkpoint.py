@@ -168,7 +168,9 @@ def test_manager_numbers_prunes_and_writes_its_state_file(tmp_path):
     assert names == ["ckpt-3", "ckpt-4"]
     assert _dir_names(tmp_path) == ["checkpoint", "ckpt-3", "ckpt-4"]
     with open(tmp_path / "checkpoint") as f:
-        assert json.load(f) == {"latest_checkpoint": "ckpt-4", "all_checkpoints": ["ckpt-3", "ckpt-4"]}
+        state = json.load(f)
+    assert (state["latest_checkpoint"], state["all_checkpoints"]) == ("ckpt-4", ["ckpt-3", "ckpt-4"])
+    assert len(state["all_checkpoint_timestamps"]) == 2 and state["preserved_checkpoints"] == []
 
     # A new manager (after a crash) recovers from disk, continues numbering and restores the latest.
     position.value = 0

@@ -138,7 +138,8 @@ class Heartbeat:
     # ---- the watchdog thread -----------------------------------------------------------------------
     def _beat(self, store: Any) -> None:
         self._count += 1
-        step = "?" if self._state.step is None else str(self._state.step)
+        current = self._state.current_step()
+        step = "?" if current is None else str(current)
         store.set(self._beat_key(self._rank, self._count), step)
         store.set(f"{_PREFIX}/{self._rank}", str(self._count))
         if self._count > _KEPT_BEATS:
@@ -215,7 +216,8 @@ class Heartbeat:
 
     def _declare(self, peer: int | None, last_step: str, why: str, who: str | None = None) -> None:
         where = self._state.where_to_resume()
-        step = "?" if self._state.step is None else self._state.step
+        current = self._state.current_step()
+        step = "?" if current is None else current
         if who is None and peer is not None:
             who = f"Worker {peer} stopped ({self._names[peer]})"
         message = (f"{who}: {why} (its last reported step: {last_step}; this worker, "

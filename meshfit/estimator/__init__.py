@@ -1,8 +1,10 @@
 """`mf.estimator`: TensorFlow's Estimator API — ``model_fn``, ``input_fn``, `RunConfig`, hooks and
-`train_and_evaluate` — on PyTorch, trained by the same loop as `Model.fit`, resumable from ``model_dir``.
+`train_and_evaluate` — on PyTorch, trained by the same loop as `Model.fit`, resumable from ``model_dir``;
+`model_to_estimator` turns a compiled `meshfit.Model` into one.
 """
 
 from meshfit.estimator._estimator import Estimator
+from meshfit.estimator._from_keras import model_to_estimator
 from meshfit.estimator._hooks import (
     LoggingTensorHook,
     SessionRunArgs,
@@ -38,6 +40,7 @@ __all__ = [
     "get_global_step",
     "get_or_create_global_step",
     "minimize",
+    "model_to_estimator",
     "once",
     "train_and_evaluate",
 ]

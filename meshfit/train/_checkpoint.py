@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshfit._storage import CorruptFileError, StateMismatchError, chief_writes
 from meshfit._storage import tagged_json as _tree
@@ -24,6 +23,8 @@ from meshfit._validation import path_like
 from meshfit.distribute import current_world
 from meshfit.train import _background, _storage
 from meshfit.train._compatibility import check_module_fits
+from meshfit.train._entries import destination as _destination
+from meshfit.train._entries import entry_for as _entry_for
 from meshfit.train._own_copies import is_sharded, refuse_different_paths, save_own_copy, whole_tensors
 from meshfit.train._per_rank import (
     PerRank,
@@ -126,6 +127,14 @@ class Checkpoint:
         self.world: Any = None
         # Where snapshots go (the storage seam): DCP on a file system unless someone sets another.
         self.store: CheckpointStore = FileSystemStore(_FORMAT, _VERSION)
+        self._save_counter = 0
+
+    @property
+    def save_counter(self) -> int:
+        """How many times this checkpoint was saved (TF's ``save_counter``): counted by :meth:`save`, written
+        into each checkpoint and set back by :meth:`restore` (a checkpoint written before meshfit recorded it
+        leaves it as is)."""
+        return self._save_counter
 
     def _job_world(self) -> Any:
         if self.world is None:
@@ -197,7 +206,9 @@ class Checkpoint:
             _silence_single_process_warning()
         group = world.control_group
         rank = world.rank
+        self._save_counter += 1  # before writing, as TF: the checkpoint records the save that wrote it
         tensors, document, own_paths = self._collect(rank, distributed, group, path)
+        document["save_counter"] = self._save_counter
         if own_paths is not None:  # TF's write_filepath dance: each rank writes a whole copy (_own_copies.py)
             def write() -> None:
                 _silence_single_process_warning()  # DCP without its group: this rank writes everything
@@ -360,34 +371,13 @@ class Checkpoint:
                     target.load_state_dict(state)
                 except StateMismatchError as error:  # e.g. a data position saved on other data
                     raise StateMismatchError(f"Checkpoint {path!r} ({name!r}): {error}") from error
+        self._restore_save_counter(document)
 
-
-def _entry_for(saved: dict, name: str, target: Any, per_rank: bool, path: str) -> dict:
-    """The saved entry for ``name``, checked against how it is tracked now."""
-    entry = saved.get(name)
-    if not isinstance(entry, dict):
-        raise ValueError(f"Checkpoint {path!r} has no entry {name!r}; it holds {sorted(saved)}.")
-    kind = "tensor" if isinstance(target, torch.Tensor) else "stateful"
-    if entry.get("kind") != kind or bool(entry.get("per_rank")) != per_rank:
-        raise ValueError(
-            f"Checkpoint {path!r} saved {name!r} as kind={entry.get('kind')!r}, "
-            f"per_rank={entry.get('per_rank')!r}; it is tracked now as kind={kind!r}, per_rank={per_rank}. "
-            "Track it the same way (wrap it in PerRank, or not) as when it was saved.")
-    if per_rank and not (isinstance(entry.get("ranks"), list) and entry["ranks"]):
-        raise CorruptFileError(f"Corrupt checkpoint {path!r}: per-rank entry {name!r} has no ranks.")
-    if not per_rank and "state" not in entry:
-        raise CorruptFileError(f"Corrupt checkpoint {path!r}: entry {name!r} has no state.")
-    return entry
-
-
-def _destination(stored: Any, current: Any, key: str, path: str) -> torch.Tensor:
-    """The tensor DCP loads ``key`` into: the current one if it fits (in place), else a new CPU one."""
-    if not isinstance(stored, TensorStorageMetadata):
-        raise CorruptFileError(f"Corrupt checkpoint {path!r}: tensor {key!r} is missing from its DCP metadata.")
-    if (isinstance(current, torch.Tensor) and tuple(current.shape) == tuple(stored.size)
-            and current.dtype == stored.properties.dtype):
-        return current.detach()
-    return torch.empty(tuple(stored.size), dtype=stored.properties.dtype)
+    def _restore_save_counter(self, document: dict) -> None:
+        """Take the saved ``save_counter`` back (absent from checkpoints of an older meshfit)."""
+        counter = document.get("save_counter")
+        if isinstance(counter, int) and not isinstance(counter, bool) and counter >= 0:
+            self._save_counter = counter
 
 
 def _rank0_step(step: Callable[[], None], distributed: bool, rank: int, group: Any, what: str) -> None:

@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--mark-at", type=int, default=-1, help="rank 0 writes reached.txt at this step")
     parser.add_argument("--heartbeat", type=float, default=4.0)
     parser.add_argument("--sleep", type=float, default=0.05)
+    parser.add_argument("--manager-dir", default=None, help="save with a CheckpointManager every 5 steps there")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
@@ -38,6 +39,12 @@ def main() -> None:
         module = nn.Linear(8, 2)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
     x, y = torch.randn(16, 8), torch.randn(16, 2)
+    completed = torch.tensor(0)  # the steps done: the manager's step counter
+    manager = None
+    if args.manager_dir:
+        checkpoint = mf.train.Checkpoint(model=module, step=completed)
+        manager = mf.train.CheckpointManager(checkpoint, args.manager_dir, max_to_keep=2, step_counter=completed,
+                                             checkpoint_interval=5)
 
     def step_fn(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
         optimizer.zero_grad()
@@ -61,6 +68,9 @@ def main() -> None:
         total = strategy.reduce(mf.distribute.ReduceOp.SUM, per_replica)
         if rank == 0 and step % 50 == 0:
             print(f"step {step}: loss {float(total):.4f}", flush=True)
+        completed.fill_(step)
+        if manager is not None:
+            manager.save(check_interval=True)
         time.sleep(args.sleep)
     print(f"rank {rank} done", flush=True)
 
