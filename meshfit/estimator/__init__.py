@@ -2,6 +2,7 @@
 `train_and_evaluate` — on PyTorch, trained by the same loop as `Model.fit`, resumable from ``model_dir``.
 """
 
+from meshfit._export import publish as _publish
 from meshfit.estimator._estimator import Estimator
 from meshfit.estimator._hooks import (
     LoggingTensorHook,
@@ -41,3 +42,5 @@ __all__ = [
     "once",
     "train_and_evaluate",
 ]
+
+_publish(__name__)
