@@ -124,7 +124,7 @@ def reference_page(package: str, names: list[PublicName], kept: dict[str, str]) 
         if not has_docstring_example(name.value):
             example = kept.get(name.path)
             if example:
-                lines += ["**Example**", "", "```pycon", example.rstrip(), "```", ""]
+                lines += ["**Examples:**", "", "```pycon", example.rstrip(), "```", ""]
     if constants:
         lines += ["## Constants", "", "| name | value |", "|---|---|"]
         lines += [f"| `{n.path}` | `{n.value!r}` |" for n in constants]
