@@ -111,6 +111,17 @@ def _page_path(package: str) -> str:
     return f"reference/{package}.md"
 
 
+def _private_base_members(value: Any) -> list[str]:
+    """Public members ``value`` inherits from private meshfit classes (no reference page of their own)."""
+    if not isinstance(value, type):
+        return []
+    names: set[str] = set()
+    for base in value.__mro__[1:]:
+        if base.__module__.startswith("meshfit") and any(p.startswith("_") for p in base.__module__.split(".")):
+            names |= {name for name in vars(base) if not name.startswith("_")}
+    return sorted(names - set(vars(value)))
+
+
 def reference_page(package: str, names: list[PublicName], kept: dict[str, str]) -> str:
     module = importlib.import_module(package)
     summary = (inspect.getdoc(module) or "").split("\n\n")[0]
@@ -120,7 +131,11 @@ def reference_page(package: str, names: list[PublicName], kept: dict[str, str]) 
     reexported = [n for n in own if n.home != package]
     constants = [n for n in homed if not n.is_api_object]
     for name in sorted((n for n in homed if n.is_api_object), key=lambda n: n.name.lower()):
-        lines += [f"::: {name.path}", "    options:", "      heading_level: 2", ""]
+        lines += [f"::: {name.path}", "    options:", "      heading_level: 2"]
+        inherited = _private_base_members(name.value)
+        if inherited:  # members a private mixin gives (Model.save): shown here, their only public home
+            lines.append(f"      inherited_members: {inherited}")
+        lines.append("")
         if not has_docstring_example(name.value):
             example = kept.get(name.path)
             if example:
