@@ -10,6 +10,7 @@ Run on two workers, as in the tutorial, each with its own ``TF_CONFIG``::
 or in one command: ``meshfit launch --workers 2 examples/main.py``; add ``--evaluator`` for an
 ``evaluator`` task that evaluates each checkpoint the workers save (``mf.SidecarEvaluator``). Pass ``--mnist path/to/mnist.npz``
 to train on MNIST (Keras's file layout); without it, scikit-learn's bundled digits resized to 28x28.
+``MESHFIT_EXAMPLE_TINY=1`` trains 2 epochs of 3 steps (the test suite runs it so).
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def main() -> None:
         multi_worker_model = build_and_compile_cnn_model()
     callbacks = [mf.callbacks.BackupAndRestore(backup_dir=args.backup_dir),
                  mf.callbacks.ModelCheckpoint(os.path.join(args.checkpoint_dir, "ckpt-{epoch}"))]
-    multi_worker_model.fit(multi_worker_dataset, epochs=3, steps_per_epoch=70, callbacks=callbacks)
+    epochs, steps_per_epoch = (2, 3) if os.environ.get("MESHFIT_EXAMPLE_TINY") == "1" else (3, 70)
+    multi_worker_model.fit(multi_worker_dataset, epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks)
 
 
 if __name__ == "__main__":

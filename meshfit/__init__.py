@@ -20,6 +20,7 @@ from meshfit import (
     utils,
 )
 from meshfit._engine import Model, SidecarEvaluator, load_model
+from meshfit._export import publish as _publish
 from meshfit._version import __version__ as __version__
 from meshfit.distribute import (
     CommunicationImplementation,
@@ -61,6 +62,8 @@ __all__ = [
     "train",
     "utils",
 ]
+
+_publish(__name__)
 
 
 def __getattr__(name: str) -> object:

@@ -127,10 +127,11 @@ def test_import_meshfit_leaves_heavy_modules_unloaded():
 
 
 # The root's own modules besides ``__init__``: the shared kernel every layer may import (version,
-# argument validation, the protocols at the seams, config serialization, the lazy DTensor probe) and
+# argument validation, the protocols at the seams, config serialization, the lazy DTensor probe, the
+# public homes of the public names) and
 # the two programs (the CLI and the demo job).
 ROOT_KERNEL = {"meshfit._version", "meshfit._validation", "meshfit._protocols", "meshfit._serialization",
-               "meshfit._lazy_dtensor"}
+               "meshfit._lazy_dtensor", "meshfit._export"}
 ROOT_PROGRAMS = {"meshfit._cli", "meshfit._demo"}
 
 

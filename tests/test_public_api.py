@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
 import importlib
 import os
 import subprocess
@@ -11,6 +10,7 @@ import sys
 import pytest
 
 import meshfit
+from tests._doctest_homes import run_module_doctests
 
 
 def _public_packages() -> list[str]:
@@ -83,5 +83,5 @@ def _modules_with_examples() -> list[str]:
 @pytest.mark.parametrize("module_name", _modules_with_examples())
 def test_docstring_examples_run(module_name):
     module = importlib.import_module(module_name)
-    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    result = run_module_doctests(module)  # testmod, each docstring in its defining module (public homes)
     assert result.failed == 0, module_name

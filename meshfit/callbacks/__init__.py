@@ -1,5 +1,6 @@
 """Callbacks: hooks into `Model.fit`, `evaluate` and `predict`, with Keras's names."""
 
+from meshfit._export import publish as _publish
 from meshfit.callbacks._backup_and_restore import BackupAndRestore
 from meshfit.callbacks._callback import Callback
 from meshfit.callbacks._callback_list import CallbackList
@@ -39,3 +40,5 @@ __all__ = [
     "TensorBoard",
     "TerminateOnNaN",
 ]
+
+_publish(__name__)

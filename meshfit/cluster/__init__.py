@@ -1,5 +1,6 @@
 """Cluster resolvers: where this process sits in a multi-process job (TF_CONFIG, torchrun, SLURM)."""
 
+from meshfit._export import publish as _publish
 from meshfit.cluster._base import ClusterInfo, ClusterResolver
 
 # Seams for meshfit's other packages (not public API: not in __all__).
@@ -29,3 +30,5 @@ __all__ = [
     "expand_hostlist",
     "resolve_cluster",
 ]
+
+_publish(__name__)

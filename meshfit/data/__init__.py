@@ -1,5 +1,6 @@
 """Input pipelines: `Dataset`, `Options`, `AutoShardPolicy`."""
 
+from meshfit._export import publish as _publish
 from meshfit.data import experimental
 from meshfit.data._dataset import AUTOTUNE, INFINITE, Dataset, DatasetIterator
 from meshfit.data._node import Node as Node
@@ -33,3 +34,5 @@ __all__ = [
     "Options",
     "experimental",
 ]
+
+_publish(__name__)

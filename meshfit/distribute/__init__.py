@@ -1,5 +1,6 @@
 """Strategies: how a training step runs on one or many devices and workers."""
 
+from meshfit._export import publish as _publish
 from meshfit.distribute._buffers import agree_buffers as agree_buffers  # a seam (not in __all__)
 from meshfit.distribute._collective import CollectiveStrategy
 from meshfit.distribute._distributed_dataset import DistributedDataset
@@ -58,3 +59,5 @@ __all__ = [
     "Strategy",
     "get_strategy",
 ]
+
+_publish(__name__)

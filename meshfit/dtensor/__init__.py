@@ -10,6 +10,7 @@ Create a mesh of processes with named axes, say how each weight is split over th
         model = mf.Model(SubclassedModel())
 """
 
+from meshfit._export import publish as _publish
 from meshfit.dtensor._apply import apply_layouts
 from meshfit.dtensor._create import create_mesh
 from meshfit.dtensor._layout import UNSHARDED, Layout
@@ -33,3 +34,5 @@ __all__ = [
     "pack",
     "unpack",
 ]
+
+_publish(__name__)

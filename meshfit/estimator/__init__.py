@@ -3,6 +3,7 @@
 `model_to_estimator` turns a compiled `meshfit.Model` into one.
 """
 
+from meshfit._export import publish as _publish
 from meshfit.estimator._estimator import Estimator
 from meshfit.estimator._from_keras import model_to_estimator
 from meshfit.estimator._hooks import (
@@ -44,3 +45,5 @@ __all__ = [
     "once",
     "train_and_evaluate",
 ]
+
+_publish(__name__)

@@ -1,5 +1,6 @@
 """Losses: Keras-style `Loss` classes and `get`, `serialize`, `deserialize`."""
 
+from meshfit._export import publish as _publish
 from meshfit.losses._losses import (
     BinaryCrossentropy,
     CategoricalCrossentropy,
@@ -29,3 +30,5 @@ __all__ = [
     "get",
     "serialize",
 ]
+
+_publish(__name__)

@@ -1,5 +1,6 @@
 """Metrics with additive state, summed across replicas; `get` resolves Keras-style identifiers."""
 
+from meshfit._export import publish as _publish
 from meshfit.metrics._metrics import (
     Accuracy,
     BinaryAccuracy,
@@ -34,3 +35,5 @@ __all__ = [
     "TorchMetricsMetric",
     "get",
 ]
+
+_publish(__name__)

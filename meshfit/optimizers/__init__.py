@@ -1,5 +1,6 @@
 """Optimizers: Keras-style specs that build `torch.optim` optimizers, and `get`, `serialize`, `deserialize`."""
 
+from meshfit._export import publish as _publish
 from meshfit.optimizers import schedules
 from meshfit.optimizers._builtin import SGD, Adagrad, Adam, AdamW, RMSprop, TorchOptimizer
 from meshfit.optimizers._optimizers import Optimizer
@@ -18,3 +19,5 @@ __all__ = [
     "schedules",
     "serialize",
 ]
+
+_publish(__name__)

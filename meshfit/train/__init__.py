@@ -1,5 +1,7 @@
 """Checkpoints: `Checkpoint`, `CheckpointManager`, `latest_checkpoint`, `load_checkpoint` (torch.distributed.checkpoint)."""
 
+from meshfit._export import publish as _publish
+
 # Seams for meshfit's other packages (not public API: not in __all__).
 from meshfit.train._backup import claim_backup_dir as claim_backup_dir
 from meshfit.train._backup import delete_backup_dir as delete_backup_dir
@@ -16,3 +18,5 @@ __all__ = [
     "Checkpoint", "CheckpointManager", "CheckpointReader", "CheckpointStore", "FileSystemStore", "PerRank",
     "SaveFuture", "latest_checkpoint", "load_checkpoint",
 ]
+
+_publish(__name__)

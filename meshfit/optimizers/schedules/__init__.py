@@ -1,5 +1,6 @@
 """Learning-rate schedules (Keras's ``keras.optimizers.schedules``): pass one as ``learning_rate=``."""
 
+from meshfit._export import publish as _publish
 from meshfit.optimizers.schedules._schedules import (
     CosineDecay,
     ExponentialDecay,
@@ -17,3 +18,5 @@ __all__ = [
     "deserialize",
     "serialize",
 ]
+
+_publish(__name__)
