@@ -95,18 +95,18 @@ def test_fragments_join_the_differences_page_and_the_guides(tmp_path, monkeypatc
         Add `mf.callbacks.VerifyReplicas()` to `fit`.
         """))
     monkeypatch.setattr(reference, "FRAGMENTS_DIR", tmp_path)
-    assert reference.fragment_rows() == [
-        "| `VerifyReplicas` compares the replicas' weights | no such check | silent divergence is wrong data |"]
+    assert reference.fragment_differences() == [
+        "### Verifying replicas\n\n| meshfit | Keras / TensorFlow | why |\n|---|---|---|\n"
+        "| `VerifyReplicas` compares the replicas' weights | no such check | silent divergence is wrong data |\n"]
     assert reference.fragment_guides() == [
         ("guides/more/replicas.md", "Verifying replicas",
          "# Verifying replicas\n\nAdd `mf.callbacks.VerifyReplicas()` to `fit`.\n")]
     page = (ROOT / "docs" / "guides" / "differences.md").read_text()
     merged = reference.on_page_markdown(page, None, None, None)
-    table = merged.split("<!-- fragments")[0]
     assert "| `VerifyReplicas` compares the replicas' weights |" in merged
-    row = merged.index("| `VerifyReplicas`")
-    assert merged[row - 2:row] != "\n\n"  # inside the table, not after it
-    assert "<!-- fragments" not in merged and table
+    section = merged.index("### Verifying replicas")
+    assert merged[section - 2:section] == "\n\n"  # its own table, after the main one
+    assert "<!-- fragments" not in merged
     config = {"nav": [{"Guides": ["guides/index.md"]}, {"API reference": []}]}
     nav = reference.on_config(config)["nav"]
     assert {"Verifying replicas": "guides/more/replicas.md"} in nav[0]["Guides"]

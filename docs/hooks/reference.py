@@ -1,4 +1,4 @@
-"""The API reference, generated from meshfit itself, and the helpers' docs fragments (an MkDocs hook).
+"""The API reference, generated from meshfit itself, and the topic fragments (an MkDocs hook).
 
 Every public package (a package under ``meshfit`` with no ``_``-prefixed part) gets a reference page,
 ``reference/<package>.md``, listing each name of its ``__all__``: the full entry (signature, docstring,
@@ -8,9 +8,10 @@ re-exports it. A class or function whose docstring has no ``>>>`` example gets t
 packages appear without editing anything here; ``tests/test_public_homes.py`` fails for one with a
 private home or no example, and ``tests/test_docs.py`` runs every example.
 
-Fragments: ``docs/fragments/<topic>.md`` with a ``## Differences`` section (rows of the table on the
-"Where meshfit differs" page: ``| meshfit | Keras / TensorFlow | why |``) and a ``## Guide`` section
-(a page of its own under Guides, titled by the fragment's ``# Title``). The hook puts both into the site.
+Fragments: ``docs/fragments/<topic>.md`` with a ``## Differences`` section (a table with its own
+columns, shown under the fragment's ``# Title`` after the main table of the "Where meshfit differs"
+page) and a ``## Guide`` section (a page of its own under Guides, titled by the same ``# Title``).
+The hook puts both into the site.
 """
 
 from __future__ import annotations
@@ -170,14 +171,21 @@ def _section(text: str, title: str) -> str:
     return match.group(1).strip() if match else ""
 
 
-def fragment_rows() -> list[str]:
-    rows = []
+def _title(file: pathlib.Path, text: str) -> str:
+    heading = re.search(r"^# (.+)$", text, re.M)
+    return heading.group(1).strip() if heading else file.stem.replace("_", " ").capitalize()
+
+
+def fragment_differences() -> list[str]:
+    """One markdown section per fragment with a Differences section: its title, then the section as
+    written (its own table, with its own columns, and any paragraph around it)."""
+    sections = []
     for file in sorted(FRAGMENTS_DIR.glob("*.md")):
-        for line in _section(file.read_text(), "Differences").splitlines():
-            line = line.strip()
-            if line.startswith("|") and not re.fullmatch(r"\|[\s:|-]+\|", line) and "| meshfit |" not in line:
-                rows.append(line)
-    return rows
+        text = file.read_text()
+        differences = _section(text, "Differences")
+        if differences:
+            sections.append(f"### {_title(file, text)}\n\n{differences}\n")
+    return sections
 
 
 def fragment_guides() -> list[tuple[str, str, str]]:
@@ -187,8 +195,7 @@ def fragment_guides() -> list[tuple[str, str, str]]:
         text = file.read_text()
         guide = _section(text, "Guide")
         if guide:
-            heading = re.search(r"^# (.+)$", text, re.M)
-            title = heading.group(1).strip() if heading else file.stem.replace("_", " ").capitalize()
+            title = _title(file, text)
             pages.append((f"guides/more/{file.stem}.md", title, f"# {title}\n\n{guide}\n"))
     return pages
 
@@ -223,5 +230,6 @@ def on_files(files: Any, config: Any) -> Any:
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     if "<!-- fragments: differences -->" in markdown:
-        markdown = markdown.replace("<!-- fragments: differences -->", "\n".join(fragment_rows()))
+        markdown = markdown.replace("<!-- fragments: differences -->",
+                                    "\n\n" + "\n".join(fragment_differences()))
     return markdown
