@@ -25,6 +25,7 @@ from meshfit._engine._fit_arguments import (
     validates_after,
     validation_parts,
 )
+from meshfit._engine._jit import check_jit_compile, resolve_jit_compile
 from meshfit._engine._loop import TrainingLoop, resolve_verbose
 from meshfit._engine._model_weights import WeightsMixin
 from meshfit._engine._state import LoopState
@@ -93,17 +94,19 @@ class Model(WeightsMixin):
 
     # ---- compile -------------------------------------------------------------------------
     def compile(self, optimizer: Any = "rmsprop", loss: Any = None, metrics: list[Any] | None = None,
-                jit_compile: bool = False, steps_per_execution: int = 1, auto_scale_loss: bool = True) -> None:
+                jit_compile: bool | str = "auto", steps_per_execution: int = 1, auto_scale_loss: bool = True) -> None:
         """Configure training: optimizer, loss and metrics (strings, meshfit or torch objects).
 
-        ``jit_compile=True`` (Keras's name) compiles the module with ``torch.compile`` when it is
-        placed for training: fewer Python dispatches and fused kernels per step, after a one-off
-        compilation at the first step. ``steps_per_execution`` runs that many training steps between
+        ``jit_compile`` (Keras's name; ``"auto"``, the default, is eager) decides per device whether
+        the training step runs through ``torch.compile``: ``True`` compiles on a GPU, and on a CPU runs
+        eagerly with one warning saying why (compiling measured slower there; see
+        `meshfit._engine._jit`). ``model.jit_compile`` then says whether the step is compiled.
+        ``steps_per_execution`` runs that many training steps between
         two calls of the batch callbacks and one reduction of their logs across replicas (Keras's
         argument). Under the ``"mixed_float16"`` policy, ``auto_scale_loss`` wraps the optimizer in a
         `meshfit.mixed_precision.LossScaleOptimizer` (dynamic loss scaling), as Keras does.
         """
-        check_bool("jit_compile", jit_compile)
+        jit_compile = resolve_jit_compile(check_jit_compile(jit_compile), self.strategy.device)
         check_bool("auto_scale_loss", auto_scale_loss)
         # Resolve everything first: a failed compile leaves the model as it was.
         steps_per_execution = positive_int("steps_per_execution", steps_per_execution)
