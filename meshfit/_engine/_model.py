@@ -342,7 +342,9 @@ class Model(WeightsMixin):
                 data.close()
         if return_dict:
             return logs
-        values = [logs[name] for name in self.metrics_names if name in logs]
+        # Keras's order: the metrics' names, then any other logged name (an override's), sorted
+        names = [name for name in self.metrics_names if name in logs]
+        values = [logs[name] for name in names] + [logs[key] for key in sorted(logs) if key not in names]
         return values[0] if len(values) == 1 else values
 
     def predict(self, x: Any, batch_size: int | None = None, verbose: str | int = "auto",
