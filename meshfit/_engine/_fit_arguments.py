@@ -21,6 +21,21 @@ from meshfit._validation import is_int
 from meshfit.data import leaves, map_structure, unpack_batch
 
 
+def check_loss_reduction(loss: Any, replicas: int) -> None:
+    """Refuse a compiled ``reduction="sum"`` loss under several replicas (it would train silently wrong).
+
+    meshfit averages the replicas' gradients, weighted by their shares of the global batch: the
+    gradient of the global batch's *mean* loss. A per-replica sum would give ``1/replicas`` of the
+    global sum's gradient, where TF sums the replicas' gradients for a ``SUM`` loss.
+    """
+    if replicas > 1 and getattr(loss, "reduction", None) == "sum":
+        raise ValueError(f"Invalid `loss`: {type(loss).__name__}(reduction='sum') is not supported yet under "
+                         f"{replicas} replicas, received loss={loss!r}: replicas average their gradients, so "
+                         "training would use 1/replicas of the global sum's gradient. Use "
+                         "reduction='sum_over_batch_size' (the default) and scale the learning rate by the "
+                         "global batch size instead.")
+
+
 def check_shuffle(shuffle: Any) -> bool | str:
     """``True``, ``False`` or ``"batch"`` (shuffle whole batches, Keras's HDF5 option)."""
     if isinstance(shuffle, bool) or shuffle == "batch":

@@ -36,7 +36,7 @@ CPU_EAGER_WARNING = (
 def check_jit_compile(value: Any) -> bool | str:
     """``value`` if it is True, False or ``"auto"`` (Keras's values)."""
     if isinstance(value, bool) or value == "auto":
-        return value  # type: ignore[no-any-return]
+        return value
     raise TypeError(f"Invalid `jit_compile`: expected True, False or 'auto', received jit_compile={value!r}.")
 
 

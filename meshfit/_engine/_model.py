@@ -19,6 +19,7 @@ from meshfit._engine._evaluation import predict as run_prediction
 from meshfit._engine._fit_arguments import (
     ClassWeightedData,
     check_class_weight,
+    check_loss_reduction,
     check_shuffle,
     check_validation_freq,
     split_validation,
@@ -282,6 +283,7 @@ class Model(WeightsMixin):
         """
         self._require_compiled("fit")
         check_training_strategy(self, "fit")
+        check_loss_reduction(self.loss, self.strategy.num_replicas_in_sync)
         self._warned_untrainable = False
         non_negative_int("epochs", epochs)
         non_negative_int("initial_epoch", initial_epoch)
