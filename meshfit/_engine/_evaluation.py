@@ -36,7 +36,7 @@ def evaluate(trainable: Trainable, data: Any, callbacks: Any) -> dict[str, float
                 callbacks.on_test_batch_end(returned[0], logs)
     finally:
         module.train(was_training)
-    if returned is not None and not isinstance(returned[1], MetricResults) and own_logs(trainable, returned[1]):
+    if returned is not None and not isinstance(returned[1], MetricResults) and own_logs(trainable, returned[1]) is not None:
         logs = as_logs(returned[1])  # a dict of the override's own is the result (Keras)
     callbacks.on_test_end(logs)
     return logs

@@ -11,9 +11,12 @@ decides the same way, by device, once at ``compile()``:
   step as well, or the whole step function, measured slower than this on an H200, see
   ``bench/bench_jit.py`` and docs/fragments/keras.md).
 - ``True`` on a CPU: eager, with one warning naming ``jit_compile`` and why. On CPU, torch.compile's
-  code made the step slower in every case measured (seed CNN about 2.3x, keras.io's MLP about
-  1.4x, one thread, on a quiet 16-core machine). ``MESHFIT_JIT_COMPILE_ON_CPU=1`` compiles anyway,
-  for a model that measures faster compiled.
+  code made the step slower in every case measured: a plain torch step (module, forward+loss, or
+  the whole step compiled) of the seed CNN 43-45 vs 18-21 ms and of keras.io's MLP 1.15-1.6 vs
+  0.84-0.97 ms, one thread, on the 16-core host of an H200; meshfit's ``fit`` with the module
+  compiled 1.60x (CNN) and 1.11x (MLP) slower than eager in ``bench/bench_jit.py`` on this
+  project's loaded 2-core machine. ``MESHFIT_JIT_COMPILE_ON_CPU=1`` compiles anyway, for a model
+  that measures faster compiled.
 """
 
 from __future__ import annotations
