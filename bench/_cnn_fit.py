@@ -74,6 +74,8 @@ def main() -> None:
     parser.add_argument("--backup-dir", default=None)
     parser.add_argument("--compression", default=None, help="CommunicationOptions(gradient_compression=...)")
     parser.add_argument("--step-times", action="store_true")
+    parser.add_argument("--jit-compile", choices=["auto", "true", "false"], default="auto",
+                        help="compile(jit_compile=...): Keras's values")
     parser.add_argument("--first-step", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -94,7 +96,8 @@ def main() -> None:
             module(torch.from_numpy(x[:2]))  # build the lazy layer: the same init as the hand loop
         model = mf.Model(module)
         model.compile(optimizer=mf.optimizers.SGD(learning_rate=0.01),
-                      loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+                      loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
+                      jit_compile={"true": True, "false": False}.get(args.jit_compile, "auto"))
     epoch_clock, step_clock = EpochClock(), StepClock()
     callbacks = [epoch_clock]
     if args.backup_freq:

@@ -34,6 +34,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--jit-compile", choices=["auto", "true", "false"], default="auto",
+                        help="compile(jit_compile=...): Keras's values")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -42,7 +44,8 @@ def main() -> None:
     model = mf.Model(nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
                                    nn.Linear(256, 10)))
     model.compile(optimizer=mf.optimizers.Adam(), loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=[mf.metrics.SparseCategoricalAccuracy()])
+                  metrics=[mf.metrics.SparseCategoricalAccuracy()],
+                  jit_compile={"true": True, "false": False}.get(args.jit_compile, "auto"))
     clock = EpochClock()
     model.fit(dataset, epochs=args.epochs, steps_per_epoch=args.steps, verbose=0, callbacks=[clock])
     (w0, c0), (w1, c1) = clock.marks

@@ -248,11 +248,13 @@ class DataHandler:
     def execution_size(self, step: int, steps_per_execution: int) -> int:
         """How many steps the next execution of an epoch at ``step`` runs (Keras 3's rule).
 
-        At most ``steps_per_execution``, never past ``steps`` nor past the end of the pass: an
-        epoch ends where the pass ends, and the next epoch starts a new one. 0: the epoch is over.
-        Warns once when ``steps`` asked for more batches than the pass had left.
+        ``steps_per_execution``, never past the end of the pass: an epoch ends where the pass ends,
+        and the next epoch starts a new one. As Keras 3's ``EpochIterator``, an execution that starts
+        before ``steps`` runs in full (``steps=5``, 2 per execution: steps 0-1, 2-3, 4-5), and one at
+        ``steps`` or beyond is not run. 0: the epoch is over. Warns once when ``steps`` asked for
+        more batches than the pass had left.
         """
-        count = steps_per_execution if self.steps is None else min(steps_per_execution, self.steps - step)
+        count = steps_per_execution if self.steps is None or step < self.steps else 0
         if self._length is not None:
             count = min(count, self._length - self.index)
         if self.exhausted or (self._length is not None and self.index >= self._length):

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
 from meshfit._engine._executions import next_batch, steps_per_execution
-from meshfit._engine._step_logs import as_logs, merge_returned, reduce_logs
+from meshfit._engine._step_logs import MetricResults, as_logs, merge_returned, own_logs, reduce_logs
 from meshfit._protocols import CallbackListLike, Trainable
 from meshfit.data import batch_size_of, map_structure
 
@@ -36,9 +36,8 @@ def evaluate(trainable: Trainable, data: Any, callbacks: Any) -> dict[str, float
                 callbacks.on_test_batch_end(returned[0], logs)
     finally:
         module.train(was_training)
-    if returned is not None and isinstance(returned[1], Mapping) and \
-            set(returned[1]) != {m.name for m in trainable.logged_metrics()}:
-        logs = as_logs(returned[1])
+    if returned is not None and not isinstance(returned[1], MetricResults) and own_logs(trainable, returned[1]) is not None:
+        logs = as_logs(returned[1])  # a dict of the override's own is the result (Keras)
     callbacks.on_test_end(logs)
     return logs
 

@@ -21,6 +21,21 @@ from meshfit._validation import is_int
 from meshfit.data import leaves, map_structure, unpack_batch
 
 
+def check_loss_reduction(loss: Any, replicas: int) -> None:
+    """Refuse a compiled ``reduction="sum"`` loss under several replicas (it would train silently wrong).
+
+    meshfit averages the replicas' gradients, weighted by their shares of the global batch: the
+    gradient of the global batch's *mean* loss. A per-replica sum would give ``1/replicas`` of the
+    global sum's gradient, where TF sums the replicas' gradients for a ``SUM`` loss.
+    """
+    if replicas > 1 and getattr(loss, "reduction", None) == "sum":
+        raise ValueError(f"Invalid `loss`: {type(loss).__name__}(reduction='sum') is not supported yet under "
+                         f"{replicas} replicas, received loss={loss!r}: replicas average their gradients, so "
+                         "training would use 1/replicas of the global sum's gradient. Use "
+                         "reduction='sum_over_batch_size' (the default) and scale the learning rate by the "
+                         "global batch size instead.")
+
+
 def check_shuffle(shuffle: Any) -> bool | str:
     """``True``, ``False`` or ``"batch"`` (shuffle whole batches, Keras's HDF5 option)."""
     if isinstance(shuffle, bool) or shuffle == "batch":
@@ -84,16 +99,20 @@ def _class_index(key: Any, class_weight: Any) -> int:
     except (TypeError, ValueError, OverflowError):
         index, exact = -1, False
     if isinstance(key, bool) or not exact or index < 0:
-        raise ValueError(f"Invalid `class_weight`: keys must be class indices (ints >= 0, or strings/floats "
-                         f"holding one), received key {key!r} in class_weight={class_weight!r}.")
+        raise ValueError("`class_weight` must be a dictionary with integer keys representing class indices. "
+                         f"Received an invalid key: {key!r} of type {type(key)}. Invalid `class_weight`: keys must "
+                         f"be class indices (ints >= 0, or strings/floats holding one), received key {key!r} in "
+                         f"class_weight={class_weight!r}.")
     return index
 
 
-def class_weight_table(class_weight: Any) -> torch.Tensor | None:
-    """A float64 tensor ``table[class] = weight`` (1 for classes the dict does not name); None for ``{}``."""
+def class_weight_table(class_weight: Any) -> torch.Tensor:
+    """A float64 tensor ``table[class] = weight`` (1 for classes the dict does not name; empty for ``{}``)."""
     if not isinstance(class_weight, Mapping):
-        raise ValueError("Invalid `class_weight`: expected a dict from class index to weight such as "
-                         f"{{0: 1.0, 1: 5.0}}, received class_weight={class_weight!r}.")
+        raise ValueError("`class_weight` must be a dict-like mapping of class indices to weights. Received: "
+                         f"class_weight={class_weight} of type {type(class_weight)}. Invalid `class_weight`: "
+                         "expected a dict from class index to weight such as {0: 1.0, 1: 5.0}, received "
+                         f"class_weight={class_weight!r}.")
     weights: dict[int, float] = {}
     for key, value in class_weight.items():
         index = _class_index(key, class_weight)
@@ -104,9 +123,8 @@ def class_weight_table(class_weight: Any) -> torch.Tensor | None:
             raise ValueError(f"Invalid `class_weight`: keys {index} name the same class twice in "
                              f"class_weight={class_weight!r}.")
         weights[index] = float(value)
-    if not weights:  # Keras: an empty dict weighs every class 1
-        return None
-    table = torch.ones(max(weights) + 1, dtype=torch.float64)
+    # Keras: a class the dict does not name weighs 1 ({} weighs every example 1, passed as weights)
+    table = torch.ones(max(weights, default=-1) + 1, dtype=torch.float64)
     for index, value in weights.items():
         table[index] = value
     return table
@@ -138,8 +156,13 @@ def weigh_batch(batch: Any, table: torch.Tensor) -> Any:
         raise ValueError("`class_weight` needs the data to yield targets (x, y) as one tensor; received "
                          f"y of type {type(y).__name__}.")
     classes = _classes(y).cpu()
-    known = classes < len(table)
-    weights = torch.where(known, table[classes.clamp(0, len(table) - 1)], torch.ones((), dtype=table.dtype))
+    if len(table) == 0:  # {}: every class unmapped, every example weighs 1 (Keras)
+        weights = torch.ones(classes.shape, dtype=table.dtype)
+    else:
+        known = (classes >= 0) & (classes < len(table))
+        weights = torch.where(known, table[classes.clamp(0, len(table) - 1)], torch.ones((), dtype=table.dtype))
+    if sample_weight is not None and len(table) == 0:  # {}: Keras's dataset adapter skips it (`if class_weight:`)
+        return x, y, sample_weight
     if sample_weight is not None:  # Keras 3's dataset adapter raises too
         raise ValueError("Invalid `class_weight`: the data yields sample weights (x, y, sample_weight), and "
                          "Keras cannot combine class_weight with sample_weight. Multiply the class weights "

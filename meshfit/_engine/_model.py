@@ -19,12 +19,14 @@ from meshfit._engine._evaluation import predict as run_prediction
 from meshfit._engine._fit_arguments import (
     ClassWeightedData,
     check_class_weight,
+    check_loss_reduction,
     check_shuffle,
     check_validation_freq,
     split_validation,
     validates_after,
     validation_parts,
 )
+from meshfit._engine._jit import check_jit_compile, resolve_jit_compile
 from meshfit._engine._loop import TrainingLoop, resolve_verbose
 from meshfit._engine._model_weights import WeightsMixin
 from meshfit._engine._state import LoopState
@@ -93,17 +95,19 @@ class Model(WeightsMixin):
 
     # ---- compile -------------------------------------------------------------------------
     def compile(self, optimizer: Any = "rmsprop", loss: Any = None, metrics: list[Any] | None = None,
-                jit_compile: bool = False, steps_per_execution: int = 1, auto_scale_loss: bool = True) -> None:
+                jit_compile: bool | str = "auto", steps_per_execution: int = 1, auto_scale_loss: bool = True) -> None:
         """Configure training: optimizer, loss and metrics (strings, meshfit or torch objects).
 
-        ``jit_compile=True`` (Keras's name) compiles the module with ``torch.compile`` when it is
-        placed for training: fewer Python dispatches and fused kernels per step, after a one-off
-        compilation at the first step. ``steps_per_execution`` runs that many training steps between
+        ``jit_compile`` (Keras's name; ``"auto"``, the default, is eager) decides per device whether
+        the training step runs through ``torch.compile``: ``True`` compiles on a GPU, and on a CPU runs
+        eagerly with one warning saying why (compiling measured slower there; see
+        `meshfit._engine._jit`). ``model.jit_compile`` then says whether the step is compiled.
+        ``steps_per_execution`` runs that many training steps between
         two calls of the batch callbacks and one reduction of their logs across replicas (Keras's
         argument). Under the ``"mixed_float16"`` policy, ``auto_scale_loss`` wraps the optimizer in a
         `meshfit.mixed_precision.LossScaleOptimizer` (dynamic loss scaling), as Keras does.
         """
-        check_bool("jit_compile", jit_compile)
+        jit_compile = resolve_jit_compile(check_jit_compile(jit_compile), self.strategy.device)
         check_bool("auto_scale_loss", auto_scale_loss)
         # Resolve everything first: a failed compile leaves the model as it was.
         steps_per_execution = positive_int("steps_per_execution", steps_per_execution)
@@ -279,6 +283,7 @@ class Model(WeightsMixin):
         """
         self._require_compiled("fit")
         check_training_strategy(self, "fit")
+        check_loss_reduction(self.loss, self.strategy.num_replicas_in_sync)
         self._warned_untrainable = False
         non_negative_int("epochs", epochs)
         non_negative_int("initial_epoch", initial_epoch)
@@ -339,7 +344,9 @@ class Model(WeightsMixin):
                 data.close()
         if return_dict:
             return logs
-        values = [logs[name] for name in self.metrics_names if name in logs]
+        # Keras's order: the metrics' names, then any other logged name (an override's), sorted
+        names = [name for name in self.metrics_names if name in logs]
+        values = [logs[name] for name in names] + [logs[key] for key in sorted(logs) if key not in names]
         return values[0] if len(values) == 1 else values
 
     def predict(self, x: Any, batch_size: int | None = None, verbose: str | int = "auto",

@@ -7,7 +7,7 @@ when logs are read; the flags (stop, preemption) are CPU numbers summed over the
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -78,23 +78,58 @@ def as_logs(returned: Any, *, convert: bool = True) -> dict[str, Any]:
     return {k: float(v) if isinstance(v, torch.Tensor) and v.numel() == 1 else v for k, v in returned.items()}
 
 
-class MetricResults(Mapping[str, Any]):
-    """``{name: metric.result()}``, each result computed when read (a step returns it at no cost)."""
+class MetricResults(MutableMapping[str, Any]):
+    """``{name: metric.result()}``, each result computed when read (a step returns it at no cost).
+
+    Mutable as the dict Keras's ``get_metrics_result()`` returns: an override may add or replace
+    entries (``logs = super().train_step(data); logs["my_value"] = ...``). The loop logs those
+    entries as they are, beside the metrics it reduces over replicas (see `merge_returned`).
+    """
 
     def __init__(self, metrics: Sequence[MetricLike]) -> None:
         self._metrics = {m.name: m for m in metrics}
+        self._entries: dict[str, Any] = {}  # what an override set: logged as it is
 
     def __getitem__(self, name: str) -> Any:
+        if name in self._entries:
+            return self._entries[name]
         return self._metrics[name].result()
 
+    def __setitem__(self, name: str, value: Any) -> None:
+        self._entries[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        if name not in self:
+            raise KeyError(name)
+        self._entries.pop(name, None)
+        self._metrics.pop(name, None)
+
     def __iter__(self) -> Any:
-        return iter(self._metrics)
+        return iter([*self._metrics, *(k for k in self._entries if k not in self._metrics)])
 
     def __len__(self) -> int:
-        return len(self._metrics)
+        return len(set(self._metrics) | set(self._entries))
 
     def __repr__(self) -> str:
         return repr(dict(self))
+
+    def entries(self) -> dict[str, Any]:
+        """What an override set or replaced (the remaining metrics are read from the metrics)."""
+        return dict(self._entries)
+
+
+def own_logs(trainable: Trainable, returned: Any) -> dict[str, Any] | None:
+    """The entries of a step's return value that are not the logged metrics' results, or None.
+
+    `MetricResults` (``super().train_step``'s return value, maybe with entries an override added):
+    the added entries. Another mapping with other names than the logged metrics': all of it, as
+    Keras logs a dict an override built itself. Else None: the metrics, reduced, are the logs.
+    """
+    if isinstance(returned, MetricResults):
+        return returned.entries() or None
+    if isinstance(returned, Mapping) and set(returned) != {m.name for m in trainable.logged_metrics()}:
+        return dict(returned)
+    return None
 
 
 def merge_returned(trainable: Trainable, logs: dict[str, Any], returned: Any, *,
@@ -102,11 +137,13 @@ def merge_returned(trainable: Trainable, logs: dict[str, Any], returned: Any, *,
     """Add what a step returned to ``logs``, as Keras does (``_get_metrics_result_or_logs``).
 
     A dict with exactly the logged metrics' names (what ``super().train_step`` and
-    ``compute_metrics`` return) is read from the metrics, reduced over replicas; anything else a
-    Keras-style override returned is logged as it is (its tensors left unread with ``convert=False``).
+    ``compute_metrics`` return) is read from the metrics, reduced over replicas; entries an
+    override added to it, or a dict of its own, are logged as they are (their tensors left unread
+    with ``convert=False``).
     """
-    if isinstance(returned, Mapping) and set(returned) != {m.name for m in trainable.logged_metrics()}:
-        logs.update(as_logs(returned, convert=convert))
+    own = own_logs(trainable, returned)
+    if own is not None:
+        logs.update(as_logs(own, convert=convert))
     return logs
 
 

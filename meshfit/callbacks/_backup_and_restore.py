@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import warnings
 
-from meshfit._validation import epoch_or_positive_int, path_like
+from meshfit._validation import check_bool, epoch_or_positive_int, path_like
 from meshfit.callbacks._checkpoint_saver import CheckpointSaver, SavePolicy
 
 
@@ -29,6 +29,10 @@ class BackupAndRestore(CheckpointSaver):
             training goes on; the next save, the end of ``fit`` and a preemption wait for it. A
             failed or killed background write never touches the previous backup, which stays the
             one restored. ``async_save=False`` writes synchronously, inside the saving step.
+        double_checkpoint: keep the previous backup beside the newest (Keras's argument); a newest
+            backup that fails verification (corrupted, half-written) is then skipped with a warning
+            and the previous one restored. meshfit's default is True (Keras's is False): a run
+            should survive a damaged backup.
 
     Example:
         >>> callback = BackupAndRestore("/tmp/backup", save_freq=30)
@@ -39,15 +43,21 @@ class BackupAndRestore(CheckpointSaver):
     directory_argument = "backup_dir"
 
     def __init__(self, backup_dir: str | os.PathLike, save_freq: str | int = "epoch",
-                 delete_checkpoint: bool = True, async_save: bool = True) -> None:
+                 delete_checkpoint: bool = True, async_save: bool = True, double_checkpoint: bool = True) -> None:
         if backup_dir is None or (isinstance(backup_dir, (str, os.PathLike)) and not os.fspath(backup_dir)):
-            raise ValueError(f"Invalid `backup_dir`: expected a non-empty path (str or os.PathLike), received "
-                             f"backup_dir={backup_dir!r}. Name a folder for this job's backups.")  # Keras: ValueError
+            raise ValueError(f"Empty `backup_dir` argument passed. Invalid `backup_dir`: expected a non-empty path "
+                             f"(str or os.PathLike), received backup_dir={backup_dir!r}. Name a folder for this "
+                             "job's backups.")  # Keras's words and error type first
         path_like("backup_dir", backup_dir)
-        self.save_freq = epoch_or_positive_int("save_freq", save_freq)
+        try:
+            self.save_freq = epoch_or_positive_int("save_freq", save_freq)
+        except ValueError as error:  # Keras's words first, then meshfit's
+            raise ValueError(f"Invalid value for argument `save_freq`. Received: save_freq={save_freq}. Expected "
+                             f"either 'epoch' or an integer value. {error}") from None
         policy = (SavePolicy(every_steps=self.save_freq) if isinstance(self.save_freq, int)
                   else SavePolicy(every_epoch=True))
-        super().__init__(backup_dir, policy=policy, max_to_keep=2, checkpoint_name="ckpt",
+        self.double_checkpoint = check_bool("double_checkpoint", double_checkpoint)
+        super().__init__(backup_dir, policy=policy, max_to_keep=2 if double_checkpoint else 1, checkpoint_name="ckpt",
                          async_save=async_save, delete_on_end=delete_checkpoint)
         self.backup_dir = self.directory
         self.delete_checkpoint = self.delete_on_end

@@ -64,6 +64,7 @@ class ModelCheckpoint(Callback):
             isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1
         ):
             raise ValueError(
+                f"Unrecognized save_freq: {save_freq}. Expected save_freq are 'epoch' or integer values. "
                 f"Invalid `save_freq`: expected 'epoch' or a positive int, received save_freq={save_freq!r}."
             )
         self.filepath = os.fspath(filepath)

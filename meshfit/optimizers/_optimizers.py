@@ -319,7 +319,9 @@ class Optimizer:
     @learning_rate.setter
     def learning_rate(self, value: float) -> None:
         if self._schedule is not None:
-            raise TypeError(f"This optimizer's learning rate follows {self._schedule!r}, so it cannot be set. "
+            raise TypeError("This optimizer was created with a `LearningRateSchedule` object as its `learning_rate` "
+                            "constructor argument, hence its learning rate is not settable. "
+                            f"This optimizer's learning rate follows {self._schedule!r}, so it cannot be set. "
                             "Create the optimizer with a number as learning_rate to set it by hand or from a "
                             "callback.")
         self._learning_rate = _check_number("learning_rate", value, _POSITIVE)
