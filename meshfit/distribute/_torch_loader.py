@@ -108,6 +108,13 @@ class LoaderPlan:
             samplers and isinstance(samplers[0], torch.utils.data.SequentialSampler))
         self.check_first_batch = not recognised
 
+    @staticmethod
+    def reads_own_shard(loader: Any) -> bool:
+        """Whether ``loader`` gives each worker only its part of the data (a ``DistributedSampler``)."""
+        if isinstance(loader, PerReplicaLoader):
+            return True
+        return any(isinstance(s, torch.utils.data.DistributedSampler) for s in _index_samplers(loader))
+
     def _check_distributed_sampler(self, sampler: Any) -> None:
         n, r = self.num_replicas, self.replica_id
         if sampler.num_replicas != n or sampler.rank != r:
