@@ -6,6 +6,7 @@ is all the state a resume needs, because every batch can be computed from it dir
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -105,6 +106,10 @@ class _StreamSource:
         return 0
 
     replicas_read_different_rows = True
+
+    @property
+    def replays_exactly(self) -> bool:
+        return self.plan.replays_exactly
 
     def state_dict(self) -> dict[str, Any]:
         return {}  # a stream has no position of its own: the DataHandler's is replayed
@@ -322,11 +327,15 @@ class DataHandler:
     def state_dict(self) -> dict[str, Any]:
         """The data position: ``{"pass": pass, "index": global batches read in it,
         "shuffle_seeds": the pipeline's shuffle seeds}`` (a resume reads the order it saved), and
-        ``"topology"``: what the position means (`meshfit.data._topology.data_topology`)."""
+        ``"topology"``: what the position means (`meshfit.data._topology.data_topology`); for a torch
+        loader, ``"loader"``: its shuffle generators' states at the pass's start (`LoaderPlan.state_dict`)."""
         chains = self._shuffle_chains()
-        return {"pass": self.pass_index, "index": self.index,
-                "shuffle_seeds": [node.seed for node in chains[0]] if chains else [],
-                "topology": self._topology()}
+        state = {"pass": self.pass_index, "index": self.index,
+                 "shuffle_seeds": [node.seed for node in chains[0]] if chains else [],
+                 "topology": self._topology()}
+        if isinstance(self.source, _StreamSource):  # a loader's shuffle generators at the pass's start
+            state["loader"] = self.source.plan.state_dict(self._normalized()[0])
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Move to a saved position; refuse one saved on other data (`StateMismatchError`).
@@ -335,21 +344,39 @@ class DataHandler:
         batch size, ``drop_remainder`` and the shuffle buffers must be the saved ones, or the
         position would name other examples. The number of replicas may differ.
         """
-        mismatches = topology_mismatches(state.get("topology") or {}, self._topology())
+        saved, current = state.get("topology") or {}, self._topology()
+        mismatches = topology_mismatches(saved, current)
+        if mismatches and self._starts_a_pass(state) and not topology_mismatches(
+                {k: v for k, v in saved.items() if k not in _BATCHING}, current):
+            # At a pass boundary the position names no example yet: a new batch size is well defined.
+            state = {**state, "pass": int(state["pass"]) + (int(state["index"]) > 0), "index": 0}
+            if self.strategy.is_chief:
+                print(f"meshfit: resuming at the start of pass {state['pass']} with new batching "
+                      f"({'; '.join(mismatches)})", file=sys.stderr, flush=True)
+            mismatches = []
         if mismatches:
             raise StateMismatchError(
                 f"The saved data position (pass {state['pass']}, global batch {state['index']}) was taken on other "
                 f"data: {'; '.join(mismatches)}. Restored here it would read other examples than the run that "
                 "saved it. Resume with the same dataset, batch size, drop_remainder and shuffle as that run "
-                "(the number of workers may change).")
+                "(the number of workers may change; the batch size may change at the start of a pass, "
+                "e.g. with BackupAndRestore(save_freq='epoch')).")
         self.close()
         self.pass_index, self.index = int(state["pass"]), int(state["index"])
+        if isinstance(self.source, _StreamSource) and state.get("loader"):
+            self.source.plan.load_state_dict(state["loader"])
         seeds = [int(seed) for seed in state.get("shuffle_seeds") or []]
         for chain in self._shuffle_chains():
             if len(chain) == len(seeds):
                 for node, seed in zip(chain, seeds, strict=True):
                     if node.seed != seed:
                         node.reseed(seed)
+
+    @staticmethod
+    def _starts_a_pass(state: dict[str, Any]) -> bool:
+        """Whether a saved position is at a pass boundary (no batch of the pass read, or all of them)."""
+        index, length = int(state["index"]), (state.get("topology") or {}).get("batches_per_pass")
+        return index == 0 or (isinstance(length, int) and index >= length)
 
     def _topology(self) -> dict[str, Any]:
         source: Any = self.source  # the concrete source: its dataset, view, loader and replica count
@@ -375,6 +402,10 @@ class DataHandler:
                 seen.add(id(dataset))
                 chains.append([n for n in dataset.node.nodes() if isinstance(n, Shuffle)])
         return chains
+
+
+# what may change at a pass boundary: how a pass is cut into batches, not which examples it holds
+_BATCHING = ("global_batch_size", "batches_per_pass", "drop_remainder")
 
 
 def _shuffle_seed() -> int:

@@ -1,9 +1,10 @@
 """A worker script for the chief-only tests: train briefly, then call one Keras call on the chief alone.
 
-Run under TF_CONFIG by ``tests/test_pytorch_habits.py``. ``--call`` picks ``save``, ``save_keras``,
-``save_weights``, ``evaluate``, ``predict`` or ``all_save`` (every worker saves the same path);
-``--sharded`` lays the weights out with ``LayoutMap.fully_sharded``. The chief writes what it got to
-``<out>/chief.npz`` (outputs) and ``<out>/chief.json`` (numbers, timings, errors).
+Run under TF_CONFIG by ``tests/test_pytorch_habits.py``. ``--calls`` lists what the chief alone calls, in
+order (``save``, ``save_keras``, ``save_weights``, ``evaluate``, ``predict``); ``--all-save`` then has
+every worker save the same path; ``--sharded`` lays the weights out with ``LayoutMap.fully_sharded``.
+The chief writes what it got to ``<out>/chief.npz`` (predictions, weights) and ``<out>/chief.json``
+(evaluation, seconds per call, the first error).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import meshfit as mf
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--call", required=True)
+    parser.add_argument("--calls", default="")
+    parser.add_argument("--all-save", action="store_true")
     parser.add_argument("--sharded", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -41,26 +43,33 @@ def main() -> None:
         model.compile(mf.optimizers.SGD(learning_rate=0.1),
                       mf.losses.SparseCategoricalCrossentropy(from_logits=True), ["accuracy"])
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
-    path = os.path.join(args.out, "model.keras" if args.call == "save_keras" else "model")
-    record: dict = {}
-    if args.call == "all_save":
-        model.save(path)
-    elif task_id == 0:
-        started = time.monotonic()
-        try:
-            if args.call in ("save", "save_keras"):
-                model.save(path)
-            elif args.call == "save_weights":
-                model.save_weights(os.path.join(args.out, "weights.safetensors"))
-            elif args.call == "evaluate":
-                record["logs"] = model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
-            elif args.call == "predict":
-                np.savez(os.path.join(args.out, "chief.npz"), predictions=model.predict(x, batch_size=8, verbose=0))
-        except Exception as error:  # reported for the test to read
-            record["error"] = f"{type(error).__name__}: {error}"
-        record["seconds"] = time.monotonic() - started
+    record: dict = {"seconds": {}}
+    outputs: dict = {}
     if task_id == 0:
-        record["weights"] = [w.tolist() for w in model.get_weights()] if not args.sharded else None
+        for call in [c for c in args.calls.split(",") if c]:
+            started = time.monotonic()
+            try:
+                if call == "save":
+                    model.save(os.path.join(args.out, "model"))
+                elif call == "save_keras":
+                    model.save(os.path.join(args.out, "model.keras"))
+                elif call == "save_weights":
+                    model.save_weights(os.path.join(args.out, "weights.safetensors"))
+                elif call == "evaluate":
+                    record["logs"] = model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
+                elif call == "predict":
+                    outputs["predictions"] = model.predict(x, batch_size=8, verbose=0)
+            except Exception as error:  # reported for the test to read
+                record["error"] = f"{type(error).__name__}: {error}"
+                record["seconds"][call] = time.monotonic() - started
+                break
+            record["seconds"][call] = time.monotonic() - started
+    if args.all_save:
+        model.save(os.path.join(args.out, "shared"))
+    if task_id == 0:
+        if not args.sharded:
+            outputs.update({f"w{i}": w for i, w in enumerate(model.get_weights())})
+        np.savez(os.path.join(args.out, "chief.npz"), **outputs)
         with open(os.path.join(args.out, "chief.json"), "w") as f:
             json.dump(record, f)
     print(f"worker {task_id} done", flush=True)
