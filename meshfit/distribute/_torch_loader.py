@@ -100,6 +100,7 @@ class LoaderPlan:
         if len(self._generators) != len(seeded):
             self._generators = []
         self._pass_starts: dict[int, list[torch.Tensor]] = {}
+        self._reading: tuple[int, Iterator[Any]] | None = None  # the pass read last and torch's iterator of it
         self._base_seed: int | None = None  # unseeded shuffles: one seed for all, per pass
         self.check_first_batch = False
         recognised = bool(distributed or seeded) or (
@@ -131,6 +132,8 @@ class LoaderPlan:
 
     def state_dict(self, pass_index: int) -> dict[str, Any]:
         """What replays pass ``pass_index`` in another process: the generators' states at its start."""
+        if pass_index not in self._pass_starts:
+            self._finish_pass_before(pass_index)
         states = self._pass_starts.get(pass_index) or [g.get_state() for g in self._generators]
         return {"pass": pass_index, "base_seed": self._base_seed,
                 "generator_states": [bytes(state.tolist()).hex() for state in states]}
@@ -166,11 +169,14 @@ class LoaderPlan:
         if self._generators:
             starts = self._pass_starts.get(pass_index)
             if starts is None:  # a new pass starts where the last one left the user's generators
+                self._finish_pass_before(pass_index)
                 self._pass_starts = {pass_index: [g.get_state() for g in self._generators]}
             else:  # a replay (a resume, a restart of the pass): from the pass's first state
                 for generator, state in zip(self._generators, starts, strict=True):
                     generator.set_state(state)
-            yield from self._checked(iter(self.loader))
+            iterator = iter(self.loader)
+            self._reading = (pass_index, iterator)
+            yield from self._checked(iterator)
             return
         if self._base_seed is None:
             yield from self._checked(iter(self.loader))
@@ -189,6 +195,14 @@ class LoaderPlan:
             return
         yield first
         yield from iterator
+
+    def _finish_pass_before(self, pass_index: int) -> None:
+        """Run torch's iterator of the previous pass to its end, as ``list(loader)`` does: a sampler
+        draws from the generator after its last index too (``RandomSampler``'s remainder permutation)."""
+        if self._reading is not None and self._reading[0] == pass_index - 1:
+            for _ in self._reading[1]:
+                pass
+        self._reading = None
 
     def _checked(self, iterator: Iterator[Any]) -> Iterator[Any]:
         if not self.check_first_batch:
