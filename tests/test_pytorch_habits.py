@@ -99,6 +99,31 @@ def test_every_worker_saving_sharded_weights_on_one_path_still_writes_one_copy(t
     assert mf.load_model(os.path.join(out, "shared")).count_params() == 6 * 8 + 8 + 8 * 3 + 3
 
 
+def _predict_then_fit(rank: int, world: int):
+    strategy = mf.MultiWorkerMirroredStrategy()
+    x, y = _script_data()
+    with strategy.scope():
+        torch.manual_seed(rank)  # other initial weights per worker: fit must start from the chief's
+        model = mf.Model(nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)))
+        model.compile("sgd", mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    before = model.predict(x[: 8 + 8 * rank], verbose=0)  # on this worker alone, each its own length
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    return before.shape, model.get_weights()
+
+
+def test_a_local_predict_before_fit_leaves_fit_its_distributed_placement():
+    (shape0, w0), (shape1, w1) = run_distributed(_predict_then_fit, world_size=2, timeout=180)
+    assert shape0 == (8, 3) and shape1 == (16, 3)
+    x, y = _script_data()
+    torch.manual_seed(0)  # the chief's initial weights, which the scope gave every worker
+    single = mf.Model(nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)))
+    single.compile("sgd", mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    single.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    for a, b, c in zip(w0, w1, single.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6)  # fit ran with its data-parallel placement
+
+
 # ---- 2. a seeded shuffling DataLoader ----------------------------------------------------------------
 EXAMPLES = 48
 

@@ -38,11 +38,14 @@ def where_to_run(model: Any, call: str, x: Any, inside_fit: bool) -> Iterator[No
             require_every_worker(strategy, f"model.{call}", why)
         yield
         return
+    placement = model.placement
     model.strategy = OneDeviceStrategy(strategy.device)  # this worker alone, on all of the data
     try:
         yield
     finally:
         model.strategy = strategy
+        if placement is None:  # built here for this call: fit places the module with its own strategy
+            model.placement = None
 
 
 def evaluate(trainable: Trainable, data: Any, callbacks: Any) -> dict[str, float]:
