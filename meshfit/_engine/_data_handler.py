@@ -276,7 +276,6 @@ class DataHandler:
         if mismatches and self._starts_a_pass(state) and not topology_mismatches(
                 {k: v for k, v in saved.items() if k not in _BATCHING}, current):
             # At a pass boundary the position names no example yet: a new batch size is well defined.
-            state = {**state, "pass": int(state["pass"]) + (int(state["index"]) > 0), "index": 0}
             if self.strategy.is_chief:
                 print(f"meshfit: resuming at the start of pass {state['pass']} with new batching "
                       f"({'; '.join(mismatches)})", file=sys.stderr, flush=True)
@@ -301,9 +300,12 @@ class DataHandler:
 
     @staticmethod
     def _starts_a_pass(state: dict[str, Any]) -> bool:
-        """Whether a saved position is at a pass boundary (no batch of the pass read, or all of them)."""
-        index, length = int(state["index"]), (state.get("topology") or {}).get("batches_per_pass")
-        return index == 0 or (isinstance(length, int) and index >= length)
+        """Whether a saved position is at the start of a pass (an epoch's end moved it there).
+
+        A step's backup after a pass's last batch (index == its length) is not: its epoch has not
+        ended, and the loop would count the new pass's first batches into it.
+        """
+        return int(state["index"]) == 0
 
     def _topology(self) -> dict[str, Any]:
         source: Any = self.source  # the concrete source: its dataset, view, loader and replica count
