@@ -215,6 +215,9 @@ class DataSource(Protocol):
     @property
     def replicas_read_different_rows(self) -> bool: ...  # False when every replica reads the same examples
 
+    @property
+    def replays_exactly(self) -> bool: ...  # a pass read again yields the same batches (exact resumes)
+
     def state_dict(self) -> dict[str, Any]: ...
 
 

@@ -6,15 +6,17 @@ is all the state a resume needs, because every batch can be computed from it dir
 
 from __future__ import annotations
 
+import sys
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
 from meshfit._engine._fit_arguments import batch_and_shuffle
-from meshfit._protocols import DataSource, DistributionStrategy, InputContextLike
+from meshfit._engine._stream_source import EndOfData as EndOfData  # the loop reads it from here
+from meshfit._engine._stream_source import _StreamSource
+from meshfit._protocols import DataSource, DistributionStrategy
 from meshfit._storage import StateMismatchError
 from meshfit.data import (
     AutoShardPolicy,
@@ -22,18 +24,12 @@ from meshfit.data import (
     Prefetcher,
     Shuffle,
     TorchMapDataset,
-    batch_size_of,
     data_topology,
     leaves,
-    slice_rows,
     to_tensor,
     topology_mismatches,
 )
 from meshfit.distribute import DistributedDataset, LoaderPlan, PerReplicaLoader
-
-
-class EndOfData(Exception):
-    """Data of unknown length (a ``DataLoader`` over an ``IterableDataset``) ran out in this pass."""
 
 
 def _is_array_like(x: Any) -> bool:
@@ -44,70 +40,6 @@ def _is_array_like(x: Any) -> bool:
     if isinstance(x, (list, tuple)):
         return len(x) > 0 and all(_is_array_like(v) or isinstance(v, (int, float)) for v in x)
     return False
-
-
-class _StreamSource:
-    """A ``torch.utils.data.DataLoader`` (or any iterable of batches): read in order, not seekable.
-
-    Each replica reads every batch and keeps its rows (DATA policy). Restoring a position replays
-    the iterable from the start of the pass and skips the batches already seen.
-    """
-
-    def __init__(self, loader: Any, context: InputContextLike, plan: LoaderPlan) -> None:
-        self.loader, self.num_replicas, self.replica_id = loader, context.num_input_pipelines, context.input_pipeline_id
-        self.plan = plan  # which examples this replica reads (distribute/_torch_loader.py)
-        self._iterator: Iterator[Any] | None = None
-        self._at: tuple[int, int] = (-1, -1)
-        self._last: tuple[tuple[int, int], tuple[Any, int]] | None = None
-
-    def length(self) -> int | None:
-        try:
-            return len(self.loader)
-        except TypeError:
-            return None
-
-    def replica_batch(self, index: int, pass_index: int) -> tuple[Any, int]:
-        if self._last is not None and self._last[0] == (pass_index, index):
-            return self._last[1]  # peeked (to build the model): a one-shot iterable can't replay it
-        result = self._read(index, pass_index)
-        self._last = ((pass_index, index), result)
-        return result
-
-    def _read(self, index: int, pass_index: int) -> tuple[Any, int]:
-        if self._iterator is None or self._at != (pass_index, index):
-            self._iterator, skip = self.plan.iterate(pass_index), index
-            try:
-                for _ in range(skip):
-                    next(self._iterator)
-                element = next(self._iterator)
-            except StopIteration:
-                self._iterator, self._at = None, (-1, -1)
-                raise EndOfData from None
-        else:
-            try:
-                element = next(self._iterator)
-            except StopIteration:
-                self._iterator, self._at = None, (-1, -1)
-                raise EndOfData from None
-        element = to_tensor(element)
-        if isinstance(element, list):
-            element = tuple(element)
-        self._at = (pass_index, index + 1)
-        size = batch_size_of(element)
-        n, r = self.num_replicas, self.replica_id
-        if n == 1:
-            return element, size
-        if self.plan.sharded:
-            return element, size * n  # a DistributedSampler's shares are equal
-        return slice_rows(element, r * size // n, (r + 1) * size // n), size
-
-    def prefetch_size(self) -> int:
-        return 0
-
-    replicas_read_different_rows = True
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}  # a stream has no position of its own: the DataHandler's is replayed
 
 
 class DataHandler:
@@ -325,11 +257,15 @@ class DataHandler:
     def state_dict(self) -> dict[str, Any]:
         """The data position: ``{"pass": pass, "index": global batches read in it,
         "shuffle_seeds": the pipeline's shuffle seeds}`` (a resume reads the order it saved), and
-        ``"topology"``: what the position means (`meshfit.data._topology.data_topology`)."""
+        ``"topology"``: what the position means (`meshfit.data._topology.data_topology`); for a torch
+        loader, ``"loader"``: its shuffle generators' states at the pass's start (`LoaderPlan.state_dict`)."""
         chains = self._shuffle_chains()
-        return {"pass": self.pass_index, "index": self.index,
-                "shuffle_seeds": [node.seed for node in chains[0]] if chains else [],
-                "topology": self._topology()}
+        state = {"pass": self.pass_index, "index": self.index,
+                 "shuffle_seeds": [node.seed for node in chains[0]] if chains else [],
+                 "topology": self._topology()}
+        if isinstance(self.source, _StreamSource):  # a loader's shuffle generators at the pass's start
+            state["loader"] = self.source.plan.state_dict(self._normalized()[0])
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Move to a saved position; refuse one saved on other data (`StateMismatchError`).
@@ -338,21 +274,41 @@ class DataHandler:
         batch size, ``drop_remainder`` and the shuffle buffers must be the saved ones, or the
         position would name other examples. The number of replicas may differ.
         """
-        mismatches = topology_mismatches(state.get("topology") or {}, self._topology())
+        saved, current = state.get("topology") or {}, self._topology()
+        mismatches = topology_mismatches(saved, current)
+        if mismatches and self._starts_a_pass(state) and not topology_mismatches(
+                {k: v for k, v in saved.items() if k not in _BATCHING}, current):
+            # At a pass boundary the position names no example yet: a new batch size is well defined.
+            if self.strategy.is_chief:
+                print(f"meshfit: resuming at the start of pass {state['pass']} with new batching "
+                      f"({'; '.join(mismatches)})", file=sys.stderr, flush=True)
+            mismatches = []
         if mismatches:
             raise StateMismatchError(
                 f"The saved data position (pass {state['pass']}, global batch {state['index']}) was taken on other "
                 f"data: {'; '.join(mismatches)}. Restored here it would read other examples than the run that "
                 "saved it. Resume with the same dataset, batch size, drop_remainder and shuffle as that run "
-                "(the number of workers may change).")
+                "(the number of workers may change; the batch size may change at the start of a pass, "
+                "e.g. with BackupAndRestore(save_freq='epoch')).")
         self.close()
         self.pass_index, self.index = int(state["pass"]), int(state["index"])
+        if isinstance(self.source, _StreamSource) and state.get("loader"):
+            self.source.plan.load_state_dict(state["loader"])
         seeds = [int(seed) for seed in state.get("shuffle_seeds") or []]
         for chain in self._shuffle_chains():
             if len(chain) == len(seeds):
                 for node, seed in zip(chain, seeds, strict=True):
                     if node.seed != seed:
                         node.reseed(seed)
+
+    @staticmethod
+    def _starts_a_pass(state: dict[str, Any]) -> bool:
+        """Whether a saved position is at the start of a pass (an epoch's end moved it there).
+
+        A step's backup after a pass's last batch (index == its length) is not: its epoch has not
+        ended, and the loop would count the new pass's first batches into it.
+        """
+        return int(state["index"]) == 0
 
     def _topology(self) -> dict[str, Any]:
         source: Any = self.source  # the concrete source: its dataset, view, loader and replica count
@@ -378,6 +334,10 @@ class DataHandler:
                 seen.add(id(dataset))
                 chains.append([n for n in dataset.node.nodes() if isinstance(n, Shuffle)])
         return chains
+
+
+# what may change at a pass boundary: how a pass is cut into batches, not which examples it holds
+_BATCHING = ("global_batch_size", "batches_per_pass", "drop_remainder")
 
 
 def _shuffle_seed() -> int:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -11,7 +12,40 @@ import torch
 from meshfit._engine._executions import next_batch, steps_per_execution
 from meshfit._engine._step_logs import MetricResults, as_logs, merge_returned, own_logs, reduce_logs
 from meshfit._protocols import CallbackListLike, Trainable
+from meshfit._saving import is_sharded, require_every_worker
 from meshfit.data import batch_size_of, map_structure
+from meshfit.distribute import DistributedDataset, LoaderPlan, OneDeviceStrategy
+
+
+@contextlib.contextmanager
+def where_to_run(model: Any, call: str, x: Any, inside_fit: bool) -> Iterator[None]:
+    """Run an ``evaluate``/``predict`` outside ``fit`` on this worker alone when it can be.
+
+    A replicated model (every worker holds every weight) given the whole data (arrays, a Dataset, a
+    DataLoader without a ``DistributedSampler``) is evaluated here, on all the data, with no
+    collective: ``if task_id == 0: model.evaluate(...)`` works, and every worker calling it gets the
+    same numbers. Sharded weights, or data that gives each worker its part, need every worker: the
+    call checks that the others came (`require_every_worker`) and runs across them, as in ``fit``.
+    """
+    strategy = model.strategy
+    if inside_fit or strategy.num_processes <= 1:
+        yield
+        return
+    if is_sharded(model.module) or isinstance(x, DistributedDataset) or LoaderPlan.reads_own_shard(x):
+        why = ("the model's weights are split across the workers (mf.dtensor layouts)" if is_sharded(model.module)
+               else "the data gives each worker its own part (a distributed dataset or a DistributedSampler)")
+        with strategy.guard():
+            require_every_worker(strategy, f"model.{call}", why)
+        yield
+        return
+    placement = model.placement
+    model.strategy = OneDeviceStrategy(strategy.device)  # this worker alone, on all of the data
+    try:
+        yield
+    finally:
+        model.strategy = strategy
+        if placement is None:  # built here for this call: fit places the module with its own strategy
+            model.placement = None
 
 
 def evaluate(trainable: Trainable, data: Any, callbacks: Any) -> dict[str, float]:

@@ -42,6 +42,20 @@ def _metrics_from_config(entries: list[Any], path: str) -> list[Any]:
     return out
 
 
+def _naming_the_archive(error: BaseException, directory: str, path: str) -> BaseException:
+    """``error`` with the archive's own name where it named the folder it was unpacked into."""
+    def named(text: str) -> str:
+        return text.replace(directory + os.sep, f"{path}:").replace(directory, path)
+
+    if isinstance(error, OSError) and error.errno is not None:
+        return type(error)(error.errno, named(error.strerror or ""), named(str(error.filename or "")) or None)
+    message = named(str(error))
+    try:
+        return type(error)(message)
+    except TypeError:  # an exception type with other arguments
+        return ValueError(message)
+
+
 def load_model(filepath: str | os.PathLike, module: nn.Module | None = None, compile: bool = True) -> Model:
     """Load a model saved with ``Model.save``, in the current strategy's scope.
 
@@ -64,7 +78,10 @@ def load_model(filepath: str | os.PathLike, module: nn.Module | None = None, com
     if is_archive_path(path) and not os.path.isdir(path):  # a directory saved before .keras meant a zip
         with tempfile.TemporaryDirectory(prefix="meshfit-keras-") as directory:
             unpack(path, directory)
-            return load_model(directory, module=module, compile=compile)
+            try:
+                return load_model(directory, module=module, compile=compile)
+            except (ValueError, TypeError, OSError) as error:
+                raise _naming_the_archive(error, directory, path) from error
     config = read_config(path)
     config_path = os.path.join(path, "config.json")
     if module is None:

@@ -16,6 +16,7 @@ from meshfit._engine._data_handler import DataHandler
 from meshfit._engine._data_handler import _is_array_like as is_array_like
 from meshfit._engine._evaluation import evaluate as run_evaluation
 from meshfit._engine._evaluation import predict as run_prediction
+from meshfit._engine._evaluation import where_to_run
 from meshfit._engine._fit_arguments import (
     ClassWeightedData,
     check_class_weight,
@@ -332,10 +333,11 @@ class Model(WeightsMixin):
     def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None, verbose: str | int = "auto",
                  sample_weight: Any = None, steps: int | None = None, callbacks: Iterable[Any] | None = None,
                  return_dict: bool = False) -> Any:
-        """Loss and metrics over the data, aggregated across replicas (a list, or a dict)."""
+        """Loss and metrics over the data (a list, or a dict), on this worker alone when the model is replicated."""
         self._require_compiled("evaluate")
         verbose = resolve_verbose(verbose, self.strategy.is_chief)  # a bad value fails before any data is read
-        with self.strategy.guard(), flush_denormals():
+        with self.strategy.guard(), flush_denormals(), \
+                where_to_run(self, "evaluate", x, inside_fit=isinstance(callbacks, CallbackList)):
             data = DataHandler(x, y, sample_weight, batch_size, steps, False, self.strategy, argument="steps")
             try:
                 cbs = self._inference_callbacks(data, verbose, callbacks)
@@ -351,9 +353,9 @@ class Model(WeightsMixin):
 
     def predict(self, x: Any, batch_size: int | None = None, verbose: str | int = "auto",
                 steps: int | None = None, callbacks: list[Any] | None = None) -> Any:
-        """The module's outputs for all of ``x``, in input order, on every worker (numpy)."""
+        """The module's outputs for all of ``x``, in input order (numpy); see `where_to_run`."""
         verbose = resolve_verbose(verbose, self.strategy.is_chief)
-        with self.strategy.guard(), flush_denormals():
+        with self.strategy.guard(), flush_denormals(), where_to_run(self, "predict", x, inside_fit=False):
             data = DataHandler(x, None, None, batch_size, steps, False, self.strategy, argument="steps")
             try:
                 return run_prediction(self, data, self._inference_callbacks(data, verbose, callbacks))

@@ -52,12 +52,14 @@ class WeightsMixin:
     def save(self, filepath: str) -> None:
         """Save architecture (when rebuildable), weights, compile config and optimizer state.
 
-        Every worker may call it on the same path: only the chief writes; all wait for it.
+        Call it on the chief alone or on every worker (same path): the chief writes one copy. A
+        model whose weights are split across the workers (``mf.dtensor`` layouts) needs every worker;
+        called on some only, it raises at once naming the fix. A ``.h5`` path is refused.
         """
         save_model(self, filepath)
 
     def save_weights(self, filepath: str) -> None:
-        """Save the module's weights to a safetensors file (chief only; all wait for it)."""
+        """Save the module's weights to a safetensors file (the chief writes; see ``save``)."""
         save_weights(self, filepath)
 
     def load_weights(self, filepath: str) -> None:

@@ -11,9 +11,13 @@ or writer)::
       model.safetensors        the module's state_dict; header: CRC-32C of every tensor
       optimizer.safetensors    the optimizer's tensors (when it was built); header: CRC-32Cs
 
-Every worker may call ``save`` on the same path: the chief writes, the others wait for its outcome
-(`meshfit._storage._chief.chief_writes`), so exactly one complete copy results, nobody reads a half-written
-one, and every worker raises if the chief's write failed.
+A replicated model (every worker holds every weight) is saved by the chief alone, with no collective:
+``if task_id == 0: model.save(path)`` works, and so does every worker calling ``save`` on the same
+path (the others write nothing and return). A sharded model (DTensor weights) needs every worker to
+gather its shards: each checks first that the others came (`require_every_worker`, raising at once
+naming the fix otherwise); then the chief writes and the others wait for its outcome
+(`meshfit._storage._chief.chief_writes`), raising if the chief's write failed. Either way exactly one
+complete copy results and nobody reads a half-written one (`AtomicDirectory`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 from torch import nn
 
 from meshfit._saving._architecture import module_to_config, plain_type
+from meshfit._saving._every_worker import is_sharded, require_every_worker
 from meshfit._saving._keras_archive import is_archive_path, pack, unpack
 from meshfit._saving._weights import (
     flatten_optimizer_state,
@@ -40,10 +45,24 @@ from meshfit.metrics import CLASSES as METRIC_CLASSES
 FORMAT = "meshfit.model/1"
 
 
+_SHARDED = "the model's weights are split across the workers (mf.dtensor layouts), so saving gathers each one's shards"
+
+
 def _chief_writes(model: Any, write: Any, what: str = "save the model") -> None:
+    """The chief runs ``write``: alone for a replicated model; for a sharded one, every worker learns its outcome."""
     strategy = model.strategy
+    if not is_sharded(model.module):
+        if strategy.is_chief:
+            write()
+        return
     with strategy.guard():
         chief_writes(write, is_chief=strategy.is_chief, gather=strategy.all_gather_object, what=what)
+
+
+def _every_worker_if_sharded(model: Any, call: str) -> None:
+    if is_sharded(model.module):
+        with model.strategy.guard():
+            require_every_worker(model.strategy, call, _SHARDED)
 
 
 def _named_os_error(error: OSError, path: str) -> OSError:
@@ -90,14 +109,20 @@ def _gathered(value: Any) -> Any:
     return value
 
 
-def save_model(model: Any, filepath: str | os.PathLike) -> None:
+def save_model(model: Any, filepath: str | os.PathLike, *, checked: bool = False) -> None:
     path = os.path.abspath(os.fspath(filepath))
+    if path.endswith((".h5", ".hdf5")):  # Keras 3 writes its legacy HDF5 here; meshfit has no such format
+        raise ValueError("Invalid filepath extension for saving: meshfit does not write Keras's legacy HDF5 "
+                         "format (.h5/.hdf5). Use a `.keras` extension (one file, recommended) or a folder "
+                         f"path without an extension. Received: filepath={os.fspath(filepath)}")
+    if not checked:
+        _every_worker_if_sharded(model, "model.save")
     if is_archive_path(path):  # one zip file holding this directory's files (meshfit._saving._keras_archive)
         # Beside the target, at a path every worker computes alike, under a scratch name that readers
         # (latest_checkpoint, SidecarEvaluator) skip as incomplete.
         staged = f"{path}.tmp"
         try:
-            save_model(model, staged)  # collective: the chief writes, every worker waits
+            save_model(model, staged, checked=True)  # the chief writes (with a sharded model every worker waits)
             _chief_writes(model, lambda: pack(staged, path), f"save the model to {path!r}")
         finally:
             if model.strategy.is_chief:
@@ -143,7 +168,7 @@ def save_model(model: Any, filepath: str | os.PathLike) -> None:
 def save_weights(model: Any, filepath: str | os.PathLike) -> None:
     path = os.path.abspath(os.fspath(filepath))
     parent = os.path.dirname(path)
-
+    _every_worker_if_sharded(model, "model.save_weights")
     weights = _gathered(model.module.state_dict())
 
     def write() -> None:

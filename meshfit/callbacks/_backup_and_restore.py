@@ -66,9 +66,10 @@ class BackupAndRestore(CheckpointSaver):
         return {"save_freq": self.save_freq, "async_save": self.async_save, "delete_checkpoint": self.delete_checkpoint}
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        if not hasattr(self._require_loop().data.source, "view"):
-            warnings.warn("BackupAndRestore: the input is a torch DataLoader or another iterable; a resume "
-                          "replays its pass from the start and skips the batches already trained on, which "
-                          "is exact only if the iterable yields the same order again. Use a meshfit.data."
-                          "Dataset, arrays or a map-style torch Dataset for an exact resume.", stacklevel=2)
+        if not self._require_loop().data.source.replays_exactly:
+            warnings.warn("BackupAndRestore: the input is an IterableDataset, a custom sampler or another "
+                          "iterable; a resume replays its pass from the start and skips the batches already "
+                          "trained on, which is exact only if it yields the same order again. Use a map-style "
+                          "Dataset in a DataLoader (shuffled or not), a meshfit.data.Dataset or arrays for an "
+                          "exact resume.", stacklevel=2)
         super().on_train_begin(logs)

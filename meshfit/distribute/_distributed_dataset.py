@@ -157,6 +157,8 @@ class DistributedDataset:
         """False when every replica reads the same examples (``OFF``)."""
         return self.policy is not AutoShardPolicy.OFF or self.context is not None
 
+    replays_exactly = True  # a position is computed from the pipeline's seeds, never replayed
+
     def prefetch_size(self) -> int:
         return self.view.node.prefetch_size()
 

@@ -231,6 +231,15 @@ class Heartbeat:
             self._declare(rank, self._peers[rank].step, "its process ended (killed or crashed): its "
                                                        "connection closed without a goodbye")
 
+    def has_left(self, rank: int) -> bool:
+        """Whether ``rank`` said it left cleanly (its process ended or is ending), asked of the store now."""
+        if rank in self._peers and self._peers[rank].left:
+            return True
+        try:
+            return bool(self._store.call(lambda store: store.check([self._left_key(rank)])))
+        except Exception:  # noqa: BLE001 - the store did not answer: the watchdog names that failure
+            return False
+
     def _end_if_blocked(self) -> None:
         """The main thread did not pick the failure up while in a watched region: it is blocked in a
         collective. Never hang: print the message and end the process."""
