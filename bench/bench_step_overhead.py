@@ -146,14 +146,14 @@ def _calls(run: Callable[[int], None], steps: int) -> int:
     return count
 
 
-def measure(rounds: int, steps: int, detail: bool) -> list[dict[str, Any]]:
+def measure(rounds: int, steps: int, detail: bool, timed: bool = True) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     results = []
     for name, make, x, y in _workloads():
         pair = Pair(make, x, y)
         runs = {"hand": pair.hand_block, "fit": pair.fit_block}
         cpu: dict[str, list[float]] = {"hand": [], "fit": []}
-        for r in range(rounds + 1):  # round 0 warms up
+        for r in range(rounds + 1 if timed else 1):  # round 0 warms up
             for variant in (("hand", "fit") if r % 2 == 0 else ("fit", "hand")):
                 value = _cpu_per_step(runs[variant], steps)
                 if r:
@@ -163,9 +163,11 @@ def measure(rounds: int, steps: int, detail: bool) -> list[dict[str, Any]]:
         marginal = {v: (sum(ops_2s[v].values()) - sum(ops[v].values())) / steps for v in runs}
         calls = {v: _calls(runs[v], steps) for v in runs}
         calls_2s = {v: _calls(runs[v], 2 * steps) for v in runs}
+        nan = float("nan")
         result = {"name": name, "steps": steps,
-                  "cpu_hand": _median(cpu["hand"]), "cpu_fit": _median(cpu["fit"]),
-                  "cpu_ratio": _median([f / h for f, h in zip(cpu["fit"], cpu["hand"], strict=True)]),
+                  "cpu_hand": _median(cpu["hand"]) if cpu["hand"] else nan,
+                  "cpu_fit": _median(cpu["fit"]) if cpu["fit"] else nan,
+                  "cpu_ratio": _median([f / h for f, h in zip(cpu["fit"], cpu["hand"], strict=True)]) if cpu["fit"] else nan,
                   "ops_hand": sum(ops["hand"].values()) / steps, "ops_fit": sum(ops["fit"].values()) / steps,
                   "marginal_hand": marginal["hand"], "marginal_fit": marginal["fit"],
                   "calls_hand": calls["hand"] / steps, "calls_fit": calls["fit"] / steps,
@@ -241,13 +243,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="steps per block (default 50; quick 10)")
     parser.add_argument("--baseline", default=None, help="another meshfit tree to compare with (before)")
     parser.add_argument("--ops-detail", action="store_true", help="list the aten ops fit adds per step")
+    parser.add_argument("--counts-only", action="store_true", help="only the op and call counts (no timing)")
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     rounds, steps = args.rounds or (2 if args.quick else 7), args.steps or (10 if args.quick else 50)
     if args.baseline:
         compare(args.baseline, rounds, steps)
         return
-    results = measure(rounds, steps, args.ops_detail)
+    results = measure(rounds, steps, args.ops_detail, timed=not args.counts_only)
     if args.json:
         print(json.dumps(results))
         return
