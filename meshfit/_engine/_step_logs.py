@@ -28,9 +28,11 @@ def reduce_logs(trainable: Trainable, flags: Sequence[float] = (), *,
     Returns:
         ``(logs, flags)``: ``{name: value}`` (empty without metrics) and the summed flags.
     """
-    metrics: Sequence[MetricLike] = trainable.logged_metrics() if with_metrics else []
-    states = [m.state_tensors() for m in metrics]
     strategy = trainable.strategy
+    if not with_metrics:  # the loop's usual step: the flags alone
+        return {}, sum_flags(strategy, flags)
+    metrics: Sequence[MetricLike] = trainable.logged_metrics()
+    states = [m.state_tensors() for m in metrics]
     # Every process takes part, also along a mesh's ``model`` axis: a stop or preemption flag raised
     # on any process must reach all of them.
     if strategy.num_processes > 1 and any(states):
@@ -105,6 +107,8 @@ def merge_returned(trainable: Trainable, logs: dict[str, Any], returned: Any, *,
     ``compute_metrics`` return) is read from the metrics, reduced over replicas; anything else a
     Keras-style override returned is logged as it is (its tensors left unread with ``convert=False``).
     """
+    if type(returned) is MetricResults:  # what Model.train_step returns: the logged metrics themselves
+        return logs
     if isinstance(returned, Mapping) and set(returned) != {m.name for m in trainable.logged_metrics()}:
         logs.update(as_logs(returned, convert=convert))
     return logs
