@@ -81,12 +81,13 @@ def _workloads() -> list[tuple[str, Callable[[], nn.Module], np.ndarray, np.ndar
 class Pair:
     """The hand loop and fit on copies of one module, each reading its own position in the data."""
 
-    def __init__(self, make: Callable[[], nn.Module], x: np.ndarray, y: np.ndarray) -> None:
+    def __init__(self, make: Callable[[], nn.Module], x: np.ndarray, y: np.ndarray, rows: int) -> None:
         import _common as C
 
         import meshfit as mf
 
-        self.x, self.y = x, y
+        reps = -(-rows // len(x))  # whole copies of the data, so that every block reads full batches
+        self.x, self.y = np.concatenate([x] * reps), np.concatenate([y] * reps)
         self.x_t, self.y_t = torch.from_numpy(x), torch.from_numpy(y)
         self.hand = make()
         self.hand.train()
@@ -97,6 +98,8 @@ class Pair:
 
     def _rows(self, name: str, steps: int) -> int:
         need = steps * BATCH
+        if need > len(self.x):
+            raise ValueError(f"a block of {steps} steps needs {need} rows; the data has {len(self.x)}")
         start = self.at[name]
         if start + need > len(self.x):
             start = 0
@@ -150,7 +153,7 @@ def measure(rounds: int, steps: int, detail: bool, timed: bool = True) -> list[d
     torch.set_num_threads(1)
     results = []
     for name, make, x, y in _workloads():
-        pair = Pair(make, x, y)
+        pair = Pair(make, x, y, 2 * steps * BATCH)
         runs = {"hand": pair.hand_block, "fit": pair.fit_block}
         cpu: dict[str, list[float]] = {"hand": [], "fit": []}
         for r in range(rounds + 1 if timed else 1):  # round 0 warms up
