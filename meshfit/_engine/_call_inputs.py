@@ -24,6 +24,12 @@ def convert_call_inputs(module: torch.nn.Module, strategy: Any, args: Any, kwarg
     """``(args, kwargs)`` with numpy arrays (in any nesting) as tensors: floating ones in the module's
     floating dtype (Keras casts to the layer's input dtype), integer and bool ones keeping theirs; all on
     the module's device. Tensors and other values are passed through unchanged."""
+    for arg in args:  # the usual call from a step: tensors only, nothing to convert
+        if type(arg) is not torch.Tensor:
+            break
+    else:
+        if not kwargs:
+            return args, kwargs
     if not any(isinstance(leaf, np.ndarray) for leaf in leaves((args, kwargs))):
         return args, kwargs
     device, dtype = _placement(module, strategy)

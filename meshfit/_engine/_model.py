@@ -91,6 +91,7 @@ class Model(WeightsMixin):
         self.steps_per_execution = 1  # training steps between two batch-callback calls (compile's argument)
         self._input_example: Any = None  # one example of the batch built on, for summary()'s shapes
         self._warned_untrainable = False  # once a fit: "The model does not have any trainable weights"
+        self._step_params: list[nn.Parameter] | None = None  # _has_trainable_weights's list, per build
         if getattr(self.strategy, "places_on_creation", lambda m: False)(module):  # sharded as Keras lays out
             self.placement = self.strategy.setup_module(module)  # variables: at creation (custom loops too)
 
@@ -168,6 +169,7 @@ class Model(WeightsMixin):
         ``strategy.setup_module`` runs before the optimizer is built: a layout replaces parameters.
         ``sample_x`` is an input batch as the data yields it (placed here by the strategy).
         """
+        self._step_params = None  # the module's parameters may have changed (a layout, a new submodule)
         if self._input_example is None:
             self._input_example = _summary.example_of(sample_x)
         if self.placement is None:
@@ -215,7 +217,7 @@ class Model(WeightsMixin):
         other names than the metrics' is logged as it is.
         """
         x, y, sample_weight = unpack_batch(data)
-        if not any(p.requires_grad for p in self.module.parameters()):
+        if not self._has_trainable_weights():
             return self._forward_only_step(x, y, sample_weight)
         if self.optimizer is None:
             raise RuntimeError("train_step needs an optimizer: call compile(optimizer=...) first.")
@@ -234,6 +236,18 @@ class Model(WeightsMixin):
         self.optimizer.step()
         self._loss_tracker.update_state(loss.detach(), sample_weight=batch_size_of(y_pred))
         return self.compute_metrics(x, y, y_pred, sample_weight)
+
+    def _has_trainable_weights(self) -> bool:
+        """Whether a parameter of the module requires a gradient (read at every step: a callback may
+        freeze one). The list of parameters is taken once per `build` (each fit, evaluate and predict
+        calls it), not walked through the module tree at every step."""
+        params = self._step_params
+        if params is None:
+            params = self._step_params = list(self.module.parameters())
+        for param in params:
+            if param.requires_grad:
+                return True
+        return False
 
     def _forward_only_step(self, x: Any, y: Any, sample_weight: Any) -> Mapping[str, Any]:
         """Keras's step for a model with no trainable weights: forward, loss, metrics, no update."""

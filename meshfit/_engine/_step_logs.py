@@ -28,9 +28,11 @@ def reduce_logs(trainable: Trainable, flags: Sequence[float] = (), *,
     Returns:
         ``(logs, flags)``: ``{name: value}`` (empty without metrics) and the summed flags.
     """
-    metrics: Sequence[MetricLike] = trainable.logged_metrics() if with_metrics else []
-    states = [m.state_tensors() for m in metrics]
     strategy = trainable.strategy
+    if not with_metrics:  # the loop's usual step: the flags alone
+        return {}, sum_flags(strategy, flags)
+    metrics: Sequence[MetricLike] = trainable.logged_metrics()
+    states = [m.state_tensors() for m in metrics]
     # Every process takes part, also along a mesh's ``model`` axis: a stop or preemption flag raised
     # on any process must reach all of them.
     if strategy.num_processes > 1 and any(states):

@@ -212,6 +212,9 @@ class Dataset:
     def _gather(self, indices: np.ndarray, pass_index: int) -> Any:
         return self._node._gather(indices, pass_index)
 
+    def _gather_range(self, start: int, stop: int, pass_index: int) -> Any:
+        return self._node._gather_range(start, stop, pass_index)
+
     def _prefetch_size(self) -> int:
         return self._node._prefetch_size()
 

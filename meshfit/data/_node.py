@@ -37,6 +37,11 @@ class Node:
         """Elements ``indices`` of pass ``pass_index``, stacked."""
         return stack([self._get(int(i), pass_index) for i in indices])
 
+    def _gather_range(self, start: int, stop: int, pass_index: int) -> Any:
+        """Elements ``start`` to ``stop - 1`` of pass ``pass_index``, stacked: `_gather` of those
+        indices; a node that reads consecutive elements faster (or passes the range on) overrides it."""
+        return self._gather(np.arange(start, stop, dtype=np.int64), pass_index)
+
     def _prefetch_size(self) -> int:
         return 0 if self._inner is None else self._inner._prefetch_size()
 

@@ -13,6 +13,7 @@ import torch
 from meshfit.data._node import Node
 from meshfit.data._structure import (
     concat,
+    copy_rows,
     from_python,
     gather_rows,
     leaves,
@@ -52,6 +53,11 @@ class TensorSlices(Node):
 
     def _gather(self, indices: np.ndarray, pass_index: int) -> Any:
         return gather_rows(self.tensors, indices)
+
+    def _gather_range(self, start: int, stop: int, pass_index: int) -> Any:
+        if not 0 <= start <= stop <= self._n:
+            raise IndexError(start if start < 0 or start > self._n else stop - 1)
+        return copy_rows(self.tensors, start, stop)
 
 
 class FromTensors(Node):

@@ -170,13 +170,13 @@ class Batch(Transform):
         if length is not None and index >= length:
             raise IndexError(index)
         start, stop = self.rows(index)
-        return self._inner._gather(np.arange(start, stop, dtype=np.int64), pass_index)
+        return self._inner._gather_range(start, stop, pass_index)
 
     def get_rows(self, index: int, pass_index: int, start: int, stop: int) -> Any:
         """Rows ``[start, stop)`` (relative) of batch ``index``, computing only those."""
         first, last = self.rows(index)
         lo, hi = min(first + start, last), min(first + stop, last)
-        return self._inner._gather(np.arange(lo, hi, dtype=np.int64), pass_index)
+        return self._inner._gather_range(lo, hi, pass_index)
 
 
 class Map(Transform):
@@ -238,6 +238,9 @@ class Prefetch(Transform):
     def _gather(self, indices: np.ndarray, pass_index: int) -> Any:
         return self._inner._gather(indices, pass_index)
 
+    def _gather_range(self, start: int, stop: int, pass_index: int) -> Any:
+        return self._inner._gather_range(start, stop, pass_index)
+
     def _prefetch_size(self) -> int:
         return max(self.buffer_size, self._inner._prefetch_size())
 
@@ -279,6 +282,9 @@ class Take(Transform):
     def _gather(self, indices: np.ndarray, pass_index: int) -> Any:
         return self._inner._gather(indices, pass_index)
 
+    def _gather_range(self, start: int, stop: int, pass_index: int) -> Any:
+        return self._inner._gather_range(start, stop, pass_index)
+
 
 class Skip(Transform):
     def __init__(self, inner: Node, count: int) -> None:
@@ -295,3 +301,6 @@ class Skip(Transform):
 
     def _gather(self, indices: np.ndarray, pass_index: int) -> Any:
         return self._inner._gather(indices + self.count, pass_index)
+
+    def _gather_range(self, start: int, stop: int, pass_index: int) -> Any:
+        return self._inner._gather_range(start + self.count, stop + self.count, pass_index)

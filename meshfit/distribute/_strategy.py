@@ -198,6 +198,12 @@ class Strategy:
         ``non_blocking=True``, so the step queues the copy and goes on.
         """
         device = self.device
+        if type(batch) is tuple:  # the usual batch: tensors already in place, as they are
+            for leaf in batch:
+                if type(leaf) is not torch.Tensor or leaf.dtype == torch.float64 or leaf.device != device:
+                    break
+            else:
+                return batch
 
         def place(leaf: Any) -> Any:
             if not isinstance(leaf, torch.Tensor):

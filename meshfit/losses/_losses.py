@@ -179,7 +179,10 @@ class SparseCategoricalCrossentropy(Loss):
         """Per-sample cross-entropy."""
         if y_true.ndim == y_pred.ndim and y_true.shape[-1] == 1:
             y_true = y_true.squeeze(-1)
-        scores = torch.movedim(y_pred, self.axis, 1) if y_pred.ndim > 1 else y_pred
+        # Classes on dim 1, as torch's cross_entropy takes them (no permute kernel, forward and
+        # backward, where they are there already: a (batch, classes) output with axis -1).
+        moved = y_pred.ndim > 1 and self.axis not in (1, 1 - y_pred.ndim)
+        scores = torch.movedim(y_pred, self.axis, 1) if moved else y_pred
         target = y_true.long()
         _warn_if_logits(self, y_pred)
         if self.from_logits:

@@ -15,6 +15,8 @@ from meshfit.losses import snake_case, squeeze_or_expand
 
 
 def _as_tensor(value: Any) -> torch.Tensor:
+    if type(value) is torch.Tensor:  # the common case: no DTensor, and no graph to cut unless it has one
+        return value.detach() if value.requires_grad else value
     if is_dtensor(value):  # a mesh's tensor: this process's rows (reduced over `batch` in result())
         from meshfit.dtensor import local_rows
 
@@ -51,12 +53,17 @@ class Metric:
         """Declare a float64 accumulator that starts at zero (on the CPU until the first update)."""
         self._states[name] = torch.zeros(shape, dtype=torch.float64)
 
-    def _accumulate(self, name: str, value: torch.Tensor) -> None:
+    def _accumulate(self, name: str, value: torch.Tensor | float, device: torch.device | None = None) -> None:
         """Add ``value`` to an accumulator, which moves once to ``value``'s device and stays there:
-        a training step then queues its metric update without waiting for the device."""
+        a training step then queues its metric update without waiting for the device.
+
+        ``value`` may be a Python number the host knows (a count): then it is added as a scalar, with
+        no tensor made for it and no host-to-device copy, and ``device`` says where the state lives.
+        """
         state = self._states[name]
-        if state.device != value.device:
-            state = self._states[name] = state.to(value.device, non_blocking=True)
+        target = value.device if isinstance(value, torch.Tensor) else device
+        if target is not None and state.device != target:
+            state = self._states[name] = state.to(target, non_blocking=True)
         state += value
 
     def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
@@ -154,6 +161,13 @@ def _check_mesh(mesh: Any) -> Any:
     return mesh
 
 
+def _whole_number(value: Any) -> bool:
+    """Whether ``value`` is a Python int or a float holding one (not a bool)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+
+
 class Mean(Metric):
     """The (weighted) mean of the values it is given.
 
@@ -177,9 +191,16 @@ class Mean(Metric):
     def update_state(self, values: Any, sample_weight: Any = None) -> None:  # type: ignore[override]
         """Add `values` (any shape), each weighted by the broadcast `sample_weight`."""
         values = _as_tensor(values).to(torch.float64)
-        if sample_weight is None:
-            weight = torch.ones_like(values)
-        elif isinstance(sample_weight, (int, float)) and not isinstance(sample_weight, bool):
+        if values.is_contiguous() and (sample_weight is None or _whole_number(sample_weight)):
+            # No weight, or a whole number (the loss tracker's batch size): the count is known on
+            # the host, ``n * w`` exactly (the sum of ``n`` copies of ``w``), so it is one scalar
+            # add with no tensor of weights made; the total is the same sum of the same products.
+            weighted = values if sample_weight is None else values * float(sample_weight)
+            self._accumulate("total", weighted.sum() if weighted.dim() else weighted)
+            self._accumulate("count", values.numel() * float(1 if sample_weight is None else sample_weight),
+                             values.device)
+            return
+        if isinstance(sample_weight, (int, float)) and not isinstance(sample_weight, bool):
             weight = torch.full_like(values, float(sample_weight))  # no host-to-device copy of the number
         else:
             values, weight = losses.broadcast_weight(values, _as_tensor(sample_weight))

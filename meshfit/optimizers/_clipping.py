@@ -56,7 +56,7 @@ class GradientClipping:
     @property
     def active(self) -> bool:
         """Whether any clipping is set."""
-        return any(v is not None for v in (self.clipnorm, self.clipvalue, self.global_clipnorm))
+        return self.clipnorm is not None or self.clipvalue is not None or self.global_clipnorm is not None
 
     def config(self) -> dict[str, Any]:
         """The arguments, for an optimizer's ``get_config()``."""

@@ -222,12 +222,13 @@ class Optimizer:
         Under a multi-replica strategy, the gradients of parameters created in its scope are
         summed across replicas first (not those DDP reduced already).
         """
-        self._require_built("step()")
+        optimizer = self._require_built("step()")
         loss = None
         if closure is not None:  # evaluated once here, so that its gradients can be synchronised
             with torch.enable_grad():
                 loss = closure()
-        synchronize_gradients(self._params())
+        # A generator: with one process (no group) synchronize_gradients returns before reading it.
+        synchronize_gradients(p for group in optimizer.param_groups for p in group["params"])
         self._apply_update()
         return loss
 
