@@ -1,0 +1,72 @@
+"""2-D parallelism: ``LayoutMap.fully_sharded(mesh)`` on ``[("batch", 2), ("model", 2)]`` with the attention
+and MLP weights keyed on ``model`` (tensor parallel, then ``fully_shard`` over ``batch``), behind ``fit``.
+
+On 4 gloo processes: ``fit`` equals one plain process on the same global batch (SGD and AdamW, 20
+steps, the last batch uneven: 3 and 2 sequences on the two replicas), each keyed weight holds a
+quarter of its rows or columns per process, evaluate/predict work, a mid-epoch backup resumes on
+(2, 2) and reshards onto a plain process, and ``model.save`` writes full tensors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from _two_d_model import (
+    BATCH,
+    D_MODEL,
+    EXAMPLES,
+    STEPS,
+    VOCAB,
+    assert_weights_match,
+    data,
+    max_rel,
+    module,
+    optimizer,
+    scope,
+)
+
+from tests._multiproc import run_distributed
+
+
+def _fit(rank, world, shape, name, backup_dir=None, epochs=1, clip=None):
+    from torch.distributed.tensor import DTensor
+
+    import meshfit as mf
+
+    kwargs = {"global_clipnorm": clip} if clip else {}
+    with scope(mf, shape):
+        model = mf.Model(module())
+        model.compile(optimizer=optimizer(mf, name, **kwargs),
+                      loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = data()
+    callbacks = [mf.callbacks.BackupAndRestore(backup_dir, delete_checkpoint=False)] if backup_dir else []
+    history = model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks)
+    qkv, fc2 = model.module.layers[0].attn.qkv.weight, model.module.layers[0].mlp.fc2.weight
+    local = [tuple(w.to_local().shape) if isinstance(w, DTensor) else tuple(w.shape) for w in (qkv, fc2)]
+    evaluated = model.evaluate(x, y, batch_size=BATCH, verbose=0)
+    predicted = model.predict(x[:13], batch_size=BATCH, verbose=0)
+    return model.get_weights(), history.history["loss"], local, model.optimizer.iterations, evaluated, predicted
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return {name: run_distributed(_fit, world_size=1, args=(None, name), timeout=300)[0] for name in ("sgd", "adamw")}
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_fit_on_a_two_by_two_mesh_equals_one_plain_process(name, plain):
+    want = plain[name]
+    results = run_distributed(_fit, world_size=4, args=((2, 2), name), timeout=400)
+    for weights, losses, local, iterations, evaluated, predicted in results:
+        # qkv (48, 16) split over model (rows) then batch: 12 rows; fc2 (16, 32) over model (cols), batch (rows)
+        assert local == [(3 * D_MODEL // 4, D_MODEL), (D_MODEL // 2, D_MODEL)]
+        assert iterations == STEPS
+        assert_weights_match(weights, want[0], name)
+        np.testing.assert_allclose(losses, want[1], rtol=1e-5)
+        np.testing.assert_allclose(evaluated, want[4], rtol=1e-5)
+        assert predicted.shape == (13, 8, VOCAB)
+        np.testing.assert_allclose(predicted, want[5], rtol=1e-4, atol=1e-5)
+    for other in results[1:]:
+        for a, b in zip(results[0][0], other[0], strict=True):
+            np.testing.assert_array_equal(a, b)  # every process gathers the same full weights
