@@ -70,3 +70,66 @@ def test_fit_on_a_two_by_two_mesh_equals_one_plain_process(name, plain):
     for other in results[1:]:
         for a, b in zip(results[0][0], other[0], strict=True):
             np.testing.assert_array_equal(a, b)  # every process gathers the same full weights
+
+
+@pytest.mark.parametrize("shape", [(1, 4), (4, 1)])
+def test_fit_on_one_by_four_and_four_by_one_equals_one_plain_process(shape, plain):
+    want = plain["sgd"]
+    results = run_distributed(_fit, world_size=4, args=(shape, "sgd"), timeout=400)
+    batch, model = shape
+    for weights, losses, local, iterations, evaluated, _ in results:
+        assert local == [(3 * D_MODEL // 4, D_MODEL), (D_MODEL // batch, 2 * D_MODEL // model)]
+        assert iterations == STEPS
+        assert_weights_match(weights, want[0], "sgd")
+        np.testing.assert_allclose(losses, want[1], rtol=1e-5)
+        np.testing.assert_allclose(evaluated, want[4], rtol=1e-5)
+
+
+def test_global_clipnorm_clips_the_norm_over_both_axes(plain):
+    clipped = run_distributed(_fit, world_size=1, args=(None, "sgd", None, 1, 0.5), timeout=300)[0]
+    assert max_rel(clipped[0], plain["sgd"][0]) > 1e-3  # the limit is hit: clipping changes the run
+    for weights, losses, *_ in run_distributed(_fit, world_size=4, args=((2, 2), "sgd", None, 1, 0.5), timeout=400):
+        assert_weights_match(weights, clipped[0], "sgd")
+        np.testing.assert_allclose(losses, clipped[1], rtol=1e-5)
+
+
+# ---- the seed's custom loop: strategy.run, compute_average_loss, apply_gradients -----------------
+def _custom_loop(rank, world, shape, name):
+    import meshfit as mf
+
+    x, y = (torch.from_numpy(a) for a in data())
+    with scope(mf, shape) as strategy:
+        model = mf.Model(module())
+        opt = optimizer(mf, name)
+    context = strategy.input_context() if shape else None
+    replicas, replica = (context.num_input_pipelines, context.input_pipeline_id) if context else (1, 0)
+    loss_object = mf.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    variables = model.trainable_variables
+    opt.build(variables)
+
+    def step_fn(inputs, global_batch_size):
+        features, labels = inputs
+        per_example = loss_object(labels, model(features, training=True)).mean(dim=-1)
+        loss = mf.nn.compute_average_loss(per_example, global_batch_size=global_batch_size)
+        loss.backward()
+        opt.apply_gradients(zip([v.grad for v in variables], variables, strict=True))
+        opt.zero_grad()
+        return loss.detach()
+
+    losses = []
+    for start in range(0, EXAMPLES, BATCH):
+        gx, gy = x[start:start + BATCH], y[start:start + BATCH]
+        shard = (torch.tensor_split(gx, replicas)[replica], torch.tensor_split(gy, replicas)[replica])
+        per_replica = strategy.run(step_fn, args=(shard, len(gx)))
+        losses.append(float(strategy.reduce(mf.ReduceOp.SUM, per_replica, axis=None)))
+    return model.get_weights(), losses, opt.iterations
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_seed_custom_loop_on_a_two_by_two_mesh_equals_one_plain_process(name):
+    want = run_distributed(_custom_loop, world_size=1, args=(None, name), timeout=300)[0]
+    for weights, losses, iterations in run_distributed(_custom_loop, world_size=4, args=((2, 2), name),
+                                                       timeout=400):
+        assert iterations == STEPS
+        assert_weights_match(weights, want[0], name)
+        np.testing.assert_allclose(losses, want[1], rtol=1e-5)
