@@ -9,6 +9,9 @@ from torch import nn
 
 from tests._multiproc import run_distributed
 
+# 4 gloo processes a run, several runs a test, on a shared 2-core machine
+pytestmark = pytest.mark.timeout(1200)
+
 
 def _errors(rank, world):
     import numpy as np

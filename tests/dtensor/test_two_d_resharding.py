@@ -10,9 +10,13 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 from _two_d_model import BATCH, STEPS, data, max_rel, module, scope
 
 from tests._multiproc import run_distributed
+
+# 4 gloo processes a run, several runs a test, on a shared 2-core machine
+pytestmark = pytest.mark.timeout(1200)
 
 
 class _Stop(Exception):
