@@ -84,10 +84,11 @@ def tensor_parallel_styles(module: nn.Module, layout_map: Any, batch_axis: str) 
         named = [spec for spec in layout.sharding_specs if spec != UNSHARDED]
         if not named or batch_axis in named:
             what = "splits nothing" if not named else f"names {batch_axis!r}"
-            raise ValueError(f"Invalid layout {list(layout.sharding_specs)} for parameter {path!r} in a "
+            raise ValueError(f"Parameter {path!r} has a hand layout {list(layout.sharding_specs)} in a "
                              f"LayoutMap.fully_sharded map: it {what}, but the map already shards every weight over "
-                             f"{batch_axis!r}. Key only weights split over another axis (e.g. Layout(['model', "
-                             f"UNSHARDED], mesh)), or remove the key that matches {path!r}.")
+                             f"{batch_axis!r}. Remove the key that matches {path!r}, or split the weight over another "
+                             "axis (tensor parallel, e.g. Layout(['model', UNSHARDED], mesh)); a plain "
+                             "mf.dtensor.LayoutMap(mesh) takes any hand layout.")
         axis = named[0]
         axes.setdefault(axis, path)
         if len(axes) > 1:
