@@ -93,7 +93,9 @@ def scope(mf, shape):
     """The scope of a ``(batch, model)`` mesh with the guide's map; None: one plain process."""
     if shape is None:
         return mf.get_strategy().scope()
-    mesh = mf.dtensor.create_mesh([("batch", shape[0]), ("model", shape[1])])
+    # a lenient heartbeat: 4 processes on a shared 2-core machine may be starved for seconds
+    mesh = mf.dtensor.create_mesh([("batch", shape[0]), ("model", shape[1])],
+                                  communication_options=mf.CommunicationOptions(heartbeat_timeout_seconds=60))
     return two_d_map(mf, mesh).scope()
 
 

@@ -83,7 +83,7 @@ def test_a_two_by_two_backup_reshards_onto_one_by_four_four_by_one_one_by_two_an
     (plain,) = run_distributed(_stage, world_size=1, args=(None, backup, None, saved), timeout=300)
     assert not plain["stopped"] and plain["trained"] == 2 * STEPS - 25 and plain["iterations"] == 2 * STEPS
     assert max_rel(plain["weights"], uninterrupted["weights"]) <= 1e-5  # exactly the unseen batches, once
-    loaded = mf.load_model(saved)
+    loaded = mf.load_model(saved, module=module())  # a custom module: its code, the file's weights
     for got, want in zip(loaded.get_weights(), plain["weights"], strict=True):
         np.testing.assert_array_equal(got, want)
 
@@ -110,7 +110,7 @@ def test_model_save_on_two_by_two_writes_full_tensors_torch_reads(tmp_path):
 
     path = str(tmp_path / "model.keras")
     weights = run_distributed(_save_on_two_by_two, world_size=4, args=(path,), timeout=400)[0]
-    loaded = mf.load_model(path)
+    loaded = mf.load_model(path, module=module())
     assert [w.shape for w in loaded.get_weights()] == [w.shape for w in weights]
     for got, want in zip(loaded.get_weights(), weights, strict=True):
         np.testing.assert_array_equal(got, want)
