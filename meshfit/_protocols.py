@@ -70,6 +70,8 @@ class GradientSyncLike(Protocol):
 
     def in_step(self) -> bool: ...
 
+    def reduced(self, param: torch.Tensor) -> bool: ...  # the placement reduced this gradient already
+
 
 class PlacementLike(Protocol):
     """A module as a strategy placed it (see `meshfit.distribute.Placement`)."""

@@ -129,6 +129,8 @@ ALLOWED_MODULE_STATE = {
     ("distribute._replication", "_OWNER"): "which scope created a tensor (weak on both sides)",
     ("distribute._replication", "_CREATED"): "tensors created per entered scope, broadcast at its exit",
     ("distribute._replication", "_HOOKS"): "torch's registration hooks while a scope is entered",
+    ("distribute._placement", "_SYNC_OF"): "the gradient sync of a placed parameter's plan (weak, by identity)",
+    ("distribute._placement", "_REDUCED_ONCE"): "gradients a reducer outside a placement reduced this step (weak)",
     ("estimator._model_fn", "_ACTIVE"): "the model_fn calls running (TF's graph context)",
     ("dtensor._apply", "_SUBCLASSES"): "a type cache",
     ("data._transforms", "_UNSEEDED"): "a counter of unseeded shuffles",

@@ -9,9 +9,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from meshfit.distribute._gradient_weight import GradientWeight, scale_accumulated_gradients
-from meshfit.distribute._placement import mark_reduced
+from meshfit.distribute._placement import register_placement
 
 
 class ReplicatedSync:
@@ -23,6 +24,9 @@ class ReplicatedSync:
     def in_step(self) -> bool:
         return True  # no wrapper: the module itself runs every forward
 
+    def reduced(self, param: torch.Tensor) -> bool:
+        return False  # the optimizer step sums the gradients (TF's apply_gradients)
+
 
 @dataclasses.dataclass
 class DataParallelSync(ReplicatedSync):
@@ -30,19 +34,26 @@ class DataParallelSync(ReplicatedSync):
 
     weight: GradientWeight
     replicas: int
+    _reduced: WeakIdKeyDictionary = dataclasses.field(default_factory=WeakIdKeyDictionary, repr=False)
 
     def install(self, wrapper: nn.Module) -> None:
-        """Whenever the wrapper runs a training forward: mark its parameters as reduced, and on an
+        """Whenever the wrapper runs a training forward: record its parameters as reduced, and on an
         uneven step have their gradients weighted before DDP's reducer reads them."""
         params = [p for p in wrapper.parameters() if p.requires_grad]
-        weight = self.weight
+        weight, reduced = self.weight, self._reduced
+        register_placement(params, self)
 
         def pre_hook(module: nn.Module, args: Any) -> None:
             if torch.is_grad_enabled() and getattr(module, "require_backward_grad_sync", True):
-                mark_reduced(params)
+                for p in params:
+                    reduced[p] = True
                 scale_accumulated_gradients(weight, params)
 
         wrapper.register_forward_pre_hook(pre_hook)
+
+    def reduced(self, param: torch.Tensor) -> bool:
+        """Whether DDP reduced ``param``'s gradient (a forward through the wrapper since the last step)."""
+        return bool(self._reduced.pop(param, False))  # type: ignore[no-untyped-call]
 
     def weighting(self, local_size: int, global_size: int) -> contextlib.AbstractContextManager[None]:
         return self.weighting_of(self.weight, self.replicas, local_size, global_size)

@@ -2,8 +2,9 @@
 
 ``strategy.setup_module(module)`` returns a `Placement`; the loop runs the training forward through
 ``placement.module``, weights and state dicts are read from ``placement.source`` (the user's module),
-and ``placement.gradient_sync`` marks the gradients its wrapper reduced, so that an optimizer step
-reduces only the others.
+and ``placement.gradient_sync`` answers for the gradients its wrapper reduced (`gradient_reduced`,
+the one question an optimizer step asks), so that the step reduces only the others. A placement
+is built by a `PlacementPlan`: transforms applied in order, then the gradient sync that remains.
 
 Four ways gradients are kept in sync, each a `GradientSync`:
 
@@ -17,7 +18,7 @@ Implementations (`meshfit.distribute._gradient_sync`):
   the global batch (``weighting``), which is DDP's average for even batches. Outside ``fit`` (a custom
   loop calling a compiled model) the forward bypasses the wrapper (`Placement.in_step`) and the
   optimizer step sums the gradients, as TF's custom loops do with ``compute_average_loss``.
-  A forward through the wrapper marks its parameters as reduced, so no optimizer reduces them twice.
+  A forward through the wrapper records its parameters as reduced, so no optimizer reduces them twice.
 - layouts (DTensor parameters, `meshfit.dtensor`): their placements say how each gradient is reduced
   (`ReplicatedSync` reduces a DTensor gradient by its layout).
 
@@ -34,25 +35,43 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
-# Set on a parameter whose gradient a reducer (DDP's backward, the Estimator's averaging) reduced in
-# the current step; the next optimizer step clears it instead of reducing again. On the tensor itself:
-# any optimizer, the user's own too, sees it, and nothing global remembers parameters.
-_REDUCED = "_meshfit_gradient_reduced"
+# Parameters whose gradient a reducer outside any placement (the Estimator's averaging) reduced in the
+# current step; the next optimizer step takes the mark instead of reducing again. Weak and keyed by
+# identity: nothing is set on the tensors, and nothing here keeps a parameter alive.
+_REDUCED_ONCE = WeakIdKeyDictionary()
+# Each placed parameter's `GradientSync` (the last transform of its placement's plan).
+_SYNC_OF = WeakIdKeyDictionary()
 
 
 def mark_reduced(params: Iterable[torch.Tensor]) -> None:
     """Tell the next optimizer step that these gradients were already reduced across replicas."""
     for p in params:
-        setattr(p, _REDUCED, True)
+        _REDUCED_ONCE[p] = True
+
+
+def register_placement(params: Iterable[torch.Tensor], sync: GradientSync) -> None:
+    """Record that ``sync`` owns the gradients of ``params`` (what a plan's last transform does)."""
+    for p in params:
+        _SYNC_OF[p] = sync
+
+
+def gradient_reduced(param: torch.Tensor) -> bool:
+    """The one question an optimizer step asks: was ``param``'s gradient already reduced this step?
+
+    Its placement's `GradientSync` answers (fully sharded: always, in the backward; DDP: when the
+    step's forward went through the wrapper); a one-off `mark_reduced` answers once.
+    """
+    sync: GradientSync | None = _SYNC_OF.get(param)  # type: ignore[no-untyped-call]
+    if sync is not None and sync.reduced(param):
+        return True
+    return bool(_REDUCED_ONCE.pop(param, False))  # type: ignore[no-untyped-call]
 
 
 def take_reduced(param: torch.Tensor) -> bool:
-    """Whether ``param``'s gradient was reduced this step (and clear the mark)."""
-    if getattr(param, _REDUCED, False):
-        setattr(param, _REDUCED, False)
-        return True
-    return False
+    """Former name of `gradient_reduced`."""
+    return gradient_reduced(param)
 
 
 class GradientSync(Protocol):
@@ -71,6 +90,43 @@ class GradientSync(Protocol):
     def in_step(self) -> bool:
         """Whether a step of ``fit`` is running (its forward goes through the placement's wrapper)."""
         ...
+
+    def reduced(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s current gradient was reduced by the placement (asked once per step)."""
+        ...
+
+
+class Transform(Protocol):
+    """One step of a `PlacementPlan`: changes a module in place (or wraps it) and returns it."""
+
+    name: str
+
+    def apply(self, module: nn.Module) -> nn.Module: ...
+
+
+@dataclasses.dataclass
+class PlacementPlan:
+    """A model's placement as transforms applied in order, then the gradient sync that remains.
+
+    For a 2-D mesh: tensor-parallel layouts over ``model``, then ``fully_shard`` over ``batch``, then
+    the sync (none remains: FSDP reduced every gradient in the backward). `apply` runs the transforms
+    and registers every resulting parameter with ``gradient_sync``: an optimizer step then asks
+    `gradient_reduced` (the plan's one question) instead of reading tags on parameters.
+    """
+
+    transforms: list[Transform]
+    gradient_sync: GradientSync
+
+    def apply(self, module: nn.Module) -> Placement:
+        source = module
+        for transform in self.transforms:
+            module = transform.apply(module)
+        register_placement((p for p in module.parameters() if p.requires_grad), self.gradient_sync)
+        return Placement(module, source, self.gradient_sync)
+
+    def describe(self) -> list[str]:
+        """The transforms' names, in the order they run (for messages and tests)."""
+        return [t.name for t in self.transforms]
 
 
 @dataclasses.dataclass(frozen=True)

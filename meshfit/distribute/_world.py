@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from datetime import timedelta
 from typing import Any
 
@@ -45,7 +46,9 @@ class World:
         cluster_resolver: TF's identity of this process (``task_type``, ``task_id``).
         failure: what the loop and the savers record for failure messages (step, backup folder).
         heartbeat: the liveness watcher of a group of several processes (None alone or when disabled).
-        device_mesh: the named 1-D ``("batch",)`` torch ``DeviceMesh`` (None with one process).
+        device_mesh: the named torch ``DeviceMesh`` (None with one process): 1-D ``("batch",)`` when the
+            group forms; a mesh strategy re-arranges it in its axes once (`form_mesh`). Its sub-meshes
+            (`sub_mesh`) and their groups (`group`) are looked up here by axis name.
         control_group: the gloo group of the control plane; None when the default group is gloo.
 
     Example:
@@ -112,6 +115,56 @@ class World:
         self.device_mesh = init_device_mesh(self.device.type, (self.size,), mesh_dim_names=("batch",))
         if "gloo" not in self.backend:
             self.control_group = self.new_group(backend="gloo")
+
+    def form_mesh(self, axis_names: tuple[str, ...], shape: tuple[int, ...], device_type: str | None = None) -> Any:
+        """Collective: arrange this world's processes in named axes; the world owns the mesh from then on.
+
+        The same names and sizes again return the mesh already formed (no new groups).
+
+        Raises:
+            ValueError: the axes' sizes do not multiply to this world's size.
+        """
+        from torch.distributed.device_mesh import init_device_mesh
+
+        current = self.device_mesh
+        if current is not None and tuple(current.mesh_dim_names or ()) == tuple(axis_names) \
+                and tuple(current.mesh.shape) == tuple(shape) and current.device_type == (device_type or current.device_type):
+            return current
+        if math.prod(shape) != self.size:
+            raise ValueError(f"Invalid mesh shape {dict(zip(axis_names, shape, strict=True))}: its sizes multiply to "
+                             f"{math.prod(shape)}, but this job has {self.size} processes.")
+        self.device_mesh = init_device_mesh(device_type or self.device.type, tuple(shape),
+                                            mesh_dim_names=tuple(axis_names))
+        return self.device_mesh
+
+    def sub_mesh(self, axis: str) -> Any:
+        """The 1-D sub-mesh of ``axis`` this process belongs to (``device_mesh[axis]``)."""
+        if self.device_mesh is None or axis not in (self.device_mesh.mesh_dim_names or ()):
+            names = [] if self.device_mesh is None else list(self.device_mesh.mesh_dim_names or ())
+            raise ValueError(f"Invalid mesh axis {axis!r}: this world's mesh has axes {names}. Form the mesh "
+                             "with that axis first (mf.dtensor.create_mesh).")
+        return self.device_mesh if self.device_mesh.ndim == 1 else self.device_mesh[axis]
+
+    def group(self, axis: str | None = None) -> Any:
+        """The process group of ``axis`` (this process's peers along it), or of the whole world (None)."""
+        if axis is None:
+            return dist.group.WORLD if self.distributed else None
+        return self.sub_mesh(axis).get_group()
+
+    def broadcast_tensors(self, tensors: list[torch.Tensor], src: int = 0, axis: str | None = None) -> None:
+        """Rank ``src`` (of the group of ``axis``, of the world when None) sends ``tensors``' values, in place.
+
+        On the device plane: the tensors are the model's (parameters, buffers).
+        """
+        if not self.distributed:
+            return
+        group = self.group(axis)
+        if dist.get_world_size(group) == 1:
+            return
+        source = dist.get_global_rank(group, src)
+        with torch.no_grad():
+            for tensor in tensors:
+                dist.broadcast(tensor.data, src=source, group=group)
 
     def new_group(self, ranks: list[int] | None = None, backend: str | None = None) -> Any:
         """``torch.distributed.new_group`` with this world's timeout (collective: every rank calls it)."""

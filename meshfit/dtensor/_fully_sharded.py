@@ -1,5 +1,10 @@
 """Fully sharded data parallel: ``LayoutMap.fully_sharded(mesh)`` on torch's ``fully_shard`` (FSDP2).
 
+On a 2-D mesh ``[("batch", B), ("model", M)]``, the map's keys split their weights over ``model``
+first (`meshfit.dtensor._tensor_parallel`), then every weight is sharded over ``batch`` (on the
+``batch`` sub-mesh), as torchtitan composes FSDP2 with tensor parallelism: a placement is a
+`PlacementPlan` of those two transforms, then the gradient sync that remains (none).
+
 Every weight is split over the mesh's ``batch`` axis, the data-parallel axis (ZeRO-3): each process
 keeps 1/N of the parameters, their gradients and the optimizer state. ``fully_shard`` runs per
 block (the names the user gave, else the direct children that hold parameters), then on the root,
@@ -11,7 +16,7 @@ materialised whole: each block in turn gets storage, ``reset_parameters()`` and 
 is sharded before the next one, so a process holds at most one block's full weights (`_materialise`).
 
 Gradients (`FullyShardedSync`): FSDP reduces them in the backward, so no optimizer reduces them
-again (the parameters are marked reduced by a forward pre-hook, as DDP's are). The reduce-scatter
+again (the placement's plan answers `gradient_reduced` for every parameter it placed). The reduce-scatter
 goes through `_WeightedReduceScatter`, which scales each process's bucket before FSDP's average:
 
 - inside ``fit``'s step by ``local * N / global`` (the strategy's ``batch_weight``): the average is
@@ -28,10 +33,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from meshfit.distribute import DataParallelSync, GradientWeight, Placement, ReplicatedSync, mark_reduced
+from meshfit.distribute import (
+    DataParallelSync,
+    GradientWeight,
+    Placement,
+    PlacementPlan,
+    ReplicatedSync,
+    Transform,
+    World,
+)
+from meshfit.dtensor._tensor_parallel import TensorParallel, tensor_parallel_styles
 
 
 @dataclasses.dataclass
@@ -41,20 +54,14 @@ class FullyShardedSync(ReplicatedSync):
     weight: GradientWeight
     replicas: int
 
-    def install(self, root: nn.Module) -> None:
-        """Mark the root's (sharded) parameters as reduced whenever it runs a forward with grad on."""
-        def pre_hook(module: nn.Module, args: Any) -> None:
-            if torch.is_grad_enabled():
-                mark_reduced([p for p in module.parameters() if p.requires_grad])
-
-        pre_hook.meshfit_placement = True  # type: ignore[attr-defined]  # saving: no math changes here
-        root.register_forward_pre_hook(pre_hook)
-
     def weighting(self, local_size: int, global_size: int) -> contextlib.AbstractContextManager[None]:
         return DataParallelSync.weighting_of(self.weight, self.replicas, local_size, global_size)
 
     def in_step(self) -> bool:
         return True  # the module is the sharded module: every forward runs through FSDP
+
+    def reduced(self, param: torch.Tensor) -> bool:
+        return True  # FSDP reduce-scatters every gradient in the backward, inside fit or not
 
 
 def _weighted_reduce_scatter(weight: GradientWeight, replicas: int) -> Any:
@@ -71,47 +78,67 @@ def _weighted_reduce_scatter(weight: GradientWeight, replicas: int) -> Any:
     return _WeightedReduceScatter()
 
 
-def fully_shard_module(module: nn.Module, layout_map: Any, device_mesh: Any, batch_axis: str | None,
+@dataclasses.dataclass
+class FullyShard:
+    """The plan's transform over ``batch``: ``fully_shard`` per block, then on the root (see the module
+    docstring); a meta-device model is materialised block by block just before its block is sharded."""
+
+    batch_mesh: Any
+    world: World
+    blocks: list[str]
+    on_meta: bool
+    weight: GradientWeight
+    replicas: int
+    name: str = "fully_shard"
+
+    def apply(self, module: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        for name in self.blocks:
+            block = module.get_submodule(name)
+            if self.on_meta:  # one block's full weights at a time: materialise, initialise, rank 0's values, shard
+                _materialise(block, self.world)
+            fully_shard(block, mesh=self.batch_mesh).set_custom_reduce_scatter(
+                _weighted_reduce_scatter(self.weight, self.replicas))
+        if self.on_meta:
+            _materialise(module, self.world, skip=self.blocks)
+        fully_shard(module, mesh=self.batch_mesh).set_custom_reduce_scatter(
+            _weighted_reduce_scatter(self.weight, self.replicas))
+        return module
+
+
+def fully_shard_module(module: nn.Module, layout_map: Any, world: World, batch_axis: str | None,
                        weight: GradientWeight) -> Placement:
-    """Shard ``module`` in place with ``fully_shard`` per block then on the root; see the module docstring.
+    """Place ``module`` by its plan: tensor-parallel layouts (keyed weights), then ``fully_shard`` over
+    ``batch``; FSDP then reduces every gradient (no sync remains for the optimizer step).
 
     Raises:
-        ValueError: the mesh has no ``batch`` axis or other axes, a weight also has a hand layout,
-            a named block does not exist, a parameter is shared between blocks, or a module built on the
-            meta device has no ``reset_parameters()``.
+        ValueError: the mesh has no ``batch`` axis, a key is bad (see `tensor_parallel_styles`), a key
+            matches nothing, a named block does not exist, a parameter is shared between blocks, or a
+            module built on the meta device has no ``reset_parameters()`` (or has keyed weights).
     """
-    from torch.distributed.fsdp import fully_shard
-
     mesh = layout_map.mesh
-    if batch_axis is None or len(mesh.axis_names) != 1:
-        raise ValueError(f"Invalid mesh for LayoutMap.fully_sharded: expected a 1-D mesh with a 'batch' axis, "
-                         f"received {mesh!r}. Create it with mf.dtensor.create_mesh([('batch', N)]); combining "
-                         "full sharding with 'model' axis layouts is not supported yet.")
-    for path, _ in module.named_parameters():
-        if layout_map[path] is not None:
-            raise ValueError(f"Parameter {path!r} has a hand layout ({layout_map[path].sharding_specs}) in a "
-                             "LayoutMap.fully_sharded map, which already shards every weight over 'batch'. Remove "
-                             f"the key that matches {path!r}, or use a plain mf.dtensor.LayoutMap(mesh) for "
-                             "hand layouts.")
+    if batch_axis is None:
+        raise ValueError(f"Invalid mesh for LayoutMap.fully_sharded: expected a mesh with a 'batch' axis, received "
+                         f"{mesh!r}. Create it with mf.dtensor.create_mesh([('batch', N)]) or "
+                         "[('batch', B), ('model', M)].")
     _check_keys(module, layout_map)
+    axis, styles = tensor_parallel_styles(module, layout_map, batch_axis)
     blocks = _blocks(module, layout_map.blocks)
     _check_not_shared(module, blocks)
     on_meta = _check_meta(module)
+    if on_meta and styles:
+        raise ValueError(f"Invalid meta-device module for a LayoutMap.fully_sharded map with keys over {axis!r}: "
+                         "tensor-parallel weights of a meta-device model are not supported yet. Build the model "
+                         "outside torch.device('meta'), or remove the keys.")
     if not on_meta:
-        _broadcast_from_rank0(module, device_mesh)
+        world.broadcast_tensors([*module.parameters(), *module.buffers()])  # rank 0's initial weights
     replicas = mesh.dim_size(batch_axis)
-    for name in blocks:
-        block = module.get_submodule(name)
-        if on_meta:  # one block's full weights at a time: materialise, initialise, rank 0's values, shard
-            _materialise(block, device_mesh)
-        fully_shard(block, mesh=device_mesh).set_custom_reduce_scatter(
-            _weighted_reduce_scatter(weight, replicas))
-    if on_meta:
-        _materialise(module, device_mesh, skip=blocks)
-    fully_shard(module, mesh=device_mesh).set_custom_reduce_scatter(_weighted_reduce_scatter(weight, replicas))
-    sync = FullyShardedSync(weight, replicas)
-    sync.install(module)
-    return Placement(module, module, sync)
+    transforms: list[Transform] = []
+    if axis is not None and mesh.dim_size(axis) > 1:
+        transforms.append(TensorParallel(axis, styles, world.sub_mesh(axis)))
+    transforms.append(FullyShard(world.sub_mesh(batch_axis), world, blocks, on_meta, weight, replicas))
+    return PlacementPlan(transforms, FullyShardedSync(weight, replicas)).apply(module)
 
 
 def _check_keys(module: nn.Module, layout_map: Any) -> None:
@@ -129,21 +156,21 @@ def _few(names: list[str], count: int = 6) -> str:
     return repr(names[:count])[:-1] + (", ...]" if len(names) > count else "]")
 
 
-def _materialise(module: nn.Module, device_mesh: Any, skip: Sequence[str] = ()) -> None:
+def _materialise(module: nn.Module, world: World, skip: Sequence[str] = ()) -> None:
     """Storage, ``reset_parameters()`` and rank 0's values for the meta tensors outside ``skip``.
 
     Module by module in ``named_modules()`` order, the order ``__init__`` ran ``reset_parameters`` in
     an eager build: with the same seed the values equal the eager build's.
 
     """
-    device = torch.device(device_mesh.device_type)
+    device = world.device
     for path, sub in module.named_modules():
         if any(path == b or path.startswith(b + ".") for b in skip):
             continue
         if _has_meta(sub):
             sub.to_empty(device=device, recurse=False)
             sub.reset_parameters()  # checked by _check_meta
-            _broadcast_from_rank0(sub, device_mesh, recurse=False)
+            world.broadcast_tensors([*sub.parameters(recurse=False), *sub.buffers(recurse=False)])
 
 
 def _has_meta(module: nn.Module) -> bool:
@@ -167,7 +194,7 @@ def _check_meta(module: nn.Module) -> bool:
 def _blocks(module: nn.Module, names: Sequence[str] | None) -> list[str]:
     """The named blocks (checked), else the direct children that hold parameters."""
     if names is None:
-        return [name for name, child in module.named_children() if any(True for _ in child.parameters())]
+        return _default_blocks(module)
     found = dict(module.named_modules())
     for name in names:
         if not name or name not in found:
@@ -179,6 +206,20 @@ def _blocks(module: nn.Module, names: Sequence[str] | None) -> list[str]:
                              "submodules (module.named_modules() names, not parameter paths), or leave blocks=None to "
                              "shard each direct child that holds parameters.")
     return list(names)
+
+
+def _default_blocks(module: nn.Module, prefix: str = "") -> list[str]:
+    """The direct children that hold parameters; a ``ModuleList``/``ModuleDict`` (no forward of its own,
+    which ``fully_shard`` refuses) stands for its children: a transformer's layers are one block each."""
+    blocks = []
+    for name, child in module.named_children():
+        if not any(True for _ in child.parameters()):
+            continue
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            blocks.extend(_default_blocks(child, f"{prefix}{name}."))
+        else:
+            blocks.append(prefix + name)
+    return blocks
 
 
 def _check_not_shared(module: nn.Module, blocks: list[str]) -> None:
@@ -195,14 +236,3 @@ def _check_not_shared(module: nn.Module, blocks: list[str]) -> None:
                              "fully_shard cannot shard one parameter in two units. Name blocks that keep its uses "
                              "together, e.g. LayoutMap.fully_sharded(mesh, blocks=[]) to shard the model as one "
                              "unit, or untie the parameter.")
-
-
-def _broadcast_from_rank0(module: nn.Module, device_mesh: Any, recurse: bool = True) -> None:
-    """Rank 0's initial weights on every process (each then keeps its shard)."""
-    if device_mesh.size() == 1:
-        return
-    group = device_mesh.get_group()
-    src = dist.get_global_rank(group, 0)
-    with torch.no_grad():
-        for tensor in [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]:
-            dist.broadcast(tensor.data, src=src, group=group)

@@ -65,12 +65,11 @@ class MeshStrategy(CollectiveStrategy):
             raise ValueError(f"Invalid mesh {mesh!r}: it has {mesh.size} devices but {self._world} processes "
                              f"joined. Start {mesh.size} processes (e.g. `meshfit launch --workers {mesh.size}`), "
                              f"or change the axis sizes so that their product is {self._world}.")
-        from torch.distributed.device_mesh import init_device_mesh
-
         _ensure_group(mesh.device_type)
         if mesh.device_type == "cuda" and self._device.type != "cuda":  # a one-device CUDA mesh
             self._device = torch.device("cuda", torch.cuda.current_device())
-        self._device_mesh = init_device_mesh(mesh.device_type, mesh.shape, mesh_dim_names=mesh.axis_names)
+        # The World owns the mesh, its sub-meshes and their groups (looked up by axis name).
+        self._device_mesh = self.world.form_mesh(mesh.axis_names, mesh.shape, mesh.device_type)
         self.mesh = Mesh(mesh.axis_names, mesh.shape, mesh.device_type, self._device_mesh, self)
         self.layout_map: LayoutMap | None = None
         self._batch = BATCH_AXIS if BATCH_AXIS in mesh.axis_names else None
@@ -110,7 +109,7 @@ class MeshStrategy(CollectiveStrategy):
                             num_replicas_in_sync=self.num_replicas_in_sync)
 
     def _group_of(self, axis: str | None) -> Any:
-        return self._device_mesh.get_group(axis) if axis is not None and self._world > 1 else None
+        return self.world.group(axis) if axis is not None and self._world > 1 else None
 
     # ---- collectives -------------------------------------------------------------------------
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -159,7 +158,7 @@ class MeshStrategy(CollectiveStrategy):
                 raise ValueError("Invalid `jit_compile=True` with LayoutMap.fully_sharded: torch.compile of a "
                                  "fully sharded model is not supported yet. Compile with jit_compile=False.")
             self._sharded = True
-            return fully_shard_module(module, layout_map, self._device_mesh, self._batch, self._gradient_weight)
+            return fully_shard_module(module, layout_map, self.world, self._batch, self._gradient_weight)
         layouts = resolve_layouts(module, layout_map)
         # Layouts given (any key, even all replicated: the seed's Dense(kernel_layout=unsharded...)) make
         # DTensor parameters, as apply_layouts per layer does, so pack()ed inputs meet them in custom loops.
@@ -187,9 +186,7 @@ class MeshStrategy(CollectiveStrategy):
         """Rank 0's weights everywhere (DDP broadcasts only within its ``batch`` group)."""
         if self._world == 1 or self.num_replicas_in_sync == self._world:
             return
-        with torch.no_grad():
-            for tensor in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(tensor.data, src=0)
+        self.world.broadcast_tensors([*module.parameters(), *module.buffers()])
 
     @contextlib.contextmanager
     def batch_weight(self, local_size: int, global_size: int) -> Iterator[None]:

@@ -1,0 +1,144 @@
+"""Tensor parallelism over the ``model`` axis beside full sharding over ``batch``: the keyed weights of
+a ``LayoutMap.fully_sharded`` map.
+
+A key whose layout names the ``model`` axis splits that weight over it, as torch's tensor-parallel
+styles do (``parallelize_module`` on the ``model`` sub-mesh, outputs as plain local tensors, the way
+torchtitan composes it with FSDP):
+
+- ``nn.Linear`` weight ``["model", UNSHARDED]``: column-wise. Each process computes its slice of the
+  output features (its attention heads, for a qkv projection) from the whole input; the input's
+  gradient is summed over ``model`` in the backward. Its bias is split with it.
+- ``nn.Linear`` weight ``[UNSHARDED, "model"]``: row-wise. Its input is the previous column-wise
+  layer's local slice; the partial sums of the output are all-reduced over ``model`` in the forward.
+  Its bias is not split.
+- ``nn.Embedding`` weight ``["model", UNSHARDED]`` (vocabulary rows, outputs summed over ``model``) or
+  ``[UNSHARDED, "model"]`` (embedding columns, gathered over ``model``).
+
+Activations between layers stay plain tensors of this process's rows, so a user's reshapes and
+``F.scaled_dot_product_attention`` run on local tensors for any batch size (DTensor's reshape rule
+fails on an unevenly sharded batch). Anything else keyed on ``model`` is refused before any step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshfit.dtensor._layout import UNSHARDED, Layout
+
+_COLUMN, _ROW = "column-wise", "row-wise"
+_FIX = ("Tensor parallelism over {axis!r} splits nn.Linear weights (Layout([{axis!r}, UNSHARDED], mesh) "
+        "column-wise, Layout([UNSHARDED, {axis!r}], mesh) row-wise) and nn.Embedding weights")
+
+
+@dataclasses.dataclass
+class TensorParallel:
+    """The plan's first transform: each keyed module gets its tensor-parallel style on ``axis``'s sub-mesh.
+
+    Args:
+        axis: the mesh axis the weights are split over (``"model"``).
+        styles: module path -> ``column-wise`` / ``row-wise``, with the owning module's type.
+        sub_mesh: the torch sub-mesh of ``axis`` (from the `World`).
+    """
+
+    axis: str
+    styles: dict[str, tuple[str, type]]
+    sub_mesh: Any
+    name: str = "tensor parallel"
+
+    def apply(self, module: nn.Module) -> nn.Module:
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        plan: dict[str, Any] = {}
+        for path, (style, kind) in self.styles.items():
+            if kind is nn.Embedding:
+                plan[path] = RowwiseParallel(input_layouts=Replicate()) if style == _ROW \
+                    else ColwiseParallel(output_layouts=Replicate())
+            else:
+                plan[path] = ColwiseParallel() if style == _COLUMN else RowwiseParallel()
+                if style == _ROW:
+                    _check_row_inputs(module.get_submodule(path), path, self.axis)
+        parallelize_module(module, self.sub_mesh, plan)
+        return module
+
+
+def tensor_parallel_styles(module: nn.Module, layout_map: Any, batch_axis: str) -> tuple[str | None, dict]:
+    """The axis the keyed weights are split over and each keyed module's style; bad keys are refused.
+
+    Raises:
+        ValueError: a key's layout names ``batch`` or no axis, keys name two different axes, a split
+            does not divide its dimension, a keyed weight belongs to a module tensor parallelism
+            cannot split that way, or a bias is keyed without (or against) its weight.
+    """
+    axes: dict[str, str] = {}
+    styles: dict[str, tuple[str, type]] = {}
+    biases: dict[str, tuple[str, Layout]] = {}
+    for path, param in module.named_parameters():
+        layout = layout_map[path]
+        if layout is None:
+            continue
+        named = [spec for spec in layout.sharding_specs if spec != UNSHARDED]
+        if not named or batch_axis in named:
+            what = "splits nothing" if not named else f"names {batch_axis!r}"
+            raise ValueError(f"Parameter {path!r} has a hand layout {list(layout.sharding_specs)} in a "
+                             f"LayoutMap.fully_sharded map: it {what}, but the map already shards every weight over "
+                             f"{batch_axis!r}. Remove the key that matches {path!r}, or split the weight over another "
+                             "axis (tensor parallel, e.g. Layout(['model', UNSHARDED], mesh)); a plain "
+                             "mf.dtensor.LayoutMap(mesh) takes any hand layout.")
+        axis = named[0]
+        axes.setdefault(axis, path)
+        if len(axes) > 1:
+            first, second = list(axes.items())[:2]
+            raise ValueError(f"Invalid LayoutMap.fully_sharded map: parameter {first[1]!r} is split over {first[0]!r} "
+                             f"and {second[1]!r} over {second[0]!r}; tensor parallelism beside 'batch' uses one axis. "
+                             "Split every keyed weight over the same axis.")
+        layout.check_shape(param.shape, f"parameter {path!r}")
+        owner_path, _, attribute = path.rpartition(".")
+        owner = module.get_submodule(owner_path)
+        if attribute == "bias" and isinstance(owner, nn.Linear):
+            biases[owner_path] = (path, layout)
+            continue
+        styles[owner_path] = (_style_of(owner, attribute, layout, path, axis), type(owner))
+    for owner_path, (path, layout) in biases.items():
+        style = styles.get(owner_path)
+        if style is None or style[0] != _COLUMN:
+            raise ValueError(f"Invalid layout {list(layout.sharding_specs)} for parameter {path!r}: a bias is split "
+                             f"over {layout.sharding_specs[0]!r} only with its column-wise weight. Key "
+                             f"{owner_path + '.weight'!r} with Layout([{layout.sharding_specs[0]!r}, UNSHARDED], mesh) "
+                             "(its bias follows), or remove the bias key.")
+    return (next(iter(axes)) if axes else None), styles
+
+
+def _style_of(owner: nn.Module, attribute: str, layout: Layout, path: str, axis: str) -> str:
+    specs = layout.sharding_specs
+    if attribute == "weight" and isinstance(owner, (nn.Linear, nn.Embedding)) and len(specs) == 2:
+        if specs == (axis, UNSHARDED):
+            return _COLUMN if isinstance(owner, nn.Linear) else _ROW
+        return _ROW if isinstance(owner, nn.Linear) else _COLUMN
+    raise ValueError(f"Invalid layout {list(specs)} for parameter {path!r} ({attribute} of a "
+                     f"{type(owner).__name__}): DTensor cannot split that operation over {axis!r} here. "
+                     f"{_FIX.format(axis=axis)}. Remove the key that matches {path!r} (the weight is then "
+                     "sharded over 'batch' only), or key the weight of a Linear or Embedding.")
+
+
+def _check_row_inputs(layer: nn.Module, path: str, axis: str) -> None:
+    """A row-wise layer must receive a column-wise layer's slice: say so, rather than a shape error."""
+    expected = layer.in_features
+
+    def pre_hook(module: nn.Module, args: tuple) -> None:
+        if args and isinstance(args[0], torch.Tensor) and args[0].dim() > 0:
+            width = args[0].shape[-1]
+            weight: Any = module.weight
+            local = weight.to_local().shape[-1] if hasattr(weight, "to_local") else expected
+            if width != local:
+                raise ValueError(f"Invalid input to {path!r} (row-wise over {axis!r}): expected this process's "
+                                 f"slice of {local} features from a column-wise layer, received {width}. Split the "
+                                 f"layer that feeds it column-wise (Layout([{axis!r}, UNSHARDED], mesh)), or remove "
+                                 f"the key of {path + '.weight'!r}.")
+
+    pre_hook.meshfit_placement = True  # type: ignore[attr-defined]  # saving: no math changes here
+    layer.register_forward_pre_hook(pre_hook)
