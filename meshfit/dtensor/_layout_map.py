@@ -24,6 +24,9 @@ class LayoutMap(MutableMapping):
     Args:
         mesh: the mesh of every layout in the map; weights no key matches are replicated on it.
             Optional, as in tf-keras: without it the map takes the mesh of its first layout.
+        match: how a key that is not the exact path matches it: ``"search"`` (the key is found
+            anywhere in the path, so ``"feature.*weight"`` matches ``feature.weight``) or
+            ``"fullmatch"`` (the whole path, Keras 3's ``keras.distribution.LayoutMap``).
 
     Example:
         >>> mesh = Mesh(("batch", "model"), (2, 2))
@@ -35,11 +38,14 @@ class LayoutMap(MutableMapping):
         True
     """
 
-    def __init__(self, mesh: Mesh | None = None) -> None:
+    def __init__(self, mesh: Mesh | None = None, *, match: str = "search") -> None:
         if mesh is not None and not isinstance(mesh, Mesh):
             raise TypeError(f"Invalid `mesh`: expected a meshfit.dtensor.Mesh (from create_mesh), received "
                             f"mesh={mesh!r}.")
+        if match not in ("search", "fullmatch"):
+            raise ValueError(f"Invalid `match`: expected 'search' or 'fullmatch', received match={match!r}.")
         self._mesh = mesh
+        self.match = match
         self._layout_map: dict[str, Layout] = {}
         self._patterns: dict[str, re.Pattern] = {}
         self.is_fully_sharded = False
@@ -113,7 +119,7 @@ class LayoutMap(MutableMapping):
         """
         if path in self._layout_map:
             return self._layout_map[path]
-        matches = [key for key, pattern in self._patterns.items() if pattern.search(path)]
+        matches = [key for key, pattern in self._patterns.items() if self._matches(pattern, path)]
         if len(matches) > 1:
             raise ValueError(f"Weight path {path!r} matches several LayoutMap keys: {matches[0]!r} and "
                              f"{matches[1]!r}. Make the keys more specific (e.g. anchor them with ^...$), or add "
@@ -141,7 +147,10 @@ class LayoutMap(MutableMapping):
         """The keys that match none of ``paths`` (exactly or as a regex); Keras ignores them, a
         fully sharded map refuses them."""
         return [key for key, pattern in self._patterns.items()
-                if key not in paths and not any(pattern.search(path) for path in paths)]
+                if key not in paths and not any(self._matches(pattern, path) for path in paths)]
+
+    def _matches(self, pattern: re.Pattern, path: str) -> bool:
+        return (pattern.fullmatch(path) if self.match == "fullmatch" else pattern.search(path)) is not None
 
     def layout_for(self, path: str, rank: int) -> Layout:
         """The layout of weight ``path`` of ``rank`` dims: its match, else replicated."""
