@@ -46,6 +46,7 @@ class LayoutMap(MutableMapping):
             raise ValueError(f"Invalid `match`: expected 'search' or 'fullmatch', received match={match!r}.")
         self._mesh = mesh
         self.match = match
+        self._view: tuple[Any, Any] | None = None  # (the mesh's strategy, its view with this map)
         self._layout_map: dict[str, Layout] = {}
         self._patterns: dict[str, re.Pattern] = {}
         self.is_fully_sharded = False
@@ -169,7 +170,13 @@ class LayoutMap(MutableMapping):
         first call, once the shapes are known. ``mf.Model`` builds (places) the module at its first
         call or ``fit``.
         """
-        strategy = self.mesh.strategy.with_layout_map(self)
+        base = self.mesh.strategy
+        if not len(self) and not self.is_fully_sharded:
+            strategy = base  # every weight replicated: the mesh's own strategy (it outlives the map)
+        else:  # one view per map and mesh: models made in two entries of this scope share a strategy
+            if self._view is None or self._view[0] is not base:
+                self._view = (base, base.with_layout_map(self))
+            strategy = self._view[1]
         with laying_out(self, strategy), strategy.scope():
             yield strategy
 
