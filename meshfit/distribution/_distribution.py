@@ -208,7 +208,7 @@ class ModelParallel(Distribution):
 
     @property
     def num_model_replicas(self) -> int:
-        mesh_batch_dim_index = list(self.device_mesh.axis_names).index(self.batch_dim_name)
+        mesh_batch_dim_index = list(self.device_mesh.axis_names).index(str(self.batch_dim_name))
         return int(self.device_mesh.shape[mesh_batch_dim_index])
 
     def get_data_layout(self, data_shape: Any) -> TensorLayout:

@@ -148,7 +148,7 @@ class TensorLayout:
             raise ValueError(f"Cannot create sharding when device mesh is not set for {self!r}. Pass "
                              "device_mesh=..., or put the layout in a LayoutMap.")
         mesh = self._device_mesh.mesh_for(batch_dim_name)
-        return Layout([backend_axis(axis, batch_dim_name) for axis in self._axes], mesh)
+        return Layout(tuple(backend_axis(axis, batch_dim_name) for axis in self._axes), mesh)
 
     def _validate_axes(self) -> None:
         if self._device_mesh:

@@ -34,7 +34,7 @@ def _with_layout_class(cls: type) -> type:
             return attached if attached is not None else torch.Tensor.layout.__get__(self)  # type: ignore[attr-defined]
 
         def detach(self: torch.Tensor) -> torch.Tensor:  # Parameter(...) and module.to() need detach's type
-            detached = cls.detach(self)
+            detached = torch.Tensor.detach(self)  # the class's own detach (DTensor's, through dispatch)
             return attach_layout(detached, self.__dict__["_meshfit_layout"]) if type(detached) is cls else detached
 
         _SUBCLASSES[cls] = type(cls.__name__, (cls,), {"layout": property(layout), "_meshfit_layout_class": True,

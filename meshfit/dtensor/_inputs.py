@@ -81,7 +81,7 @@ class _Before:
             self.calls.append(None)
             return None
         if kinds == {True}:
-            mesh = params[0].device_mesh
+            mesh = params[0].device_mesh  # type: ignore[attr-defined]  # a DTensor parameter
             converted = [False]
 
             def to_dtensor(leaf: Any) -> Any:
