@@ -11,7 +11,7 @@ from torch import nn
 
 from meshfit import mixed_precision
 from meshfit._engine import _summary
-from meshfit._engine._call_inputs import convert_call_inputs
+from meshfit._engine._call_inputs import build_sample, convert_call_inputs
 from meshfit._engine._data_handler import DataHandler
 from meshfit._engine._data_handler import _is_array_like as is_array_like
 from meshfit._engine._evaluation import evaluate as run_evaluation
@@ -29,12 +29,11 @@ from meshfit._engine._loop import TrainingLoop, resolve_verbose
 from meshfit._engine._model_weights import WeightsMixin
 from meshfit._engine._state import LoopState
 from meshfit._engine._step_logs import MetricResults
-from meshfit._lazy_dtensor import is_dtensor
 from meshfit._protocols import PlacementLike
 from meshfit._runtime import flush_denormals
 from meshfit._validation import check_bool, non_negative_int, positive_int
 from meshfit.callbacks import CallbackList, announce_quiet_worker, checkpoint_settings
-from meshfit.data import batch_size_of, map_structure, unpack_batch
+from meshfit.data import batch_size_of, unpack_batch
 from meshfit.distribute import (
     adopt,
     agree_on_settings,
@@ -369,10 +368,9 @@ class Model(WeightsMixin):
         dtype, as Keras converts a layer's inputs.
         """
         args, kwargs = convert_call_inputs(self.module, self.strategy, args, kwargs)
-        if self.placement is None and args and any(_laid_out(p) for p in self.module.parameters()):
-            # Keras builds a model at its first call: placed as fit would (the layouts were given by a
-            # layout_map.scope() or per layer); a packed (DTensor) input is summarised by its local rows.
-            self.build(map_structure(lambda leaf: leaf.to_local() if is_dtensor(leaf) else leaf, args[0]))
+        sample = build_sample(self.module, args) if self.placement is None else None
+        if sample is not None:  # Keras builds a model at its first call: placed as fit would place it
+            self.build(sample)
         if training is None:
             return self._forward(*args, **kwargs)
         modes = {module: module.training for module in self.module.modules()}
@@ -395,8 +393,3 @@ class Model(WeightsMixin):
 
     def __repr__(self) -> str:
         return f"<meshfit.Model {self.name!r} on {self.strategy!r}>"
-
-
-def _laid_out(param: torch.Tensor) -> bool:
-    """Whether a parameter was given a layout (a DTensor, or a meshfit `Layout` as its ``.layout``)."""
-    return is_dtensor(param) or not isinstance(param.layout, torch.layout)

@@ -12,7 +12,7 @@ from torch import nn
 from tests._multiproc import run_distributed
 
 STEPS, GLOBAL = 4, 8
-SPELLINGS = ["per_layer", "layout_map", "empty_map"]
+SPELLINGS = ["per_layer", "layout_map", "empty_map", "lazy_map"]
 WRAPPERS = ["plain", "model"]
 INPUTS = ["plain", "packed"]
 
@@ -25,10 +25,10 @@ def _data():
 
 
 class Net(nn.Module):
-    def __init__(self):
+    def __init__(self, lazy=False):
         super().__init__()
-        self.feature = nn.Linear(6, 8)
-        self.head = nn.Linear(8, 4)
+        self.feature = nn.LazyLinear(8) if lazy else nn.Linear(6, 8)
+        self.head = nn.LazyLinear(4) if lazy else nn.Linear(8, 4)
 
     def forward(self, x):
         return self.head(torch.relu(self.feature(x)))
@@ -39,7 +39,7 @@ def _loop(mesh, spelling, wrapper, inputs):
 
     torch.manual_seed(0)
     if mesh is None:
-        module = Net()
+        module = Net(lazy=spelling == "lazy_map")
     elif spelling == "per_layer":  # Dense(kernel_layout=...): each layer given its layouts
         module = Net()
         mf.dtensor.apply_layouts(module.feature, {"weight": mf.dtensor.Layout(["batch", mf.dtensor.UNSHARDED], mesh),
@@ -47,11 +47,16 @@ def _loop(mesh, spelling, wrapper, inputs):
         mf.dtensor.apply_layouts(module.head, {"weight": mf.dtensor.Layout.replicated(mesh, 2)})
     else:
         layout_map = mf.dtensor.LayoutMap(mesh)
-        if spelling == "layout_map":
+        if spelling in ("layout_map", "lazy_map"):
             layout_map[r"feature\.weight"] = mf.dtensor.Layout(["batch", mf.dtensor.UNSHARDED], mesh)
-        with layout_map.scope():
-            module = Net()
+        with layout_map.scope():  # a lazy module gets its layouts at its first call
+            module = Net(lazy=spelling == "lazy_map")
     model = mf.Model(module) if wrapper == "model" else module
+    if spelling == "lazy_map":  # the shapes are known once it has seen a batch
+        x, _ = _data()[0]
+        if mesh is not None:
+            x = mf.dtensor.pack(list(x.tensor_split(2)), mf.dtensor.Layout.batch_sharded(mesh, "batch", 2))
+        model(x)
     params = list(module.parameters())
     optimizer = mf.optimizers.SGD(0.1, mesh=mesh)
     loss_fn = mf.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
@@ -73,6 +78,10 @@ def _loop(mesh, spelling, wrapper, inputs):
     return weights, losses, type(logits).__name__, type(module.feature.weight).__mro__[1].__name__, built
 
 
+def _reference(spelling):
+    return _loop(None, spelling, "plain", "plain")
+
+
 def _all(rank, world):
     import meshfit as mf
 
@@ -90,14 +99,15 @@ def _all(rank, world):
 
 @pytest.fixture(scope="module")
 def runs():
-    return _loop(None, "", "plain", "plain"), run_distributed(_all, world_size=2, timeout=400)
+    return {"eager": _reference(""), "lazy": _reference("lazy_map")}, run_distributed(_all, world_size=2, timeout=500)
 
 
 @pytest.mark.parametrize("inputs", INPUTS)
 @pytest.mark.parametrize("wrapper", WRAPPERS)
 @pytest.mark.parametrize("spelling", SPELLINGS)
 def test_inputs_meet_the_weights_without_conversion(runs, spelling, wrapper, inputs):
-    (weights, losses, *_), ranks = runs
+    references, ranks = runs
+    weights, losses, *_ = references["lazy" if spelling == "lazy_map" else "eager"]
     for outcome in ranks:
         result = outcome[spelling, wrapper, inputs]
         assert not isinstance(result, str), result  # no "mixed torch.Tensor and DTensor" error
