@@ -215,3 +215,14 @@ def test_fullmatch_keys_match_whole_paths_as_keras_3():
     assert layout_map["head.feature.weight"] is not None  # the default: searched in the path
     with pytest.raises(ValueError, match="Invalid `match`"):
         LayoutMap(MESH, match="prefix")
+
+
+def test_layouts_and_meshes_copy_and_pickle_as_values():
+    # A parameter's state dict (and async checkpoint staging) deep-copies its layout: the mesh's
+    # processes must not be copied or pickled with it.
+    import copy
+    import pickle
+
+    layout = Layout(["model", UNSHARDED], MESH)
+    assert copy.deepcopy(layout) is layout and copy.deepcopy(MESH) is MESH
+    assert pickle.loads(pickle.dumps(layout)) == layout
