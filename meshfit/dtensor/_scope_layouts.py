@@ -100,7 +100,7 @@ def laying_out(layout_map: Any, strategy: Any) -> Iterator[None]:
         return
     for root in created.roots():
         params = list(root.parameters())
-        if not params:
+        if not params or all(is_dtensor(p) for p in params):  # none, or placed already (e.g. load_model)
             continue
         if any(is_lazy(p) for p in params):
             _lay_out_at_first_call(root, layout_map, strategy)
@@ -111,7 +111,8 @@ def laying_out(layout_map: Any, strategy: Any) -> Iterator[None]:
 def _lay_out(module: nn.Module, layout_map: Any, strategy: Any) -> Callable[..., Any]:
     if not _LAY_OUT:
         raise RuntimeError("meshfit.dtensor was not imported: import meshfit.dtensor before using a LayoutMap.")
-    module.to(strategy.device)
+    if any(t.device != strategy.device for t in (*module.parameters(), *module.buffers())):
+        module.to(strategy.device)
     _LAY_OUT[0](module, layout_map)
     return accept_inputs(module)
 
@@ -126,7 +127,7 @@ def _lay_out_at_first_call(module: nn.Module, layout_map: Any, strategy: Any) ->
         was_training = module.training
         module.eval()
         with torch.no_grad():
-            module.to(strategy.device)(*rows[0], **rows[1])  # the lazy parameters learn their shapes
+            module(*rows[0], **rows[1])  # the lazy parameters learn their shapes
         module.train(was_training)
         convert = _lay_out(module, layout_map, strategy)
         return convert(module, args, kwargs)  # this call's inputs too (the new hook runs from the next call)
