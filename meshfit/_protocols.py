@@ -179,6 +179,13 @@ class DistributionStrategy(Protocol):
     def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any: ...
 
 
+class StrategySource(Protocol):
+    """A Keras 3 distribution (``meshfit.distribution``): set globally, it gives the strategy that code
+    outside every strategy scope trains with (made, and its processes formed, on first use)."""
+
+    def training_strategy(self) -> DistributionStrategy: ...
+
+
 class PreemptionHandler(Protocol):
     """A callback that saves when the cluster is about to stop this job (see `BackupAndRestore`).
 

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from torch.nn.parameter import is_lazy
 
+from meshfit._lazy_dtensor import is_dtensor
 from meshfit.data import leaves, map_structure
 
 
@@ -42,3 +43,16 @@ def convert_call_inputs(module: torch.nn.Module, strategy: Any, args: Any, kwarg
 
     return map_structure(convert, args), map_structure(convert, kwargs)
 
+
+
+def build_sample(module: torch.nn.Module, args: tuple) -> Any:
+    """The batch ``model(*args)`` builds the model on, when its parameters have layouts (given per layer
+    or by a ``layout_map.scope()``): the first argument, a packed DTensor as its local rows; else None."""
+    if not args or not any(_laid_out(p) for p in module.parameters()):
+        return None
+    return map_structure(lambda leaf: leaf.to_local() if is_dtensor(leaf) else leaf, args[0])
+
+
+def _laid_out(param: torch.Tensor) -> bool:
+    """Whether a parameter was given a layout (a DTensor, or a meshfit `Layout` as its ``.layout``)."""
+    return not is_lazy(param) and (is_dtensor(param) or not isinstance(param.layout, torch.layout))

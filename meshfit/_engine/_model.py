@@ -11,7 +11,7 @@ from torch import nn
 
 from meshfit import mixed_precision
 from meshfit._engine import _summary
-from meshfit._engine._call_inputs import convert_call_inputs
+from meshfit._engine._call_inputs import build_sample, convert_call_inputs
 from meshfit._engine._data_handler import DataHandler
 from meshfit._engine._data_handler import _is_array_like as is_array_like
 from meshfit._engine._evaluation import evaluate as run_evaluation
@@ -391,6 +391,9 @@ class Model(WeightsMixin):
         dtype, as Keras converts a layer's inputs.
         """
         args, kwargs = convert_call_inputs(self.module, self.strategy, args, kwargs)
+        sample = build_sample(self.module, args) if self.placement is None else None
+        if sample is not None:  # Keras builds a model at its first call: placed as fit would place it
+            self.build(sample)
         if training is None:
             return self._forward(*args, **kwargs)
         modes = {module: module.training for module in self.module.modules()}

@@ -30,7 +30,9 @@ from meshfit.distribute._replication import owner_of as owner_of
 from meshfit.distribute._replication import synchronize_gradients as synchronize_gradients
 from meshfit.distribute._scope import current_scope_strategy as current_scope_strategy
 from meshfit.distribute._scope import current_world as current_world
+from meshfit.distribute._scope import global_distribution as global_distribution
 from meshfit.distribute._scope import process_world as process_world
+from meshfit.distribute._scope import set_global_distribution as set_global_distribution
 from meshfit.distribute._strategy import OneDeviceStrategy, Strategy, get_strategy
 from meshfit.distribute._strategy import compiled as compiled
 from meshfit.distribute._torch_loader import LoaderPlan as LoaderPlan

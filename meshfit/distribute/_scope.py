@@ -11,6 +11,7 @@ from typing import Any
 import torch.distributed as dist
 
 from meshfit._protocols import DistributionStrategy as Strategy
+from meshfit._protocols import StrategySource
 from meshfit.distribute._world import World
 
 _SCOPE_STACK: list[Strategy] = []
@@ -18,6 +19,19 @@ _DEFAULT: list[Strategy] = []  # the default one-device strategy, made on first 
 # The `World` of this process's job while its group is up (None alone): as torch's default group,
 # one per process. Consulted to refuse training a model made outside every scope.
 _PROCESS_WORLD: list[Any] = []
+# Keras 3's global distribution (``meshfit.distribution.set_distribution``): consulted by get_strategy()
+# outside every strategy scope, its strategy made on first use.
+_GLOBAL_DISTRIBUTION: list[StrategySource] = []
+
+
+def set_global_distribution(source: StrategySource | None) -> None:
+    """Make ``source`` the distribution that code outside every strategy scope trains with (None: none)."""
+    _GLOBAL_DISTRIBUTION[:] = [] if source is None else [source]
+
+
+def global_distribution() -> StrategySource | None:
+    """The distribution set by ``meshfit.distribution.set_distribution``, or None."""
+    return _GLOBAL_DISTRIBUTION[0] if _GLOBAL_DISTRIBUTION else None
 
 
 def current_scope_strategy() -> Strategy | None:

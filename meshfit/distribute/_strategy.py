@@ -20,7 +20,7 @@ from meshfit.distribute._failure import FailureState
 from meshfit.distribute._gradient_sync import ReplicatedSync
 from meshfit.distribute._placement import Placement
 from meshfit.distribute._replication import tracking_scope
-from meshfit.distribute._scope import _DEFAULT, _SCOPE_STACK
+from meshfit.distribute._scope import _DEFAULT, _GLOBAL_DISTRIBUTION, _SCOPE_STACK
 from meshfit.distribute._torch_loader import PerReplicaLoader
 from meshfit.distribute._values import InputContext, PerReplica, ReduceOp, local_results, regroup
 from meshfit.distribute._world import World
@@ -281,9 +281,12 @@ class OneDeviceStrategy(Strategy):
 
 
 def get_strategy() -> DistributionStrategy:
-    """The strategy whose scope we are in, else the default one-device strategy."""
+    """The strategy whose scope we are in, else the global distribution's (``mf.distribution``), else
+    the default one-device strategy."""
     if _SCOPE_STACK:
         return _SCOPE_STACK[-1]
+    if _GLOBAL_DISTRIBUTION:
+        return _GLOBAL_DISTRIBUTION[0].training_strategy()
     if not _DEFAULT:
         _DEFAULT.append(OneDeviceStrategy())
     return _DEFAULT[0]

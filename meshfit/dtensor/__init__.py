@@ -13,6 +13,7 @@ Create a mesh of processes with named axes, say how each weight is split over th
 from meshfit._export import publish as _publish
 from meshfit.dtensor._apply import apply_layouts
 from meshfit.dtensor._create import create_mesh
+from meshfit.dtensor._lay_out import lay_out as lay_out  # gives layout_map.scope() its layout function
 from meshfit.dtensor._layout import UNSHARDED, Layout
 from meshfit.dtensor._layout_map import LayoutMap
 from meshfit.dtensor._mesh import Mesh

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
+from meshfit.dtensor._inputs import accept_inputs
 from meshfit.dtensor._layout import Layout
 from meshfit.dtensor._layout_map import LayoutMap
 from meshfit.dtensor._mesh import Mesh
@@ -32,8 +33,12 @@ def _with_layout_class(cls: type) -> type:
             # torch's stub types Tensor.layout as a plain attribute; it is a descriptor at runtime.
             return attached if attached is not None else torch.Tensor.layout.__get__(self)  # type: ignore[attr-defined]
 
+        def detach(self: torch.Tensor) -> torch.Tensor:  # Parameter(...) and module.to() need detach's type
+            detached = torch.Tensor.detach(self)  # the class's own detach (DTensor's, through dispatch)
+            return attach_layout(detached, self.__dict__["_meshfit_layout"]) if type(detached) is cls else detached
+
         _SUBCLASSES[cls] = type(cls.__name__, (cls,), {"layout": property(layout), "_meshfit_layout_class": True,
-                                                       "__module__": cls.__module__})
+                                                       "detach": detach, "__module__": cls.__module__})
     return _SUBCLASSES[cls]
 
 
@@ -112,8 +117,11 @@ def apply_layouts(module: nn.Module, layout_map: LayoutMap | Mapping[str, Layout
     replaced: dict[int, nn.Parameter] = {}
     for path, param in list(module.named_parameters(remove_duplicate=False)):
         owner, name = _owner(module, path)
+        layout = layouts.get(path) or layout_map.layout_for(path, param.dim())
+        if id(param) not in replaced and isinstance(param, DTensor) and param.device_mesh == device_mesh \
+                and tuple(param.placements) == tuple(layout.placements):
+            replaced[id(param)] = attach_layout(param, layout)  # laid out already: the same parameter
         if id(param) not in replaced:
-            layout = layouts.get(path) or layout_map.layout_for(path, param.dim())
             value = param.detach()
             if isinstance(value, DTensor):
                 value = value.full_tensor()
@@ -128,6 +136,7 @@ def apply_layouts(module: nn.Module, layout_map: LayoutMap | Mapping[str, Layout
         owner, name = _owner(module, path)
         owner.register_buffer(name, distribute_tensor(buffer, device_mesh, [Replicate()] * device_mesh.ndim),
                               persistent=name not in owner._non_persistent_buffers_set)
+    accept_inputs(module)  # plain and packed inputs both meet the new parameters
     return module
 
 

@@ -129,6 +129,10 @@ class Layout:
         self.check_shape(shape)
         return tuple(size // self.num_shards(dim) for dim, size in enumerate(shape))
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Layout:
+        """The layout itself: an immutable value (a copied parameter shares its layout and mesh)."""
+        return self
+
     # ---- text ------------------------------------------------------------------------------
     def to_string(self) -> str:
         """``sharding_specs:model,unsharded, mesh:|batch=2,model=2|cpu`` (TF's form)."""

@@ -15,6 +15,7 @@ from typing import Any
 
 from meshfit.dtensor._layout import Layout
 from meshfit.dtensor._mesh import Mesh
+from meshfit.dtensor._scope_layouts import laying_out
 
 
 class LayoutMap(MutableMapping):
@@ -22,6 +23,10 @@ class LayoutMap(MutableMapping):
 
     Args:
         mesh: the mesh of every layout in the map; weights no key matches are replicated on it.
+            Optional, as in tf-keras: without it the map takes the mesh of its first layout.
+        match: how a key that is not the exact path matches it: ``"search"`` (the key is found
+            anywhere in the path, so ``"feature.*weight"`` matches ``feature.weight``) or
+            ``"fullmatch"`` (the whole path, Keras 3's ``keras.distribution.LayoutMap``).
 
     Example:
         >>> mesh = Mesh(("batch", "model"), (2, 2))
@@ -33,12 +38,16 @@ class LayoutMap(MutableMapping):
         True
     """
 
-    def __init__(self, mesh: Mesh) -> None:
-        if not isinstance(mesh, Mesh):
+    def __init__(self, mesh: Mesh | None = None, *, match: str = "search") -> None:
+        if mesh is not None and not isinstance(mesh, Mesh):
             raise TypeError(f"Invalid `mesh`: expected a meshfit.dtensor.Mesh (from create_mesh), received "
                             f"mesh={mesh!r}.")
-        self.mesh = mesh
-        self._layouts: dict[str, Layout] = {}
+        if match not in ("search", "fullmatch"):
+            raise ValueError(f"Invalid `match`: expected 'search' or 'fullmatch', received match={match!r}.")
+        self._mesh = mesh
+        self.match = match
+        self._view: tuple[Any, Any] | None = None  # (the mesh's strategy, its view with this map)
+        self._layout_map: dict[str, Layout] = {}
         self._patterns: dict[str, re.Pattern] = {}
         self.is_fully_sharded = False
         self.blocks: list[str] | None = None
@@ -70,14 +79,28 @@ class LayoutMap(MutableMapping):
             layout_map.blocks = list(blocks)
         return layout_map
 
+    @property
+    def mesh(self) -> Mesh:
+        """The map's mesh (given, or the mesh of its first layout)."""
+        if self._mesh is None:
+            raise ValueError("Invalid LayoutMap: it has no mesh yet. Pass one, LayoutMap(mesh), or add a layout "
+                             "first.")
+        return self._mesh
+
     # ---- dict protocol -------------------------------------------------------------------
     def __setitem__(self, key: str, layout: Layout) -> None:
         if not isinstance(key, str) or not key:
             raise TypeError(f"Invalid LayoutMap key: expected a weight path or regular expression (a non-empty "
                             f"str), received {key!r}.")
+        if key in self._layout_map:
+            raise ValueError(f"{key} already exist in the LayoutMap with value {self._layout_map[key]!r}. Please make "
+                             f"sure to not use duplicated keys: delete the old layout first (del layout_map[{key!r}]) "
+                             "to replace it.")
         if not isinstance(layout, Layout):
-            raise TypeError(f"Invalid layout for key {key!r}: expected a meshfit.dtensor.Layout, received "
-                            f"{layout!r}.")
+            raise ValueError(f"Invalid layout for key {key!r}: {layout!r} should be a dtensor.Layout (expected a "
+                             f"meshfit.dtensor.Layout), received {type(layout).__name__}.")
+        if self._mesh is None:
+            self._mesh = layout.mesh
         if layout.mesh != self.mesh:
             raise ValueError(f"Invalid layout for key {key!r}: its mesh {layout.mesh!r} is not this map's mesh "
                              f"{self.mesh!r}. Build the layout on the map's mesh.")
@@ -86,7 +109,7 @@ class LayoutMap(MutableMapping):
         except re.error as error:
             raise ValueError(f"Invalid LayoutMap key {key!r}: it is not a valid regular expression ({error}). "
                              "Escape special characters, e.g. re.escape(path).") from error
-        self._layouts[key] = layout
+        self._layout_map[key] = layout
         self._patterns[key] = pattern
 
     def __getitem__(self, path: str) -> Layout | None:
@@ -95,27 +118,27 @@ class LayoutMap(MutableMapping):
         Raises:
             ValueError: ``path`` is matched by two keys (and is not itself a key).
         """
-        if path in self._layouts:
-            return self._layouts[path]
-        matches = [key for key, pattern in self._patterns.items() if pattern.search(path)]
+        if path in self._layout_map:
+            return self._layout_map[path]
+        matches = [key for key, pattern in self._patterns.items() if self._matches(pattern, path)]
         if len(matches) > 1:
             raise ValueError(f"Weight path {path!r} matches several LayoutMap keys: {matches[0]!r} and "
                              f"{matches[1]!r}. Make the keys more specific (e.g. anchor them with ^...$), or add "
                              f"the exact key {path!r}, which takes precedence.")
-        return self._layouts[matches[0]] if matches else None
+        return self._layout_map[matches[0]] if matches else None
 
     def __delitem__(self, key: str) -> None:
-        del self._layouts[key]
+        del self._layout_map[key]
         del self._patterns[key]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._layouts)
+        return iter(self._layout_map)
 
     def __len__(self) -> int:
-        return len(self._layouts)
+        return len(self._layout_map)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._layouts
+        return key in self._layout_map
 
     def get(self, key: str, default: Any = None) -> Any:
         layout = self[key]
@@ -125,7 +148,10 @@ class LayoutMap(MutableMapping):
         """The keys that match none of ``paths`` (exactly or as a regex); Keras ignores them, a
         fully sharded map refuses them."""
         return [key for key, pattern in self._patterns.items()
-                if key not in paths and not any(pattern.search(path) for path in paths)]
+                if key not in paths and not any(self._matches(pattern, path) for path in paths)]
+
+    def _matches(self, pattern: re.Pattern, path: str) -> bool:
+        return (pattern.fullmatch(path) if self.match == "fullmatch" else pattern.search(path)) is not None
 
     def layout_for(self, path: str, rank: int) -> Layout:
         """The layout of weight ``path`` of ``rank`` dims: its match, else replicated."""
@@ -135,13 +161,27 @@ class LayoutMap(MutableMapping):
     # ---- scope -----------------------------------------------------------------------------
     @contextlib.contextmanager
     def scope(self) -> Iterator[Any]:
-        """Models created inside (``mf.Model(module)``) get these layouts when they are built."""
-        strategy = self.mesh.strategy.with_layout_map(self)
-        with strategy.scope():
+        """Modules created inside have these layouts when the block ends, as Keras lays variables out.
+
+        A module whose parameters were created inside (``SubclassedModel()``, ``mf.Model(module)``)
+        gets its layouts when the ``with`` block ends: its parameters become DTensors (replicated
+        ones stay plain tensors for an empty map, with ``.layout`` set), and it accepts plain
+        tensors (this process's rows) and `pack`ed DTensors alike. A lazy module gets them at its
+        first call, once the shapes are known. ``mf.Model`` builds (places) the module at its first
+        call or ``fit``.
+        """
+        base = self.mesh.strategy
+        if not len(self) and not self.is_fully_sharded:
+            strategy = base  # every weight replicated: the mesh's own strategy (it outlives the map)
+        else:  # one view per map and mesh: models made in two entries of this scope share a strategy
+            if self._view is None or self._view[0] is not base:
+                self._view = (base, base.with_layout_map(self))
+            strategy = self._view[1]
+        with laying_out(self, strategy), strategy.scope():
             yield strategy
 
     def __repr__(self) -> str:
-        items = ", ".join(f"{k!r}: {list(v.sharding_specs)}" for k, v in self._layouts.items())
+        items = ", ".join(f"{k!r}: {list(v.sharding_specs)}" for k, v in self._layout_map.items())
         if self.is_fully_sharded:
-            return f"LayoutMap.fully_sharded({self.mesh!r}, blocks={self.blocks!r})"
-        return f"LayoutMap({{{items}}}, mesh={self.mesh!r})"
+            return f"LayoutMap.fully_sharded({self._mesh!r}, blocks={self.blocks!r})"
+        return f"LayoutMap({{{items}}}, mesh={self._mesh!r})"

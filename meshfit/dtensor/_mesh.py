@@ -140,6 +140,15 @@ class Mesh:
         with self.strategy.scope() as strategy:
             yield strategy
 
+    # ---- copies ----------------------------------------------------------------------------
+    def __deepcopy__(self, memo: dict[int, Any]) -> Mesh:
+        """The mesh itself: a value, and its processes are not copied (a copied layout shares its mesh)."""
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its value (axes, sizes, device type), without this process's group."""
+        return (Mesh, (self.axis_names, self.shape, self.device_type))
+
     # ---- text ------------------------------------------------------------------------------
     def to_string(self) -> str:
         """``|batch=2,model=2|cpu``: the axes and the device type; `from_string` reads it back."""

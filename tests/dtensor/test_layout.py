@@ -159,8 +159,8 @@ def test_two_keys_matching_one_path_is_an_error_naming_both():
 
 def test_layout_map_value_errors():
     layout_map = LayoutMap(MESH)
-    with pytest.raises(TypeError, match="expected a meshfit.dtensor.Layout"):
-        layout_map["x"] = "model"
+    with pytest.raises(ValueError, match="should be a dtensor.Layout.*expected a meshfit.dtensor.Layout"):
+        layout_map["x"] = "model"  # ValueError, as tf-keras and Keras 3 raise
     with pytest.raises(ValueError, match="not a valid regular expression"):
         layout_map["feature.(weight"] = Layout(["model", UNSHARDED], MESH)
     with pytest.raises(ValueError, match="is not this map's mesh"):
@@ -190,3 +190,39 @@ def test_a_parameter_that_does_not_split_evenly_is_named_with_the_fix():
     with pytest.raises(ValueError, match=r"parameter 'head.weight' of shape \[5, 4\]: dim 0 \(size 5\) is sharded "
                                          r"over mesh axis 'model' of size 2.*divisible by 2.*UNSHARDED"):
         resolve_layouts(model, layout_map)
+
+
+def test_assigning_a_key_twice_is_an_error_as_in_keras():
+    # Keras 3 and tf-keras raise; a silent replacement would drop the first layout unnoticed.
+    layout_map = LayoutMap(MESH)
+    layout_map["feature.*weight"] = Layout(["model", UNSHARDED], MESH)
+    with pytest.raises(ValueError, match=r"feature.\*weight already exist in the LayoutMap.*del layout_map"):
+        layout_map["feature.*weight"] = Layout.replicated(MESH, 2)
+    assert layout_map["feature.weight"].sharding_specs == ("model", UNSHARDED)  # the first one is kept
+    del layout_map["feature.*weight"]
+    layout_map["feature.*weight"] = Layout.replicated(MESH, 2)  # the fix the message names
+    assert layout_map["feature.weight"].is_fully_replicated()
+
+
+def test_fullmatch_keys_match_whole_paths_as_keras_3():
+    layout_map = LayoutMap(MESH, match="fullmatch")
+    layout_map["feature.*weight"] = Layout(["model", UNSHARDED], MESH)
+    assert layout_map["feature_2.weight"].sharding_specs == ("model", UNSHARDED)
+    assert layout_map["head.feature.weight"] is None  # found inside the path, but not the whole of it
+    assert LayoutMap(MESH)["x"] is None
+    layout_map = LayoutMap(MESH)
+    layout_map["feature.*weight"] = Layout(["model", UNSHARDED], MESH)
+    assert layout_map["head.feature.weight"] is not None  # the default: searched in the path
+    with pytest.raises(ValueError, match="Invalid `match`"):
+        LayoutMap(MESH, match="prefix")
+
+
+def test_layouts_and_meshes_copy_and_pickle_as_values():
+    # A parameter's state dict (and async checkpoint staging) deep-copies its layout: the mesh's
+    # processes must not be copied or pickled with it.
+    import copy
+    import pickle
+
+    layout = Layout(["model", UNSHARDED], MESH)
+    assert copy.deepcopy(layout) is layout and copy.deepcopy(MESH) is MESH
+    assert pickle.loads(pickle.dumps(layout)) == layout

@@ -1,0 +1,87 @@
+"""`LayoutMap`: Keras 3's map of `TensorLayout` by weight path (regular expressions matching whole paths)."""
+
+from __future__ import annotations
+
+import collections
+import re
+from collections.abc import Iterator, MutableMapping
+from typing import Any
+
+from meshfit.distribution._mesh import DeviceMesh, TensorLayout
+from meshfit.dtensor import LayoutMap as DTensorLayoutMap
+
+
+class LayoutMap(MutableMapping):
+    """A dict of `TensorLayout` by weight path, as ``keras.distribution.LayoutMap``.
+
+    A lookup tries the exact key, then every key as a regular expression that must match the
+    whole path (``re.fullmatch``); a path that several keys match is an error. The paths are the
+    module's parameter paths (``named_parameters()``: ``dense.weight``, ``0.bias``). A tuple of
+    axis names is a shortcut for a `TensorLayout`.
+
+    Args:
+        device_mesh: the `DeviceMesh` of the layouts (set on those inserted without one).
+
+    Example:
+        >>> mesh = DeviceMesh((2, 4), ["batch", "model"], [f"cpu:{i}" for i in range(8)])
+        >>> layout_map = LayoutMap(mesh)
+        >>> layout_map[".*dense.*weight"] = ("model", None)
+        >>> layout_map["dense_1.weight"].axes
+        ('model', None)
+    """
+
+    def __init__(self, device_mesh: DeviceMesh | None) -> None:
+        self._layout_map: collections.OrderedDict[str, TensorLayout] = collections.OrderedDict()
+        self._device_mesh = device_mesh
+
+    def __getitem__(self, key: str) -> Any:
+        """The layout of path ``key``: the exact key, else the one key that fully matches, else None.
+
+        Raises:
+            ValueError: several keys match ``key``.
+        """
+        if key in self._layout_map:
+            return self._layout_map[key]
+        matching_keys = [pattern for pattern in self._layout_map if re.fullmatch(pattern, key)]
+        if len(matching_keys) > 1:
+            raise ValueError(f"Path '{key}' matches multiple layout specification keys: {matching_keys}. Please "
+                             "make sure each tensor/variable path only matches at most one layout specification "
+                             "key in the LayoutMap.")
+        if len(matching_keys) == 1:
+            return self._layout_map[matching_keys[0]]
+        return None
+
+    def __setitem__(self, key: str, layout: Any) -> None:
+        if key in self._layout_map:
+            raise ValueError(f"{key} already exist in the LayoutMap with value {self._layout_map[key]}. Please make "
+                             f"sure to not use duplicated keys: delete it first (del layout_map[{key!r}]) to "
+                             "replace it.")
+        if isinstance(layout, tuple):
+            layout = TensorLayout(axes=layout, device_mesh=None)
+        if not isinstance(layout, TensorLayout):
+            raise ValueError(f"{layout} should be a TensorLayout type, got {type(layout)}")
+        if layout.device_mesh is None and self._device_mesh is not None:
+            layout.device_mesh = self._device_mesh
+        self._layout_map[key] = layout
+
+    def __delitem__(self, key: str) -> None:
+        self._layout_map.pop(key)
+
+    def __len__(self) -> int:
+        return len(self._layout_map)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._layout_map)
+
+    @property
+    def device_mesh(self) -> DeviceMesh | None:
+        return self._device_mesh
+
+    def dtensor_layout_map(self, batch_dim_name: str | None) -> DTensorLayoutMap:
+        """This map as a ``meshfit.dtensor.LayoutMap`` (whole-path matching) on the mesh's processes."""
+        if self._device_mesh is None:
+            raise ValueError("Invalid LayoutMap: it has no device_mesh. Create it as LayoutMap(device_mesh).")
+        converted = DTensorLayoutMap(self._device_mesh.mesh_for(batch_dim_name), match="fullmatch")
+        for key, layout in self._layout_map.items():
+            converted[key] = layout.layout_for(batch_dim_name)
+        return converted
