@@ -16,6 +16,7 @@ the model as usual::
 ``meshfit.dtensor.Mesh``; the distribution trains with that mesh's strategy.
 """
 
+from meshfit._export import publish as _publish
 from meshfit.distribution._devices import get_device_count, list_devices
 from meshfit.distribution._distribution import (
     DataParallel,
@@ -39,3 +40,5 @@ __all__ = [
     "list_devices",
     "set_distribution",
 ]
+
+_publish(__name__)
