@@ -30,6 +30,7 @@ from meshfit.distribute import (
     OneDeviceStrategy,
     PeerFailureError,
     ReduceOp,
+    ReplicaDivergenceError,
     get_strategy,
 )
 
@@ -43,6 +44,7 @@ __all__ = [
     "OneDeviceStrategy",
     "PeerFailureError",
     "ReduceOp",
+    "ReplicaDivergenceError",
     "SidecarEvaluator",
     "callbacks",
     "cluster",

@@ -37,6 +37,12 @@ from meshfit.distribute._values import (
     PerReplica,
     ReduceOp,
 )
+from meshfit.distribute._verify import ReplicaDivergenceError, StateDigest
+from meshfit.distribute._verify import compare_replicas as compare_replicas
+from meshfit.distribute._verify import local_parts as local_parts
+from meshfit.distribute._verify import named_state as named_state
+from meshfit.distribute._verify import reduce_parts as reduce_parts
+from meshfit.distribute._verify import resolve_state as resolve_state
 from meshfit.distribute._world import World
 
 __all__ = [
@@ -55,6 +61,8 @@ __all__ = [
     "PeerFailureError",
     "PerReplica",
     "ReduceOp",
+    "ReplicaDivergenceError",
+    "StateDigest",
     "Strategy",
     "get_strategy",
 ]
