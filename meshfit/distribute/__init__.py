@@ -2,6 +2,8 @@
 
 from meshfit.distribute._buffers import agree_buffers as agree_buffers  # a seam (not in __all__)
 from meshfit.distribute._collective import CollectiveStrategy
+from meshfit.distribute._digest import combine_digests as combine_digests
+from meshfit.distribute._digest import finish_digest as finish_digest
 from meshfit.distribute._distributed_dataset import DistributedDataset
 from meshfit.distribute._failure import FailureState as FailureState
 from meshfit.distribute._gradient_sync import DataParallelSync as DataParallelSync

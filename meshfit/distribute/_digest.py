@@ -204,12 +204,12 @@ def _is_flat_range(local_shape: tuple[int, ...], global_shape: tuple[int, ...]) 
     return all(local_shape[d] == 1 for d in range(dims[0])) and dims == [dims[0]]
 
 
-def finish(raw: int, meta: int) -> int:
+def finish_digest(raw: int, meta: int) -> int:
     """A tensor's digest from its summed parts (a Python int modulo 2**64) and its shape/dtype hash."""
     return mix64((raw & _MASK64) ^ meta)
 
 
-def combine(digests: dict[str, int]) -> int:
+def combine_digests(digests: dict[str, int]) -> int:
     """The digest of a whole state from each tensor's: an order-free sum keyed by each path."""
     return sum(mix64(value ^ text_hash(path)) for path, value in digests.items()) & _MASK64
 

@@ -18,7 +18,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parameter import is_lazy
 
 from meshfit.distribute._buffers import agree_buffers
-from meshfit.distribute._digest import LocalDigest, combine, finish, local_digest
+from meshfit.distribute._digest import LocalDigest, combine_digests, finish_digest, local_digest
 
 
 class ReplicaDivergenceError(ValueError):
@@ -32,13 +32,14 @@ class ReplicaDivergenceError(ValueError):
             is the most common, so both of two replicas).
     """
 
-    def __init__(self, step: int, path: str, ranks: Sequence[int], detail: str = "") -> None:
+    def __init__(self, step: int, path: str, ranks: Sequence[int], detail: str = "", prefix: str = "") -> None:
         self.step, self.path, self.ranks, self.detail = int(step), str(path), list(ranks), detail
-        super().__init__(f"Replicas diverged at step {self.step}: {self.path!r} differs on rank(s) "
+        self.prefix = prefix
+        super().__init__(f"{prefix}Replicas diverged at step {self.step}: {self.path!r} differs on rank(s) "
                          f"{', '.join(map(str, self.ranks))}{detail}")
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.step, self.path, self.ranks, self.detail)
+        return type(self), (self.step, self.path, self.ranks, self.detail, self.prefix)
 
 
 class StateDigest(Mapping[str, int]):
@@ -46,7 +47,7 @@ class StateDigest(Mapping[str, int]):
 
     def __init__(self, digests: dict[str, int]) -> None:
         self._digests = dict(digests)
-        self.total = combine(self._digests)
+        self.total = combine_digests(self._digests)
 
     def __getitem__(self, path: str) -> int:
         return self._digests[path]
@@ -167,7 +168,7 @@ def reduce_parts(paths: Sequence[str], values: Sequence[int], parts: Sequence[Lo
     masked = torch.tensor([v if p.canonical else 0 for v, p in zip(values, parts, strict=True)], dtype=torch.int64)
     if world.distributed:
         world.control_all_reduce(masked)
-    return {path: finish(int(v), p.meta) for path, v, p in zip(paths, masked.tolist(), parts, strict=True)}
+    return {path: finish_digest(int(v), p.meta) for path, v, p in zip(paths, masked.tolist(), parts, strict=True)}
 
 
 def compare_replicas(paths: Sequence[str], gathered: Sequence[tuple[list[int], list[Any]]],
@@ -214,8 +215,8 @@ def verify_replicas(strategy: Any, model: Any, optimizer: Any = None) -> StateDi
     found = compare_replicas(paths, [(g[0], g[1]) for g in gathered])
     if found is not None:
         path, ranks, detail = found
-        step = optimizer.iterations if isinstance(optimizer, _StepCounted) else strategy.failure.step
+        step = optimizer.iterations if isinstance(optimizer, _StepCounted) else (strategy.failure.step or 0)
         raise ReplicaDivergenceError(step, path, ranks, f" ({detail}).")
     totals = [sum(g[0][i] for g in gathered if g[2][i]) for i in range(len(paths))]
-    return StateDigest({path: finish(total, part.meta) for path, total, (_, part) in zip(paths, totals, ordered,
+    return StateDigest({path: finish_digest(total, part.meta) for path, total, (_, part) in zip(paths, totals, ordered,
                                                                                           strict=True)})
