@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+
+import numpy as np
 import pytest
 import torch
 from _multiproc import run_distributed
@@ -132,3 +137,72 @@ def test_the_digest_is_the_same_in_one_process_replicated_fully_sharded_and_on_2
     for rank, by_layout in enumerate(results):
         for label, digest in by_layout.items():
             assert digest == (plain if label == "fully_shard" else expected), (rank, label)
+
+
+# ---- every save records the digest; every restore recomputes it ---------------------------------------
+def _copy_data_files(donor: str, target: str) -> None:
+    """Give ``target`` the donor checkpoint's data files, and their checksums: valid files, other values."""
+    for name in os.listdir(donor):
+        if name.endswith(".distcp") or name == ".metadata":
+            shutil.copyfile(os.path.join(donor, name), os.path.join(target, name))
+    with open(os.path.join(donor, "meshfit_state.json")) as f:
+        checksums = json.load(f)["checksums"]
+    with open(os.path.join(target, "meshfit_state.json")) as f:
+        document = json.load(f)
+    document["checksums"] = checksums
+    with open(os.path.join(target, "meshfit_state.json"), "w") as f:
+        json.dump(document, f)
+
+
+def test_a_checkpoint_rewritten_with_valid_checksums_but_other_values_is_refused_by_name(tmp_path):
+    from meshfit.train import Checkpoint
+
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 2)
+    saved = Checkpoint(model=layer).save(tmp_path / "ckpt-1")
+    with open(os.path.join(saved, "meshfit_state.json")) as f:
+        assert set(json.load(f)["digest"]["tensors"]) == {"model/weight", "model/bias"}
+    with torch.no_grad():
+        layer.weight.add_(1.0)
+    donor = Checkpoint(model=layer).save(tmp_path / "other")
+    _copy_data_files(donor, saved)
+    with pytest.raises(ValueError, match=r"ckpt-1.*tensor 'model/weight' was loaded with digest 0x[0-9a-f]{16}, "
+                                         r"but the save recorded 0x[0-9a-f]{16}") as refused:
+        Checkpoint(model=nn.Linear(3, 2)).restore(saved)
+    assert type(refused.value).__name__ == "DigestMismatchError"
+
+
+class _InterruptAt(mf.callbacks.Callback):
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.model.optimizer.iterations == self.step:
+            raise RuntimeError("Interruption")
+
+
+def _fit_mlp(callbacks) -> mf.Model:
+    torch.manual_seed(0)
+    model = mf.Model(nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 10)))
+    model.compile(mf.optimizers.Adam(0.01), mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    (x, y), _ = mf.datasets.load_digits()
+    data = mf.data.Dataset.from_tensor_slices((x[:320], y[:320])).shuffle(320, seed=2).batch(32)
+    model.fit(data, epochs=1, verbose=0, callbacks=callbacks)
+    return model
+
+
+def test_a_tampered_backup_is_skipped_by_name_for_the_previous_one_ending_bitwise_equal(tmp_path):
+    reference = _fit_mlp([])
+    backup = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="Interruption"):
+        _fit_mlp([mf.callbacks.BackupAndRestore(backup, save_freq=2, async_save=False), _InterruptAt(7)])
+    latest = mf.train.latest_checkpoint(backup)
+    assert latest.endswith("ckpt-3")
+    _copy_data_files(os.path.join(backup, "ckpt-2"), latest)  # step 4's values under step 6's name
+    callback = mf.callbacks.BackupAndRestore(backup, save_freq=2, delete_checkpoint=False)
+    with pytest.warns(RuntimeWarning, match=r"Skipping the corrupt backup .*ckpt-3.*was loaded with digest"):
+        resumed = _fit_mlp([callback])
+    assert callback.restored_from.endswith("ckpt-2")
+    for a, b in zip(resumed.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from _multiproc import run_distributed
 from torch import nn
 
 import meshfit as mf
-from _multiproc import run_distributed
 
-BATCH, EXAMPLES, EPOCHS = 16, 256, 3  # 16 steps an epoch, 48 in all
+BATCH, EXAMPLES, EPOCHS = 16, 384, 3  # 16 steps an epoch, 48 in all (batch 24 on 3 workers)
 SAVE_FREQ, EVERY = 4, 5
 
 
@@ -68,23 +68,25 @@ class Inject(mf.callbacks.Callback):
             self.done.add(step)
 
 
-def _fit(model, callbacks):
+def _fit(model, callbacks, world=2):
     x, y = _data()
-    model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=True, verbose=0, callbacks=callbacks)
+    batch = BATCH // 2 * world  # 16 steps an epoch on 2 or 3 workers
+    model.fit(x[:16 * batch], y[:16 * batch], batch_size=batch, epochs=EPOCHS, shuffle=True, verbose=0,
+              callbacks=callbacks)
     return [w.copy() for w in model.get_weights()]
 
 
 def _faults_in_fit(rank: int, world: int, backup_dir: str) -> dict:
     strategy = mf.MultiWorkerMirroredStrategy()
-    reference = _fit(_model(strategy), [])
+    reference = _fit(_model(strategy), [], world)
     verify = mf.callbacks.VerifyReplicas(every_n_steps=EVERY, on_divergence="restore")
     model = _model(strategy)
     weights = _fit(model, [Inject(rank, world - 1), verify,
-                           mf.callbacks.BackupAndRestore(f"{backup_dir}/restore", save_freq=SAVE_FREQ)])
+                           mf.callbacks.BackupAndRestore(f"{backup_dir}/restore", save_freq=SAVE_FREQ)], world)
     found = [(e.step, e.path, e.ranks, path.rsplit("/", 1)[1]) for e, path in verify.rollbacks]
     stop = mf.callbacks.VerifyReplicas(every_n_steps=EVERY, on_divergence="stop")
     with pytest.raises(mf.ReplicaDivergenceError) as stopped:
-        _fit(_model(strategy), [Inject(rank, world - 1), stop])
+        _fit(_model(strategy), [Inject(rank, world - 1), stop], world)
     error = stopped.value
     return {"same": all(np.array_equal(a, b) for a, b in zip(weights, reference, strict=True)),
             "found": found, "checks": verify.checks,
@@ -116,13 +118,13 @@ def _healthy(rank: int, world: int) -> dict:
     verify = mf.callbacks.VerifyReplicas(every_n_steps=1, on_divergence="stop")
     model = _model(strategy)
     x, y = _data()
-    model.fit(x, y, batch_size=BATCH, epochs=5, verbose=0, callbacks=[verify])  # 80 checks
+    model.fit(x[:256], y[:256], batch_size=BATCH, epochs=5, verbose=0, callbacks=[verify])  # 80 checks
     # a custom loop: strategy.run, the optimizer sums the gradients, verify_replicas after every step
     with strategy.scope():
         module = _module()
         optimizer = mf.optimizers.SGD(0.05, momentum=0.9)
     loss_fn = mf.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
-    rows = np.arange(rank, EXAMPLES, world)
+    rows = np.arange(rank, 256, world)
     checks = 0
     for step in range(120):  # and 120 here
         batch = rows[(step * 8) % len(rows):][:8]
@@ -162,9 +164,9 @@ def test_bad_arguments_and_restore_without_a_backup_are_refused_before_the_first
     counter = mf.callbacks.LambdaCallback(on_train_batch_begin=lambda batch, logs: steps.append(batch))
     x, y = _data()
     with pytest.raises(ValueError, match=r"`on_divergence`.*BackupAndRestore.*on_divergence='stop'"):
-        model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[counter, mf.callbacks.VerifyReplicas()])
+        model.fit(x[:256], y[:256], batch_size=BATCH, verbose=0, callbacks=[counter, mf.callbacks.VerifyReplicas()])
     assert steps == [] and model.optimizer.iterations == 0
     # one replica: nothing to compare, every check passes
     verify = mf.callbacks.VerifyReplicas(every_n_steps=4, on_divergence="stop")
-    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[verify])
-    assert verify.checks == EXAMPLES // BATCH // 4
+    model.fit(x[:256], y[:256], batch_size=BATCH, epochs=1, verbose=0, callbacks=[verify])
+    assert verify.checks == 256 // BATCH // 4
