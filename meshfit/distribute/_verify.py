@@ -216,7 +216,7 @@ def verify_replicas(strategy: Any, model: Any, optimizer: Any = None) -> StateDi
     if found is not None:
         path, ranks, detail = found
         step = optimizer.iterations if isinstance(optimizer, _StepCounted) else (strategy.failure.step or 0)
-        raise ReplicaDivergenceError(step, path, ranks, f" ({detail}).")
+        raise ReplicaDivergenceError(step, path, ranks, f" (each rank's digest of its copy: {detail}).")
     totals = [sum(g[0][i] for g in gathered if g[2][i]) for i in range(len(paths))]
     return StateDigest({path: finish_digest(total, part.meta) for path, total, (_, part) in zip(paths, totals, ordered,
                                                                                           strict=True)})

@@ -118,7 +118,7 @@ def verify_loaded(destinations: dict[str, torch.Tensor], recorded: Any, world: A
         raise CorruptFileError(f"Corrupt checkpoint {path!r}: its recorded digest is unreadable.")
     keys = [key for key in recorded["tensors"] if key in destinations]
     values, parts = local_parts([destinations[key] for key in keys], world.rank)
-    loaded = reduce_parts(keys, values, parts, world)
+    loaded = reduce_parts(keys, values, parts, world)  # one sum: every rank reaches the same verdict
     for key in keys:
         want = int(recorded["tensors"][key], 16)
         if loaded[key] != want:
