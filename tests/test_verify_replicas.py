@@ -170,3 +170,26 @@ def test_bad_arguments_and_restore_without_a_backup_are_refused_before_the_first
     verify = mf.callbacks.VerifyReplicas(every_n_steps=4, on_divergence="stop")
     model.fit(x[:256], y[:256], batch_size=BATCH, epochs=1, verbose=0, callbacks=[verify])
     assert verify.checks == 256 // BATCH // 4
+
+
+def test_who_is_named_majority_ties_and_shards_compared_along_batch_only():
+    from meshfit.distribute import compare_replicas
+
+    paths = ["a", "b"]
+    whole = [[]] * 2
+    # 3 replicas: the odd one out; all three differ: all of them; 2 replicas: both
+    assert compare_replicas(paths, [([1, 5], whole), ([1, 5], whole), ([1, 6], whole)])[:2] == ("b", [2])
+    assert compare_replicas(paths, [([1, 5], whole), ([1, 6], whole), ([1, 7], whole)])[:2] == ("b", [0, 1, 2])
+    assert compare_replicas(paths, [([2, 5], whole), ([1, 5], whole)])[:2] == ("a", [0, 1])
+    assert compare_replicas(paths, [([1, 5], whole)] * 4) is None
+    # a (batch=2, model=2) mesh, tensors sharded along `model`: ranks 0, 2 hold shard 0, ranks 1, 3 shard 1.
+    # Different shards differ (not a divergence); copies of one shard must agree.
+    shards = [[[0], [0]], [[1], [1]], [[0], [0]], [[1], [1]]]
+    healthy = [([10, 20], shards[0]), ([11, 21], shards[1]), ([10, 20], shards[2]), ([11, 21], shards[3])]
+    assert compare_replicas(paths, healthy) is None
+    broken = [*healthy[:3], ([11, 22], shards[3])]
+    assert compare_replicas(paths, broken)[:2] == ("b", [1, 3])
+    # fully sharded along `batch`: every rank its own shard, nothing to compare
+    assert compare_replicas(paths, [([r, r], [[r], [r]]) for r in range(4)]) is None
+    # skipped paths (buffers a save takes from rank 0) are not compared
+    assert compare_replicas(paths, [([1, 5], whole), ([2, 5], whole)], frozenset({"a"})) is None

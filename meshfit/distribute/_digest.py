@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 COLUMNS = 1 << 16  # words per key row (C)
+BLOCK_ROWS = 64  # key rows per CPU block: 16 MB of products, large enough for torch's threads to pay off
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 
@@ -103,7 +104,7 @@ def range_sum(words: torch.Tensor, start: int) -> torch.Tensor:
         keys, _ = _keys(device)
         first_row = (start + head) // COLUMNS
         matrix = words[head:head + rows * COLUMNS].view(rows, COLUMNS)
-        block = 4 if device.type == "cpu" else 256  # CPU: a block stays in cache
+        block = BLOCK_ROWS if device.type == "cpu" else 256
         scratch = torch.empty(min(block, rows), COLUMNS, dtype=torch.int32, device=device)
         row_sums = torch.empty(rows, dtype=torch.int64, device=device)
         for begin in range(0, rows, block):
