@@ -98,7 +98,7 @@ def range_sum(words: torch.Tensor, start: int) -> torch.Tensor:
     count = words.numel()
     head = min((-start) % COLUMNS, count)
     if head:
-        total += _indexed_sum(words[:head], torch.arange(start, start + head, device=device))
+        total += _partial_row(words[:head], start)
     rows = (count - head) // COLUMNS
     if rows:
         keys, _ = _keys(device)
@@ -116,9 +116,19 @@ def range_sum(words: torch.Tensor, start: int) -> torch.Tensor:
         total += (row_sums * _row_keys(row_index)).sum()
     tail_start = head + rows * COLUMNS
     if tail_start < count:
-        index = torch.arange(start + tail_start, start + count, device=device)
-        total += _indexed_sum(words[tail_start:], index)
+        total += _partial_row(words[tail_start:], start + tail_start)
     return total
+
+
+def _partial_row(words: torch.Tensor, start: int) -> torch.Tensor:
+    """The sum for words within one key row, from global index ``start``: the row padded with zero
+    words (which add nothing), then the full-row path."""
+    keys, _ = _keys(words.device)
+    row = torch.zeros(COLUMNS, dtype=torch.int32, device=words.device)
+    column = start % COLUMNS
+    row[column:column + words.numel()] = words
+    row_key = _row_keys(torch.tensor(start // COLUMNS, dtype=torch.int64, device=words.device))
+    return (row * keys).view(torch.int64).sum() * row_key
 
 
 @dataclasses.dataclass(frozen=True)
