@@ -32,6 +32,7 @@ from meshfit.distribute import (
     OneDeviceStrategy,
     PeerFailureError,
     ReduceOp,
+    ReplicaDivergenceError,
     get_strategy,
 )
 
@@ -45,6 +46,7 @@ __all__ = [
     "OneDeviceStrategy",
     "PeerFailureError",
     "ReduceOp",
+    "ReplicaDivergenceError",
     "SidecarEvaluator",
     "callbacks",
     "cluster",

@@ -174,6 +174,8 @@ class DistributionStrategy(Protocol):
 
     def guard(self) -> AbstractContextManager[None]: ...
 
+    def verify_replicas(self, model: Any, optimizer: Any = None) -> Any: ...  # the state's digest, or raises
+
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any: ...
 
     def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any: ...
@@ -330,6 +332,7 @@ class LoopLike(Stateful, Protocol):
     strategy: DistributionStrategy
     counters: Any
     data: Any
+    callbacks: CallbackListLike
 
     def checkpoint_items(self) -> dict[str, Stateful]: ...
 

@@ -69,6 +69,7 @@ class TrainingLoop:
         self.counters = counters if counters is not None else LoopState()
         self.replica_state = ReplicaState(trainable)
         self._preemption: PreemptionWatch | None = None
+        self._resumed = False  # a resume during run: the epoch loop starts over from the restored counters
         callbacks.set_loop(self)
 
     # ---- Stateful: the state every replica shares ------------------------------------------
@@ -108,10 +109,13 @@ class TrainingLoop:
             return None
         if not fall_back:
             self.snapshot().restore(candidates[-1])
+            self._resumed = True
             return candidates[-1]
         from meshfit.train import restore_newest_intact  # lazily loaded public subpackage
 
-        return restore_newest_intact(self.snapshot(), list(candidates), self.strategy.is_chief)
+        restored = restore_newest_intact(self.snapshot(), list(candidates), self.strategy.is_chief)
+        self._resumed = self._resumed or restored is not None
+        return restored
 
     def agree(self, flag: bool) -> bool:
         """True on every process when ``flag`` is true on any (one collective on the control plane)."""
@@ -162,6 +166,7 @@ class TrainingLoop:
         try:
             trainable.reset_metrics()
             cbs.on_train_begin()
+            self._resumed = False  # a resume at the start is where the epoch loop begins anyway
             while not self._done(epochs, until_step) and not trainable.stop_training:
                 epoch = counters.epoch
                 if counters.step == 0:
@@ -177,6 +182,11 @@ class TrainingLoop:
                     if count <= 0:
                         break
                     logs, stopped = self._train_steps(batch_logs, count, logs)
+                    if self._resumed:
+                        break
+                if self._resumed:  # a callback rolled back to a backup (VerifyReplicas): go on from its step
+                    self._resumed = False
+                    continue
                 ended = self.data.exhausted
                 if not stopped and self.data.execution_size(counters.step, 1) > 0:
                     break  # until_step reached inside the epoch: no epoch end

@@ -21,6 +21,7 @@ from meshfit.callbacks._progbar_logger import ProgbarLogger
 from meshfit.callbacks._reduce_lr_on_plateau import ReduceLROnPlateau
 from meshfit.callbacks._tensorboard import TensorBoard
 from meshfit.callbacks._terminate_on_nan import TerminateOnNaN
+from meshfit.callbacks._verify_replicas import VerifyReplicas
 
 __all__ = [
     "BackupAndRestore",
@@ -39,6 +40,7 @@ __all__ = [
     "SavePolicy",
     "TensorBoard",
     "TerminateOnNaN",
+    "VerifyReplicas",
 ]
 
 _publish(__name__)

@@ -26,11 +26,24 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from meshfit._storage import StateMismatchError, chief_writes
 from meshfit._validation import check_bool, finite_float, optional_positive_int, path_like, positive_int
 from meshfit.callbacks._callback import Callback
+from meshfit.distribute import ReplicaDivergenceError
+
+
+class SaveGuard(Protocol):
+    """Checks the replicas before a save (`VerifyReplicas`) and handles a divergence found by one."""
+
+    def before_save(self) -> bool:
+        """Run a check due at this step; False when the state was rolled back (nothing to save)."""
+        ...
+
+    def diverged(self, error: ReplicaDivergenceError) -> None:
+        """Act on replicas found to differ while saving: raise, or roll every worker back."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -103,6 +116,7 @@ class CheckpointSaver(Callback):
         self._saved_at: int | None = None
         self._checked_at = 0  # the step count at the previous batch end
         self._last_save_time = time.monotonic()
+        self.guard: SaveGuard | None = None  # set by a VerifyReplicas in the same fit
 
     def agreed_settings(self) -> dict[str, Any]:
         """The arguments every worker must pass alike, by the user's argument names (compared by ``fit``)."""
@@ -194,16 +208,28 @@ class CheckpointSaver(Callback):
             strategy.barrier()
 
     def save(self) -> None:
-        """Save the loop's state now (collective; in the background with ``async_save``)."""
+        """Save the loop's state now (collective; in the background with ``async_save``).
+
+        Under a strategy the save records the state's digest once the replicas agreed on it; a
+        save whose replicas differ is not committed (`ReplicaDivergenceError`, naming them), and
+        with a `VerifyReplicas` in the callbacks, that callback decides (stop, or roll back).
+        """
         self.wait()
+        if self.guard is not None and not self.guard.before_save():
+            return  # the replicas differed and every worker went back to the last backup
         loop = self._require_loop()
         loop.agree_buffers()  # one defined copy of running statistics is saved: rank 0's
         self._saved_at = loop.counters.iterations
         self._last_save_time = time.monotonic()
-        if self.async_save:
-            self._pending = self.manager.save(async_save=True)
-        else:
-            self.manager.save()
+        try:
+            if self.async_save:
+                self._pending = self.manager.save(async_save=True)
+            else:
+                self.manager.save()
+        except ReplicaDivergenceError as error:
+            if self.guard is None:
+                raise
+            self.guard.diverged(error)
 
     def wait(self) -> None:
         """Wait for a background save in flight (its error is raised here)."""

@@ -3,6 +3,8 @@
 from meshfit._export import publish as _publish
 from meshfit.distribute._buffers import agree_buffers as agree_buffers  # a seam (not in __all__)
 from meshfit.distribute._collective import CollectiveStrategy
+from meshfit.distribute._digest import combine_digests as combine_digests
+from meshfit.distribute._digest import finish_digest as finish_digest
 from meshfit.distribute._distributed_dataset import DistributedDataset
 from meshfit.distribute._failure import FailureState as FailureState
 from meshfit.distribute._gradient_sync import DataParallelSync as DataParallelSync
@@ -44,6 +46,12 @@ from meshfit.distribute._values import (
     PerReplica,
     ReduceOp,
 )
+from meshfit.distribute._verify import ReplicaDivergenceError, StateDigest
+from meshfit.distribute._verify import compare_replicas as compare_replicas
+from meshfit.distribute._verify import local_parts as local_parts
+from meshfit.distribute._verify import named_state as named_state
+from meshfit.distribute._verify import reduce_parts as reduce_parts
+from meshfit.distribute._verify import resolve_state as resolve_state
 from meshfit.distribute._world import World
 
 __all__ = [
@@ -62,6 +70,8 @@ __all__ = [
     "PeerFailureError",
     "PerReplica",
     "ReduceOp",
+    "ReplicaDivergenceError",
+    "StateDigest",
     "Strategy",
     "get_strategy",
 ]

@@ -23,6 +23,7 @@ from meshfit.distribute._replication import tracking_scope
 from meshfit.distribute._scope import _DEFAULT, _GLOBAL_DISTRIBUTION, _SCOPE_STACK
 from meshfit.distribute._torch_loader import PerReplicaLoader
 from meshfit.distribute._values import InputContext, PerReplica, ReduceOp, local_results, regroup
+from meshfit.distribute._verify import StateDigest, verify_replicas
 from meshfit.distribute._world import World
 
 
@@ -255,6 +256,36 @@ class Strategy:
         if not isinstance(dataset, Dataset) and hasattr(dataset, "__iter__"):
             return PerReplicaLoader(dataset, context)
         return DistributedDataset.from_per_replica(dataset, context)
+
+    def verify_replicas(self, model: Any, optimizer: Any = None) -> StateDigest:
+        """Prove that every replica holds the same state: compare each replica's digest (collective).
+
+        Under data parallel, every tensor of the state is compared (weights, optimizer state, step
+        count, buffers); under layouts, the replicas of each shard are (those along ``batch``).
+        ``torch.nn.BatchNorm*d`` running statistics, which DDP trains from rank 0's copy, are
+        compared once every replica has rank 0's; ``meshfit.nn.SyncBatchNorm``'s as they are.
+        "Differs" means differs in bits; the digests are computed on the device (no host copy).
+
+        Args:
+            model: a `meshfit.Model` (its optimizer is included) or a ``torch.nn.Module``.
+            optimizer: a meshfit or torch optimizer whose state is compared too (default: the
+                Model's own).
+
+        Returns:
+            The state's digest (`meshfit.train.state_digest`'s), equal on every process.
+
+        Raises:
+            ReplicaDivergenceError: on every rank, naming the step, the first differing tensor's
+                path and the ranks that differ from the most common value (both of two).
+            ValueError: the model holds no tensors.
+
+        Example:
+            >>> import torch, meshfit as mf
+            >>> digest = mf.OneDeviceStrategy("cpu").verify_replicas(torch.nn.Linear(2, 1))
+            >>> sorted(digest)
+            ['bias', 'weight']
+        """
+        return verify_replicas(self, model, optimizer)
 
     def check_alive(self) -> None:
         """Raise if a peer is known to have stopped (distributed strategies watch heartbeats)."""

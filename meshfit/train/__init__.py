@@ -7,6 +7,7 @@ from meshfit.train._backup import claim_backup_dir as claim_backup_dir
 from meshfit.train._backup import delete_backup_dir as delete_backup_dir
 from meshfit.train._backup import restore_newest_intact as restore_newest_intact
 from meshfit.train._checkpoint import Checkpoint
+from meshfit.train._digest import state_digest
 from meshfit.train._manager import CheckpointManager, latest_checkpoint
 from meshfit.train._per_rank import PerRank
 from meshfit.train._reader import CheckpointReader, load_checkpoint
@@ -16,7 +17,7 @@ from meshfit.train._store import CheckpointStore, FileSystemStore
 
 __all__ = [
     "Checkpoint", "CheckpointManager", "CheckpointReader", "CheckpointStore", "FileSystemStore", "PerRank",
-    "SaveFuture", "latest_checkpoint", "load_checkpoint",
+    "SaveFuture", "latest_checkpoint", "load_checkpoint", "state_digest",
 ]
 
 _publish(__name__)

@@ -23,16 +23,11 @@ from meshfit._validation import path_like
 from meshfit.distribute import current_world
 from meshfit.train import _background, _storage
 from meshfit.train._compatibility import check_module_fits
+from meshfit.train._digest import agreed_record, local_record, verify_loaded
 from meshfit.train._entries import destination as _destination
 from meshfit.train._entries import entry_for as _entry_for
 from meshfit.train._own_copies import is_sharded, refuse_different_paths, save_own_copy, whole_tensors
-from meshfit.train._per_rank import (
-    PerRank,
-    check_shared_tensors_agree,
-    drop_buffers_rank_0_saves,
-    is_trackable,
-    shared_tensor_checksums,
-)
+from meshfit.train._per_rank import PerRank, drop_buffers_rank_0_saves, is_trackable, module_buffer_keys
 from meshfit.train._save_future import SaveFuture
 from meshfit.train._store import CheckpointStore, FileSystemStore, dcp_error, scratch
 
@@ -260,8 +255,8 @@ class Checkpoint:
         tensors: dict[str, torch.Tensor] = {}
         entries: dict[str, dict[str, Any]] = {}
         own_per_rank: dict[str, Any] = {}
-        shared_crcs: dict[str, str] = {}
         owners: dict[str, str] = {}
+        buffers: set[str] = set()  # rank 0's copy is saved; not compared across ranks
         per_rank_keys: list[str] = []
         buffers_of: list[tuple[Any, list[str]]] = []  # shared modules' tensors, for rank 0's buffers
         for name, (target, per_rank) in self._trackables.items():
@@ -276,13 +271,14 @@ class Checkpoint:
                 per_rank_keys += [k for k in tensors if k not in before]
             else:
                 entries[name]["state"] = tree
-                if distributed:
-                    added = [k for k in tensors if k not in before]
-                    shared_crcs.update(shared_tensor_checksums(target, added, tensors))
-                    owners.update(dict.fromkeys(added, name))
-                    buffers_of.append((target, added))
+                added = [k for k in tensors if k not in before]
+                owners.update(dict.fromkeys(added, name))
+                buffers |= module_buffer_keys(target, added)
+                buffers_of.append((target, added))
         world = dist.get_world_size(group) if distributed else 1
-        mine = json.dumps({"path": path, "trees": own_per_rank, "crcs": shared_crcs, "sharded": is_sharded(tensors)})
+        # each shared tensor's digest part (on its device): the ranks' copies are compared, the sum recorded
+        digests = local_record(tensors, list(owners), rank)
+        mine = json.dumps({"path": path, "trees": own_per_rank, "digests": digests, "sharded": is_sharded(tensors)})
         gathered = [json.loads(t) for t in (_storage.all_gather_text(mine, group) if distributed else [mine])]
         paths = [g["path"] for g in gathered]
         own_copies = len(set(paths)) > 1
@@ -293,10 +289,11 @@ class Checkpoint:
         elif rank != 0:  # one shared checkpoint: rank 0's buffers are saved, whatever DCP's dedup would pick
             for target, added in buffers_of:
                 drop_buffers_rank_0_saves(target, added, tensors)
-        check_shared_tensors_agree([g["crcs"] for g in gathered], owners)
         for name in own_per_rank:
             entries[name]["ranks"] = [g["trees"][name] for g in gathered]
-        document = {"format": _FORMAT, "version": _VERSION, "world_size": world, "trackables": entries}
+        record = agreed_record([g["digests"] for g in gathered], buffers, owners, self._job_world().failure.step or 0)
+        document = {"format": _FORMAT, "version": _VERSION, "world_size": world, "trackables": entries,
+                    "digest": record}
         return tensors, document, (paths if own_copies else None)
 
     def restore(self, path: str | os.PathLike | None) -> None:
@@ -356,6 +353,8 @@ class Checkpoint:
             dcp.load(destinations, storage_reader=reader, process_group=group, no_dist=not distributed)
         except CheckpointException as error:
             raise dcp_error(error, "read", path) from error
+        if "digest" in document:  # what was loaded is what the save recorded, before anything uses it
+            verify_loaded(destinations, document["digest"], world, path)
 
         def load(key: str, as_ndarray: bool) -> Any:
             return destinations[key].numpy() if as_ndarray else destinations[key]

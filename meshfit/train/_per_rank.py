@@ -7,8 +7,6 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from meshfit._storage import tensor_crc32
-
 
 def is_trackable(value: Any) -> bool:
     """True for a tensor or an object with callable ``state_dict`` and ``load_state_dict``."""
@@ -72,40 +70,3 @@ def drop_buffers_rank_0_saves(target: Any, keys: list[str], tensors: dict[str, t
     for key in module_buffer_keys(target, keys):
         if not isinstance(tensors[key], DTensor):
             del tensors[key]
-
-
-def shared_tensor_checksums(target: Any, keys: list[str], tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    """CRC-32C of each plain (non-DTensor) tensor a shared trackable saves, to compare across ranks.
-
-    A module's buffers are left out: rank 0's copy is the one saved (see `module_buffer_keys`).
-    """
-    buffers = module_buffer_keys(target, keys)
-    out = {}
-    for key in keys:
-        tensor = tensors[key]
-        if isinstance(tensor, DTensor) or key in buffers:
-            continue
-        out[key] = tensor_crc32(tensor.detach().cpu())
-    return out
-
-
-def check_shared_tensors_agree(gathered: list[dict[str, str]], owners: dict[str, str]) -> None:
-    """Refuse a save that would keep only rank 0's copy of a tensor that differs between ranks.
-
-    Args:
-        gathered: every rank's ``{dcp_key: crc32c}`` from `shared_tensor_checksums`, by rank.
-        owners: ``{dcp_key: trackable name}`` for the message.
-
-    Raises:
-        ValueError: naming the trackable, the key, each rank's checksum and the fix.
-    """
-    for key in sorted(gathered[0]):
-        values = [g.get(key) for g in gathered]
-        if len(set(values)) > 1:
-            name = owners.get(key, key.split("/", 1)[0])
-            per_rank = ", ".join(f"rank {r}: crc32c {v}" for r, v in enumerate(values))
-            raise ValueError(
-                f"Cannot checkpoint {name!r}: tensor {key!r} differs between ranks ({per_rank}), and a "
-                "Checkpoint stores one copy of a shared tensor, so the other ranks' values would be lost. "
-                f"Wrap it to save one copy per rank: Checkpoint({name}=meshfit.train.PerRank(...)); or make "
-                "the value equal on every rank (e.g. reduce it) before saving.")

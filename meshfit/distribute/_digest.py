@@ -1,0 +1,229 @@
+"""A 64-bit digest of a logical tensor that does not depend on how it is laid out.
+
+The tensor's bytes are read as 32-bit words; word ``w`` (its index in the logical, row-major tensor)
+with bits ``b`` adds ``u32(b * K[w % C]) * W[w % C] * M[w // C]`` to a sum taken modulo ``2**64``:
+``K`` odd 32-bit keys and ``M`` odd 64-bit row keys (both from splitmix64, fixed), ``W`` 1 or ``2**32``
+(even and odd words fill the two halves of a 64-bit lane, so a row's sum is one int64 ``sum`` of
+the products viewed as int64). A shard holds words ``[o, o + n)`` of the logical tensor (or a
+sub-block: then each word's global index is computed), sums its part on its device, and the parts
+add up, in any order, to the digest of the whole tensor: replicated, sharded on any mesh, or in
+one process. Changing one word changes the sum (an odd key is invertible modulo ``2**32``).
+
+No host copy of the tensor is made: the work is a multiply and a sum per block, on the tensor's
+device; the host reads one int64 per tensor at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import sys
+from typing import Any
+
+import torch
+
+COLUMNS = 1 << 16  # words per key row (C)
+BLOCK_ROWS = 64  # key rows per CPU block: 16 MB of products, large enough for torch's threads to pay off
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _signed(value: int) -> int:
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 values (torch's ``>>`` is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 of int64 values, with int64 wrap-around."""
+    z = x * _signed(_GOLDEN) + _signed(_GOLDEN)
+    z = (z ^ _shift_right(z, 30)) * _signed(0xBF58476D1CE4E5B9)
+    z = (z ^ _shift_right(z, 27)) * _signed(0x94D049BB133111EB)
+    return z ^ _shift_right(z, 31)
+
+
+def mix64(value: int) -> int:
+    """splitmix64 of a Python int, as an unsigned 64-bit int (for combining digests on the host)."""
+    z = (value * _GOLDEN + _GOLDEN) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def text_hash(text: str) -> int:
+    """A 64-bit hash of ``text`` equal in every process (Python's ``hash`` is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+@functools.cache  # a fixed table per device (512 KiB), made once
+def _keys(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K as int32, W as int64): the column keys and lane weights, on ``device``."""
+    columns = torch.arange(COLUMNS, dtype=torch.int64, device=device)
+    low = (_splitmix(columns + 0x5EED) & 0xFFFFFFFF) | 1
+    keys = torch.where(low >= 1 << 31, low - (1 << 32), low).to(torch.int32)
+    weights = torch.where(columns % 2 == 0, 1, 1 << 32).to(torch.int64)
+    return keys, weights
+
+
+def _row_keys(rows: torch.Tensor) -> torch.Tensor:
+    return _splitmix(rows + 0x40E5) | 1
+
+
+def words_of(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The tensor's bits as a flat int32 tensor, and how many words each element has (1, 2 or 4)."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    size = flat.element_size()
+    if size >= 4:
+        return flat.view(torch.int32), size // 4
+    return flat.view(torch.int16 if size == 2 else torch.int8).to(torch.int32), 1
+
+
+def _indexed_sum(words: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The sum for words at the given global word indices (any order)."""
+    keys, weights = _keys(words.device)
+    columns = index % COLUMNS
+    lanes = (words * keys[columns]).to(torch.int64) & 0xFFFFFFFF
+    return (lanes * weights[columns] * _row_keys(index // COLUMNS)).sum()
+
+
+def range_sum(words: torch.Tensor, start: int) -> torch.Tensor:
+    """The sum for ``words`` occupying global word indices ``[start, start + len(words))`` (int64, 0-d)."""
+    device = words.device
+    total = torch.zeros((), dtype=torch.int64, device=device)
+    count = words.numel()
+    head = min((-start) % COLUMNS, count)
+    if head:
+        total += _partial_row(words[:head], start)
+    rows = (count - head) // COLUMNS
+    if rows:
+        keys, _ = _keys(device)
+        first_row = (start + head) // COLUMNS
+        matrix = words[head:head + rows * COLUMNS].view(rows, COLUMNS)
+        block = BLOCK_ROWS if device.type == "cpu" else 256
+        scratch = torch.empty(min(block, rows), COLUMNS, dtype=torch.int32, device=device)
+        row_sums = torch.empty(rows, dtype=torch.int64, device=device)
+        for begin in range(0, rows, block):
+            part = matrix[begin:begin + block]
+            products = scratch[:part.shape[0]]
+            torch.mul(part, keys, out=products)  # int32: wraps modulo 2**32
+            torch.sum(products.view(torch.int64), dim=1, out=row_sums[begin:begin + part.shape[0]])
+        row_index = torch.arange(first_row, first_row + rows, dtype=torch.int64, device=device)
+        total += (row_sums * _row_keys(row_index)).sum()
+    tail_start = head + rows * COLUMNS
+    if tail_start < count:
+        total += _partial_row(words[tail_start:], start + tail_start)
+    return total
+
+
+def _partial_row(words: torch.Tensor, start: int) -> torch.Tensor:
+    """The sum for words within one key row, from global index ``start``: the row padded with zero
+    words (which add nothing), then the full-row path."""
+    keys, _ = _keys(words.device)
+    row = torch.zeros(COLUMNS, dtype=torch.int32, device=words.device)
+    column = start % COLUMNS
+    row[column:column + words.numel()] = words
+    row_key = _row_keys(torch.tensor(start // COLUMNS, dtype=torch.int64, device=words.device))
+    return (row * keys).view(torch.int64).sum() * row_key
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalDigest:
+    """This process's part of one tensor's digest.
+
+    Attributes:
+        value: the int64 sum over the elements this process holds (0-d, on the tensor's device).
+        canonical: whether this process's part counts in the tensor's digest (one copy of each
+            shard: replicas along a mesh axis the tensor is replicated on do not add theirs).
+        shard: which part of the tensor this process holds (mesh coordinates along the axes it is
+            sharded on; ``()`` for a whole tensor); processes with the same shard should agree.
+        meta: a hash of the logical shape and dtype, mixed into the final digest.
+    """
+
+    value: torch.Tensor
+    canonical: bool
+    shard: tuple[int, ...]
+    meta: int
+
+
+def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return text_hash(f"{tuple(shape)}|{dtype}")
+
+
+def local_digest(tensor: torch.Tensor, rank: int = 0) -> LocalDigest:
+    """This process's part of the digest of ``tensor`` (a plain tensor, or a DTensor's shard).
+
+    A plain tensor is whole on every process of a job: rank ``0``'s copy is the one that counts.
+    """
+    dtensor = _dtensor_module()
+    if dtensor is not None and isinstance(tensor, dtensor.DTensor):
+        return _sharded_digest(tensor, dtensor)
+    words, _ = words_of(tensor)
+    return LocalDigest(range_sum(words, 0), rank == 0, (), _meta(tuple(tensor.shape), tensor.dtype))
+
+
+def _sharded_digest(tensor: Any, dtensor: Any) -> LocalDigest:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+    if any(isinstance(p, Partial) for p in tensor.placements):  # a pending sum: its value is the reduced one
+        tensor = tensor.redistribute(tensor.device_mesh,
+                                     [Replicate() if isinstance(p, Partial) else p for p in tensor.placements])
+    mesh, placements = tensor.device_mesh, tensor.placements
+    global_shape = tuple(tensor.shape)
+    meta = _meta(global_shape, tensor.dtype)
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # not on this tensor's mesh: holds nothing of it
+        return LocalDigest(torch.zeros((), dtype=torch.int64), False, (), meta)
+    canonical = all(c == 0 for c, p in zip(coordinate, placements, strict=True) if not isinstance(p, Shard))
+    shard = tuple(c for c, p in zip(coordinate, placements, strict=True) if isinstance(p, Shard))
+    local = tensor.to_local()
+    local_shape, offset = compute_local_shape_and_global_offset(global_shape, mesh, placements)
+    words, per_element = words_of(local)
+    if local.numel() == 0:
+        return LocalDigest(torch.zeros((), dtype=torch.int64, device=local.device), canonical, shard, meta)
+    strides = _row_major_strides(global_shape)
+    first = sum(o * s for o, s in zip(offset, strides, strict=True))
+    if _is_flat_range(local_shape, global_shape):
+        return LocalDigest(range_sum(words, first * per_element), canonical, shard, meta)
+    index = torch.zeros(local_shape, dtype=torch.int64, device=local.device)
+    for dim, (size, start, stride) in enumerate(zip(local_shape, offset, strides, strict=True)):
+        view = [1] * len(local_shape)
+        view[dim] = size
+        index += ((torch.arange(size, device=local.device) + start) * stride).view(view)
+    word_index = (index.reshape(-1, 1) * per_element + torch.arange(per_element, device=local.device)).reshape(-1)
+    return LocalDigest(_indexed_sum(words, word_index), canonical, shard, meta)
+
+
+def _row_major_strides(shape: tuple[int, ...]) -> list[int]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return strides[::-1]
+
+
+def _is_flat_range(local_shape: tuple[int, ...], global_shape: tuple[int, ...]) -> bool:
+    """Whether a block of ``local_shape`` is one contiguous range of the row-major global tensor."""
+    dims = [d for d, (a, b) in enumerate(zip(local_shape, global_shape, strict=True)) if a != b]
+    if not dims:
+        return True
+    return all(local_shape[d] == 1 for d in range(dims[0])) and dims == [dims[0]]
+
+
+def finish_digest(raw: int, meta: int) -> int:
+    """A tensor's digest from its summed parts (a Python int modulo 2**64) and its shape/dtype hash."""
+    return mix64((raw & _MASK64) ^ meta)
+
+
+def combine_digests(digests: dict[str, int]) -> int:
+    """The digest of a whole state from each tensor's: an order-free sum keyed by each path."""
+    return sum(mix64(value ^ text_hash(path)) for path, value in digests.items()) & _MASK64
+
+
+def _dtensor_module() -> Any:
+    return sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor exists

@@ -1,0 +1,222 @@
+"""Replicas proven identical: the training state's digest per tensor, compared across replicas.
+
+``named_state`` lists what a replica holds (the module's parameters and buffers by path, the
+optimizer's state as ``optimizer/<param path>/<state name>`` and its step count); every process
+computes its part of each tensor's layout-independent digest (`meshfit.distribute._digest`) on the
+device; ``compare_replicas`` finds the first tensor whose replicas differ, and the ranks that
+differ from the most common value (all of them when no value is the most common: both of two).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol, cast, runtime_checkable
+
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parameter import is_lazy
+
+from meshfit.distribute._buffers import agree_buffers
+from meshfit.distribute._digest import LocalDigest, combine_digests, finish_digest, local_digest
+
+
+class ReplicaDivergenceError(ValueError):
+    """Replicas that should hold the same state do not: the first differing tensor and the ranks.
+
+    Attributes:
+        step: the optimizer step at which the difference was found.
+        path: the first differing tensor (``optimizer/<param path>/<state name>`` for optimizer
+            state; a checkpoint's tensor key when found while saving).
+        ranks: the ranks whose digest differs from the most common one (all of them when no value
+            is the most common, so both of two replicas).
+    """
+
+    def __init__(self, step: int, path: str, ranks: Sequence[int], detail: str = "", prefix: str = "") -> None:
+        self.step, self.path, self.ranks, self.detail = int(step), str(path), list(ranks), detail
+        self.prefix = prefix
+        super().__init__(f"{prefix}Replicas diverged at step {self.step}: {self.path!r} differs on rank(s) "
+                         f"{', '.join(map(str, self.ranks))}{detail}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.step, self.path, self.ranks, self.detail, self.prefix)
+
+
+class StateDigest(Mapping[str, int]):
+    """Each tensor's 64-bit digest by path (unsigned ints), and ``total``: the whole state's."""
+
+    def __init__(self, digests: dict[str, int]) -> None:
+        self._digests = dict(digests)
+        self.total = combine_digests(self._digests)
+
+    def __getitem__(self, path: str) -> int:
+        return self._digests[path]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._digests)
+
+    def __len__(self) -> int:
+        return len(self._digests)
+
+    def __repr__(self) -> str:
+        return f"StateDigest({len(self)} tensors, total=0x{self.total:016x})"
+
+
+@runtime_checkable
+class _HoldsModule(Protocol):
+    """A meshfit ``Model`` (or any trainable): the user's module, and its optimizer."""
+
+    module: torch.nn.Module
+    optimizer: Any
+
+
+@runtime_checkable
+class _StepCounted(Protocol):
+    """A meshfit optimizer: whether it is built, and its step count (checked without building it)."""
+
+    built: bool
+    iterations: int
+
+
+class _WrapsTorchOptimizer(_StepCounted, Protocol):
+    """A built meshfit optimizer: the torch optimizer it holds."""
+
+    @property
+    def torch_optimizer(self) -> torch.optim.Optimizer: ...
+
+
+@runtime_checkable
+class _SynchronizedNorm(Protocol):
+    """A batch norm whose statistics are the global batch's (meshfit's or torch's ``SyncBatchNorm``)."""
+
+    process_group: Any
+
+
+def resolve_state(model: Any, optimizer: Any = None) -> tuple[torch.nn.Module, Any]:
+    """The module and the optimizer a digest covers (a meshfit Model brings its own optimizer)."""
+    if isinstance(model, torch.nn.Module):
+        module = model
+    elif isinstance(model, _HoldsModule) and isinstance(model.module, torch.nn.Module):
+        module = model.module
+        if optimizer is None:
+            optimizer = model.optimizer
+    else:
+        raise TypeError(f"Invalid `model`: expected a meshfit.Model or a torch.nn.Module, received "
+                        f"{type(model).__name__}. Pass the model whose state the replicas share.")
+    if optimizer is not None and not isinstance(optimizer, (torch.optim.Optimizer, _StepCounted)):
+        raise TypeError(f"Invalid `optimizer`: expected a meshfit or torch optimizer (or None), received "
+                        f"{type(optimizer).__name__}.")
+    return module, optimizer
+
+
+def named_state(module: torch.nn.Module, optimizer: Any = None) -> tuple[list[tuple[str, torch.Tensor]], set[str]]:
+    """The state's tensors by path, in a fixed order, and the paths DDP agrees on rank 0's copy
+    (plain batch-norm running statistics; synchronized batch norms' are compared as they are)."""
+    lazy = [name for name, p in module.named_parameters() if is_lazy(p)]
+    if lazy:
+        raise ValueError(f"Invalid `model`: {type(module).__name__} holds no tensors yet: {lazy[0]!r} is a lazy "
+                         "parameter, not built. Call the model on a batch (or fit it) before asking for its digest.")
+    state: list[tuple[str, torch.Tensor]] = [(k, v) for k, v in module.state_dict().items()
+                                             if isinstance(v, torch.Tensor)]
+    agreed = {f"{prefix}.{name}" if prefix else name
+              for prefix, child in module.named_modules()
+              if isinstance(child, _BatchNorm) and not isinstance(child, _SynchronizedNorm)
+              for name, _ in child.named_buffers(recurse=False)}
+    if optimizer is not None:
+        state += _optimizer_state(module, optimizer)
+    if not state:
+        raise ValueError(f"Invalid `model`: {type(module).__name__} holds no tensors (no parameters or buffers, "
+                         "and no optimizer state), so there is no state to digest. Pass the model after it is "
+                         "built (a lazy module is built by its first call or by fit).")
+    return state, agreed & {path for path, _ in state}
+
+
+def _optimizer_state(module: torch.nn.Module, optimizer: Any) -> list[tuple[str, torch.Tensor]]:
+    state: list[tuple[str, torch.Tensor]] = []
+    if isinstance(optimizer, _StepCounted) and not isinstance(optimizer, torch.optim.Optimizer):
+        if not optimizer.built:
+            return state
+        state.append(("optimizer/iterations", torch.tensor(int(optimizer.iterations), dtype=torch.int64)))
+        optimizer = cast(_WrapsTorchOptimizer, optimizer).torch_optimizer
+    names = {id(p): name for name, p in module.named_parameters()}
+    index = 0
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            name = names.get(id(parameter), f"param{index}")
+            index += 1
+            for key, value in sorted(optimizer.state.get(parameter, {}).items(), key=lambda kv: str(kv[0])):
+                if isinstance(value, torch.Tensor):
+                    state.append((f"optimizer/{name}/{key}", value))
+                elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                    dtype = torch.float64 if isinstance(value, float) else torch.int64
+                    state.append((f"optimizer/{name}/{key}", torch.tensor(value, dtype=dtype)))
+    return state
+
+
+def local_parts(tensors: Sequence[torch.Tensor], rank: int) -> tuple[list[int], list[LocalDigest]]:
+    """Each tensor's local part on ``rank`` (one host read for all: the int64 sums copied together)."""
+    parts = [local_digest(t, rank) for t in tensors]
+    if not parts:
+        return [], parts
+    values = torch.stack([p.value.to("cpu") if p.value.device.type != "cpu" else p.value for p in parts])
+    return [int(v) for v in values.tolist()], parts
+
+
+def reduce_parts(paths: Sequence[str], values: Sequence[int], parts: Sequence[LocalDigest],
+                 world: Any) -> dict[str, int]:
+    """Every tensor's digest, equal on every process: one copy of each shard summed (control plane)."""
+    masked = torch.tensor([v if p.canonical else 0 for v, p in zip(values, parts, strict=True)], dtype=torch.int64)
+    if world.distributed:
+        world.control_all_reduce(masked)
+    return {path: finish_digest(int(v), p.meta) for path, v, p in zip(paths, masked.tolist(), parts, strict=True)}
+
+
+def compare_replicas(paths: Sequence[str], gathered: Sequence[tuple[list[int], list[Any]]],
+                     skip: frozenset[str] = frozenset()) -> tuple[str, list[int], str] | None:
+    """The first path whose copies differ among the ranks holding the same shard, the ranks that
+    differ (the minority; all when no value is most common) and each rank's digest for the message."""
+    for index, path in enumerate(paths):
+        if path in skip:
+            continue
+        groups: dict[Any, list[int]] = collections.defaultdict(list)
+        for rank, (_, shards) in enumerate(gathered):
+            groups[tuple(shards[index])].append(rank)
+        for ranks in groups.values():
+            values = {rank: gathered[rank][0][index] & ((1 << 64) - 1) for rank in ranks}
+            counts = collections.Counter(values.values()).most_common()
+            if len(counts) < 2:
+                continue
+            if counts[0][1] > counts[1][1]:
+                odd = [rank for rank in ranks if values[rank] != counts[0][0]]
+            else:
+                odd = list(ranks)
+            detail = ", ".join(f"rank {r}: 0x{v:016x}" for r, v in values.items())
+            return path, odd, detail
+    return None
+
+
+def verify_replicas(strategy: Any, model: Any, optimizer: Any = None) -> StateDigest:
+    """Compare every replica's digest of the state it should share (see `Strategy.verify_replicas`)."""
+    module, optimizer = resolve_state(model, optimizer)
+    state, agreed = named_state(module, optimizer)
+    world = strategy.world
+    paths = [path for path, _ in state]
+    first = [(p, t) for p, t in state if p not in agreed]
+    values, parts = local_parts([t for _, t in first], world.rank)
+    if agreed:  # DDP trains with rank 0's statistics: they are compared once every replica has rank 0's
+        agree_buffers(module, strategy)
+    later = [(p, t) for p, t in state if p in agreed]
+    more_values, more_parts = local_parts([t for _, t in later], world.rank)
+    by_path = dict(zip([p for p, _ in first] + [p for p, _ in later],
+                       zip(values + more_values, parts + more_parts, strict=True), strict=True))
+    ordered = [by_path[p] for p in paths]
+    mine = ([v for v, _ in ordered], [list(p.shard) for _, p in ordered], [p.canonical for _, p in ordered])
+    gathered = world.all_gather_object(mine) if world.distributed else [mine]
+    found = compare_replicas(paths, [(g[0], g[1]) for g in gathered])
+    if found is not None:
+        path, ranks, detail = found
+        step = optimizer.iterations if isinstance(optimizer, _StepCounted) else (strategy.failure.step or 0)
+        raise ReplicaDivergenceError(step, path, ranks, f" (each rank's digest of its copy: {detail}).")
+    totals = [sum(g[0][i] for g in gathered if g[2][i]) for i in range(len(paths))]
+    return StateDigest({path: finish_digest(total, part.meta) for path, total, (_, part) in zip(paths, totals, ordered,
+                                                                                          strict=True)})
