@@ -127,7 +127,7 @@ def _partial_row(words: torch.Tensor, start: int) -> torch.Tensor:
     row = torch.zeros(COLUMNS, dtype=torch.int32, device=words.device)
     column = start % COLUMNS
     row[column:column + words.numel()] = words
-    row_key = _row_keys(torch.tensor(start // COLUMNS, dtype=torch.int64, device=words.device))
+    row_key = _row_keys(torch.full((), start // COLUMNS, dtype=torch.int64, device=words.device))  # no host copy
     return (row * keys).view(torch.int64).sum() * row_key
 
 
