@@ -74,6 +74,18 @@ def _row_keys(rows: torch.Tensor) -> torch.Tensor:
     return _splitmix(rows + 0x40E5) | 1
 
 
+@functools.cache  # a few small tables per device (8 bytes a row of 65,536 words), made once
+def _row_key_table(device: torch.device, size: int) -> torch.Tensor:
+    return _row_keys(torch.arange(size, dtype=torch.int64, device=device))
+
+
+def _row_key_range(first: int, count: int, device: torch.device) -> torch.Tensor:
+    """The keys of rows ``[first, first + count)``: a slice of a table made once per device and size
+    (on a GPU a small tensor's digest is bound by kernel launches; splitmix per call was 24 of them)."""
+    size = 1 << max(10, (first + count - 1).bit_length())
+    return _row_key_table(device, size)[first:first + count]
+
+
 def words_of(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
     """The tensor's bits as a flat int32 tensor, and how many words each element has (1, 2 or 4)."""
     flat = tensor.detach().contiguous().reshape(-1)
@@ -112,8 +124,7 @@ def range_sum(words: torch.Tensor, start: int) -> torch.Tensor:
             products = scratch[:part.shape[0]]
             torch.mul(part, keys, out=products)  # int32: wraps modulo 2**32
             torch.sum(products.view(torch.int64), dim=1, out=row_sums[begin:begin + part.shape[0]])
-        row_index = torch.arange(first_row, first_row + rows, dtype=torch.int64, device=device)
-        total += (row_sums * _row_keys(row_index)).sum()
+        total += (row_sums * _row_key_range(first_row, rows, device)).sum()
     tail_start = head + rows * COLUMNS
     if tail_start < count:
         total += _partial_row(words[tail_start:], start + tail_start)
@@ -127,7 +138,7 @@ def _partial_row(words: torch.Tensor, start: int) -> torch.Tensor:
     row = torch.zeros(COLUMNS, dtype=torch.int32, device=words.device)
     column = start % COLUMNS
     row[column:column + words.numel()] = words
-    row_key = _row_keys(torch.full((), start // COLUMNS, dtype=torch.int64, device=words.device))  # no host copy
+    row_key = _row_key_range(start // COLUMNS, 1, words.device)[0]  # a view: no host copy, no kernel
     return (row * keys).view(torch.int64).sum() * row_key
 
 
