@@ -25,8 +25,11 @@ from datetime import timedelta
 from multiprocessing import forkserver, resource_tracker
 from typing import Any
 
-# Imported once in the fork server; everything else a test module imports is imported by each rank.
-_PRELOAD = ["torch", "torch.distributed", "numpy", "pytest", "meshfit"]
+# Imported once in the fork server (single-threaded: importing them starts no thread, so forking is
+# safe); anything else a test module imports, each rank imports for itself.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint",
+            "torch.distributed.fsdp", "torch._dynamo", "numpy", "pytest", "meshfit", "meshfit.estimator",
+            "meshfit.train"]
 
 
 class ChildProcessError_(RuntimeError):
@@ -104,6 +107,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, args: tuple = (
                 try:
                     rank, status, value = results.get(timeout=timeout)
                 except queue.Empty:
+                    errors.append("timed out")  # nothing more to wait for below
                     raise TimeoutError(f"run_distributed: no result from some ranks within {timeout}s; "
                                        f"got ranks {sorted(out)}") from None
                 if status == "ok":

@@ -8,7 +8,7 @@ import os
 import time
 
 import pytest
-from _multiproc import ChildProcessError_, run_distributed
+from _multiproc import ChildProcessError_, helper_pids, run_distributed
 
 
 def _report(rank, world_size):
@@ -71,3 +71,12 @@ def test_a_hung_rank_times_out_is_ended_and_the_next_call_works():
         run_distributed(_hang, timeout=3)
     assert time.monotonic() - started < 60
     assert run_distributed(_raise, world_size=1) == [0]
+
+
+def test_the_fork_server_is_single_threaded_so_forking_it_is_safe():
+    run_distributed(_raise, world_size=1)  # starts the server if no earlier test did
+    from multiprocessing import forkserver
+
+    pid = forkserver._forkserver._forkserver_pid
+    assert pid in helper_pids()
+    assert len(os.listdir(f"/proc/{pid}/task")) == 1  # a preloaded module that starts a thread fails here
