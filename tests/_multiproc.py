@@ -1,8 +1,16 @@
 """Run a function on N real processes joined in a gloo process group (file:// rendezvous).
 
-Used by the tests as PyTorch's ``DTensorTestBase`` and Accelerate's ``debug_launcher`` are: spawn,
-``OMP_NUM_THREADS=1``, a timeout, child exceptions re-raised in the parent, process groups destroyed
-in ``finally``, and no child left behind.
+Used by the tests as PyTorch's ``DTensorTestBase`` and Accelerate's ``debug_launcher`` are: a fresh
+process per rank, ``OMP_NUM_THREADS=1``, a timeout, child exceptions re-raised in the parent, process
+groups destroyed in ``finally``, and no child left behind.
+
+The ranks are forked from a fork server (multiprocessing's ``forkserver``) that imported torch, meshfit
+and pytest once for the whole session: a rank costs a fork, not a new interpreter plus ``import torch``
+(1-5 s each on a loaded 2-core machine). Each rank is still a new process that has run nothing: no
+strategy, policy, process group, thread pool or seed carries over from an earlier test. The rank gets
+the caller's environment of the moment (not the server's, which froze when it started) plus ``env``.
+``start_method="spawn"`` gives a test a new interpreter instead (e.g. one that must import torch under
+its own environment variables).
 """
 
 from __future__ import annotations
@@ -14,7 +22,14 @@ import tempfile
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing import forkserver, resource_tracker
 from typing import Any
+
+# Imported once in the fork server (single-threaded: importing them starts no thread, so forking is
+# safe); anything else a test module imports, each rank imports for itself.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint",
+            "torch.distributed.fsdp", "torch._dynamo", "numpy", "pytest", "meshfit", "meshfit.estimator",
+            "meshfit.train"]
 
 
 class ChildProcessError_(RuntimeError):
@@ -23,6 +38,7 @@ class ChildProcessError_(RuntimeError):
 
 def _child(fn: Callable[..., Any], rank: int, world_size: int, init_file: str, args: tuple,
            env: dict[str, str], results: mp.Queue) -> None:
+    os.environ.clear()
     os.environ.update(env)
     import torch
     import torch.distributed as dist
@@ -41,12 +57,43 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, init_file: str, a
         results.put((rank, "error", traceback.format_exc()))
 
 
+def _forkserver_context() -> Any:
+    """The fork-server context, its server started with the modules above imported single-threaded."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    # The server imports torch once: with one OpenMP thread, as every rank runs.
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    return ctx
+
+
+def helper_pids() -> set[int]:
+    """The session-long helper processes of multiprocessing (fork server, resource tracker), if started.
+
+    They are no test's leak: the conftest guard leaves them alone. Their own children (the ranks) are
+    still the test's to end.
+    """
+    pids = {getattr(forkserver._forkserver, "_forkserver_pid", None),
+            getattr(resource_tracker._resource_tracker, "_pid", None)}
+    return {pid for pid in pids if pid is not None}
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int = 2, args: tuple = (), timeout: float = 120.0,
-                    env: dict[str, str] | None = None) -> list[Any]:
+                    env: dict[str, str] | None = None, start_method: str = "forkserver") -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results by rank."""
-    ctx = mp.get_context("spawn")
+    if start_method not in ("forkserver", "spawn"):
+        raise ValueError(f"Invalid `start_method`: expected 'forkserver' or 'spawn', received "
+                         f"start_method={start_method!r}.")
+    ctx = _forkserver_context() if start_method == "forkserver" else mp.get_context("spawn")
     results = ctx.Queue()
-    child_env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    child_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [ctx.Process(target=_child, args=(fn, r, world_size, init_file, args, child_env, results),
@@ -60,6 +107,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, args: tuple = (
                 try:
                     rank, status, value = results.get(timeout=timeout)
                 except queue.Empty:
+                    errors.append("timed out")  # nothing more to wait for below
                     raise TimeoutError(f"run_distributed: no result from some ranks within {timeout}s; "
                                        f"got ranks {sorted(out)}") from None
                 if status == "ok":

@@ -43,13 +43,27 @@ def _source(function: object) -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    starters: dict[int, set[str]] = {}
+    starters: dict[str, set[str]] = {}
+
+    def starts_processes(function: object) -> bool:
+        """``function`` starts processes itself or through a process-starting function of its module."""
+        module = sys.modules.get(getattr(function, "__module__", "") or "")
+        if module is None or not (getattr(module, "__file__", None) or "").startswith(TESTS):
+            return False  # pytest's own fixtures (tmp_path, capsys...) start nothing
+        names = starters.setdefault(module.__name__, _process_starters(module))
+        source = _source(function)
+        return (getattr(function, "__name__", None) in names or bool(_STARTS_PROCESSES.search(source))
+                or any(re.search(rf"\b{re.escape(s)}\(", source) for s in names))
+
     for item in items:
-        function, module = getattr(item, "function", None), getattr(item, "module", None)
-        if function is None or module is None:
+        function = getattr(item, "function", None)
+        if function is None:
             continue
-        names = starters.setdefault(id(module), _process_starters(module))
-        if function.__name__ in names:
+        # The test's own body, or any fixture it uses (directly or through other fixtures).
+        fixtures = getattr(item, "_fixtureinfo", None)
+        fixture_functions = [definition.func for definitions in (fixtures.name2fixturedefs.values() if fixtures else ())
+                             for definition in definitions]
+        if starts_processes(function) or any(starts_processes(f) for f in fixture_functions):
             item.add_marker(pytest.mark.slow)
 
 
@@ -81,11 +95,9 @@ def _children(pid: int) -> set[int]:
     return kids
 
 
-# multiprocessing's resource tracker lives for the whole session: start it before any guard looks.
-from multiprocessing import resource_tracker  # noqa: E402
-
-resource_tracker.ensure_running()
-
+# multiprocessing's fork server (run_distributed's ranks fork from it) and resource tracker live for the
+# whole session once started: no test's leak. Nothing starts them here: `make test-quick` starts no process.
+from _multiproc import helper_pids  # noqa: E402
 
 # Set by pytest itself, or by torch on first use of inductor-backed ops: not the test's doing.
 _ENV_SET_BY_TOOLS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"}
@@ -109,10 +121,10 @@ def _no_leaks():
     os.environ.clear()
     os.environ.update(env_before)
     deadline = time.monotonic() + 5
-    leaked = _children(os.getpid()) - kids_before
+    leaked = _children(os.getpid()) - kids_before - helper_pids()
     while leaked and time.monotonic() < deadline:
         time.sleep(0.1)
-        leaked = _children(os.getpid()) - kids_before
+        leaked = _children(os.getpid()) - kids_before - helper_pids()
     for pid in leaked:
         try:
             os.kill(pid, 9)
