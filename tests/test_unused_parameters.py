@@ -63,17 +63,18 @@ def _optimizer(name: str):
 def _train(strategy, model_name: str, optimizer: str):
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(36, 4)).astype("float32"), rng.normal(size=(36, 3)).astype("float32")
+    x, y = rng.normal(size=(37, 4)).astype("float32"), rng.normal(size=(37, 3)).astype("float32")
     with strategy.scope():
         model = mf.Model(MODELS[model_name]())
         model.compile(_optimizer(optimizer), "mse")
-    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)  # 36 = 4 * 8 + 4: an uneven last batch
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)  # 37 = 4 * 8 + 5: a last batch split 3 + 2
     searching = getattr(model.placement.module, "find_unused_parameters", None)  # None: no DDP (one process)
     return model.get_weights(), searching
 
 
-def _worker(rank: int, world: int, model_name: str, optimizer: str):
-    return _train(mf.MultiWorkerMirroredStrategy(), model_name, optimizer)
+def _worker(rank: int, world: int, model_name: str, optimizer: str, compression: str | None = None):
+    options = mf.CommunicationOptions(gradient_compression=compression)
+    return _train(mf.MultiWorkerMirroredStrategy(communication_options=options), model_name, optimizer)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
@@ -99,3 +100,14 @@ def test_a_model_using_every_parameter_drops_the_graph_search():
         assert searching is False
         for got, want in zip(weights, single, strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_bfloat16_compression_with_an_unused_layer():
+    single, _ = _train(mf.OneDeviceStrategy("cpu"), "unused_layer", "adam")
+    results = run_distributed(_worker, world_size=2, args=("unused_layer", "adam", "bfloat16"), timeout=180)
+    for weights, searching in results:
+        assert searching is True
+        for got, want in zip(weights[:2], single[:2], strict=True):  # the used layer: bfloat16 rounding
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-2)
+        np.testing.assert_array_equal(weights[2], single[2])  # the unused layer: untouched
+        np.testing.assert_array_equal(weights[3], single[3])

@@ -283,9 +283,9 @@ class CollectiveStrategy(Strategy):
         pack: dict[str, Any] = {"bucket_cap_mb": options.bytes_per_pack / 2**20} if options.bytes_per_pack else {}
         weight = self._gradient_weight
 
-        def build(find_unused: bool) -> DistributedDataParallel:
+        def build(find_unused: bool, static_graph: bool) -> DistributedDataParallel:
             ddp = DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True,
-                                          find_unused_parameters=find_unused, **pack)
+                                          find_unused_parameters=find_unused, static_graph=static_graph, **pack)
             if weight.compression == "bfloat16":
                 ddp.register_comm_hook(weight, bfloat16_allreduce_hook)
             return ddp

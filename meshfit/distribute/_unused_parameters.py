@@ -8,11 +8,12 @@ handles it as one process does (a parameter no replica used keeps a None gradien
 replicas used gets their average), but walks the autograd graph and all-reduces a used-parameter map
 every step.
 
-So the first training step runs with ``find_unused_parameters=True`` and records which parameters got
-a gradient on this replica. At the next training forward the replicas agree (one MIN all-reduce): if
-every parameter got a gradient everywhere, the module is re-wrapped without the search, and later
-steps cost what plain DDP costs; otherwise the search stays on for the whole run (a branch taken on
-some steps only, or on some replicas only, then works too). A model whose every parameter was used on
+So the first training step runs under DDP's ``static_graph=True`` (whose first iteration finds the
+unused parameters once, as the search does, and says nothing when there are none) and records which
+parameters got a gradient on this replica. At the next training forward the replicas agree (one MIN
+all-reduce) and the module is re-wrapped: without the search if every parameter got a gradient
+everywhere (later steps cost what plain DDP costs), else with ``find_unused_parameters=True`` for the
+rest of the run (a branch taken on some steps only, or on some replicas only, then works too). A model whose every parameter was used on
 the first step but not on a later one is refused with the fix (`UnusedParameterError`).
 """
 
@@ -39,15 +40,16 @@ class ProbingDataParallel(nn.Module):
     """``build(find_unused)``'s DDP wrapper, searching for unused parameters only where needed.
 
     Args:
-        build: makes the DDP wrapper (with its communication hook) for ``find_unused_parameters``.
+        build: makes the DDP wrapper (with its communication hook) for ``find_unused_parameters`` and
+            ``static_graph`` (the first step's).
         group: the process group of the replicas (None: the default group).
     """
 
-    def __init__(self, build: Callable[[bool], DistributedDataParallel], group: Any = None) -> None:
+    def __init__(self, build: Callable[[bool, bool], DistributedDataParallel], group: Any = None) -> None:
         super().__init__()
         self._build = build
         self._group = group
-        self.wrapped = build(True)
+        self.wrapped = build(False, True)
         self._params = [p for p in self.wrapped.module.parameters() if p.requires_grad]
         self._used: set[int] = set()
         self._handles: list[Any] | None = [
@@ -57,7 +59,7 @@ class ProbingDataParallel(nn.Module):
     @property
     def find_unused_parameters(self) -> bool:
         """Whether the wrapper now searches the graph for unused parameters every step."""
-        return bool(self.wrapped.find_unused_parameters)
+        return bool(self.wrapped.find_unused_parameters) and not self.wrapped.static_graph
 
     @property
     def require_backward_grad_sync(self) -> bool:
@@ -72,17 +74,16 @@ class ProbingDataParallel(nn.Module):
         self._used.add(id(param))
 
     def _decide(self) -> None:
-        """After the first step: drop the search when every replica used every parameter."""
+        """After the first step: search every step only if some replica left a parameter unused."""
         handles, self._handles = self._handles, None
         for handle in handles or []:
             handle.remove()
         everywhere = torch.tensor([int(len(self._used) == len(self._params))], device=self._params[0].device)
         dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=self._group)
         self._used.clear()
-        if int(everywhere.item()) == 1:
-            self.wrapped = None  # type: ignore[assignment]  # its reducer's hooks go with it
-            gc.collect()
-            self.wrapped = self._build(False)
+        self.wrapped = None  # type: ignore[assignment]  # its reducer's hooks go with it
+        gc.collect()
+        self.wrapped = self._build(int(everywhere.item()) == 0, False)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         training = torch.is_grad_enabled() and self.wrapped.require_backward_grad_sync

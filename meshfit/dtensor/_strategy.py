@@ -181,8 +181,9 @@ class MeshStrategy(CollectiveStrategy):
         device_ids = [self._device.index] if self._device.type == "cuda" else None
         group = self._group_of(self._batch)
         wrapped = ProbingDataParallel(  # searches for unused parameters only if the model has some
-            lambda find_unused: DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True,
-                                                        process_group=group, find_unused_parameters=find_unused),
+            lambda find_unused, static: DistributedDataParallel(module, device_ids=device_ids, process_group=group,
+                                                                gradient_as_bucket_view=True, static_graph=static,
+                                                                find_unused_parameters=find_unused),
             group)
         sync = DataParallelSync(self._gradient_weight, self.num_replicas_in_sync)
         sync.install(wrapped)  # a meshfit optimizer must not reduce these gradients again
