@@ -32,10 +32,16 @@ def _cnn() -> nn.Module:
                          nn.Linear(26 * 26 * 32, 128), nn.ReLU(), nn.Linear(128, 10))
 
 
+def _everywhere(flag: bool) -> bool:
+    summed = torch.tensor([int(flag)])
+    torch.distributed.all_reduce(summed)
+    return int(summed.item()) == torch.distributed.get_world_size()
+
+
 def _wrap(variant: str, module: nn.Module) -> nn.Module:
     if variant == "probing":
         return ProbingDataParallel(lambda find, static: DistributedDataParallel(
-            module, gradient_as_bucket_view=True, find_unused_parameters=find, static_graph=static))
+            module, gradient_as_bucket_view=True, find_unused_parameters=find, static_graph=static), _everywhere)
     return DistributedDataParallel(module, gradient_as_bucket_view=True,
                                    find_unused_parameters=variant == "find_unused")
 

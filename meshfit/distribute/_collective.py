@@ -290,10 +290,14 @@ class CollectiveStrategy(Strategy):
                 ddp.register_comm_hook(weight, bfloat16_allreduce_hook)
             return ddp
 
-        wrapped = ProbingDataParallel(build)  # searches for unused parameters only if the model has some
+        wrapped = ProbingDataParallel(build, self._on_every_replica)  # the search only if the model needs it
         sync = DataParallelSync(self._gradient_weight, self._world)
         sync.install(wrapped)  # the optimizer must not reduce these gradients again
         return Placement(wrapped, source, sync)
+
+    def _on_every_replica(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every process (summed on the control plane)."""
+        return int(self.all_reduce_control(torch.tensor([int(flag)])).item()) == self._world
 
     def batch_weight(self, local_size: int, global_size: int) -> contextlib.AbstractContextManager[None]:
         return DataParallelSync.weighting_of(self._gradient_weight, self._world, local_size, global_size)

@@ -11,7 +11,7 @@ every step.
 So the first training step runs under DDP's ``static_graph=True`` (whose first iteration finds the
 unused parameters once, as the search does, and says nothing when there are none) and records which
 parameters got a gradient on this replica. At the next training forward the replicas agree (one MIN
-all-reduce) and the module is re-wrapped: without the search if every parameter got a gradient
+all-reduce on the control plane) and the module is re-wrapped: without the search if every parameter got a gradient
 everywhere (later steps cost what plain DDP costs), else with ``find_unused_parameters=True`` for the
 rest of the run (a branch taken on some steps only, or on some replicas only, then works too). A model whose every parameter was used on
 the first step but not on a later one is refused with the fix (`UnusedParameterError`).
@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -42,13 +41,15 @@ class ProbingDataParallel(nn.Module):
     Args:
         build: makes the DDP wrapper (with its communication hook) for ``find_unused_parameters`` and
             ``static_graph`` (the first step's).
-        group: the process group of the replicas (None: the default group).
+        everywhere: whether a flag holds on every replica (one all-reduce of a CPU tensor on the
+            strategy's control plane: no device round trip).
     """
 
-    def __init__(self, build: Callable[[bool, bool], DistributedDataParallel], group: Any = None) -> None:
+    def __init__(self, build: Callable[[bool, bool], DistributedDataParallel],
+                 everywhere: Callable[[bool], bool]) -> None:
         super().__init__()
         self._build = build
-        self._group = group
+        self._everywhere = everywhere
         self.wrapped = build(False, True)
         self._params = [p for p in self.wrapped.module.parameters() if p.requires_grad]
         self._used: set[int] = set()
@@ -78,12 +79,11 @@ class ProbingDataParallel(nn.Module):
         handles, self._handles = self._handles, None
         for handle in handles or []:
             handle.remove()
-        everywhere = torch.tensor([int(len(self._used) == len(self._params))], device=self._params[0].device)
-        dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=self._group)
+        all_used = self._everywhere(len(self._used) == len(self._params))
         self._used.clear()
         self.wrapped = None  # type: ignore[assignment]  # its reducer's hooks go with it
         gc.collect()
-        self.wrapped = self._build(int(everywhere.item()) == 0, False)
+        self.wrapped = self._build(not all_used, False)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         training = torch.is_grad_enabled() and self.wrapped.require_backward_grad_sync

@@ -184,7 +184,7 @@ class MeshStrategy(CollectiveStrategy):
             lambda find_unused, static: DistributedDataParallel(module, device_ids=device_ids, process_group=group,
                                                                 gradient_as_bucket_view=True, static_graph=static,
                                                                 find_unused_parameters=find_unused),
-            group)
+            self._on_every_replica)
         sync = DataParallelSync(self._gradient_weight, self.num_replicas_in_sync)
         sync.install(wrapped)  # a meshfit optimizer must not reduce these gradients again
         return Placement(wrapped, source, sync)
