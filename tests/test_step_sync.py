@@ -88,7 +88,10 @@ def test_two_workers_read_only_their_control_plane_flags():
     results = run_distributed(_worker_counts, world_size=2, timeout=180)
     for calls, outside, steps, _history in results:
         assert steps == 12  # 96 examples, global batch 16 (8 a worker), 2 epochs
-        assert outside == []
+        # The control plane's flags; and once, at the second step, the replicas' agreement (a CPU
+        # tensor on the control plane too) on whether DDP must look for unused parameters.
+        probe = [c for c in outside if c[1].endswith("_collective.py:_on_every_replica")]
+        assert len(probe) == 1 and [c for c in outside if c not in probe] == []
         # One read of the summed flags per step, of a CPU tensor: no device tensor round trip.
-        assert len(calls) == steps and {device for _, _, device in calls} == {"cpu"}
+        assert len(calls) == steps + 1 and {device for _, _, device in calls} == {"cpu"}
     assert results[0][3] == results[1][3]

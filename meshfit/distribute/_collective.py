@@ -42,6 +42,7 @@ from meshfit.distribute._rendezvous import client_for, form_rendezvous, store_ho
 from meshfit.distribute._scope import clear_process_world, process_world, set_process_world
 from meshfit.distribute._startup import quiet_c10d_retries, share_cores
 from meshfit.distribute._strategy import Strategy, compiled
+from meshfit.distribute._unused_parameters import ProbingDataParallel
 from meshfit.distribute._values import CommunicationImplementation, CommunicationOptions
 from meshfit.distribute._world import World
 
@@ -280,12 +281,23 @@ class CollectiveStrategy(Strategy):
         device_ids = [self._device.index] if self._device.type == "cuda" else None
         options = self.communication_options
         pack: dict[str, Any] = {"bucket_cap_mb": options.bytes_per_pack / 2**20} if options.bytes_per_pack else {}
-        wrapped = DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True, **pack)
-        if self._gradient_weight.compression == "bfloat16":
-            wrapped.register_comm_hook(self._gradient_weight, bfloat16_allreduce_hook)
+        weight = self._gradient_weight
+
+        def build(find_unused: bool, static_graph: bool) -> DistributedDataParallel:
+            ddp = DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True,
+                                          find_unused_parameters=find_unused, static_graph=static_graph, **pack)
+            if weight.compression == "bfloat16":
+                ddp.register_comm_hook(weight, bfloat16_allreduce_hook)
+            return ddp
+
+        wrapped = ProbingDataParallel(build, self._on_every_replica)  # the search only if the model needs it
         sync = DataParallelSync(self._gradient_weight, self._world)
         sync.install(wrapped)  # the optimizer must not reduce these gradients again
         return Placement(wrapped, source, sync)
+
+    def _on_every_replica(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every process (summed on the control plane)."""
+        return int(self.all_reduce_control(torch.tensor([int(flag)])).item()) == self._world
 
     def batch_weight(self, local_size: int, global_size: int) -> contextlib.AbstractContextManager[None]:
         return DataParallelSync.weighting_of(self._gradient_weight, self._world, local_size, global_size)

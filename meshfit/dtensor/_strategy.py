@@ -175,9 +175,15 @@ class MeshStrategy(CollectiveStrategy):
             return Placement(module, source, ReplicatedSync())
         from torch.nn.parallel import DistributedDataParallel
 
+        from meshfit.distribute._unused_parameters import ProbingDataParallel
+
         device_ids = [self._device.index] if self._device.type == "cuda" else None
-        wrapped = DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True,
-                                          process_group=self._group_of(self._batch))
+        group = self._group_of(self._batch)
+        wrapped = ProbingDataParallel(  # searches for unused parameters only if the model has some
+            lambda find_unused, static: DistributedDataParallel(module, device_ids=device_ids, process_group=group,
+                                                                gradient_as_bucket_view=True, static_graph=static,
+                                                                find_unused_parameters=find_unused),
+            self._on_every_replica)
         sync = DataParallelSync(self._gradient_weight, self.num_replicas_in_sync)
         sync.install(wrapped)  # a meshfit optimizer must not reduce these gradients again
         return Placement(wrapped, source, sync)

@@ -1,0 +1,104 @@
+"""`ProbingDataParallel`: DDP that looks for unused parameters only in a model that has them.
+
+A parameter that gets no gradient in a step (an unused layer, a branch not taken) is left unchanged
+by one process (its gradient stays None; the optimizer skips it, Adam's moments included). Plain DDP
+(``find_unused_parameters=False``) instead never finishes that step's reduction and stops at the next
+forward ("Expected to have finished reduction in the prior iteration"). ``find_unused_parameters=True``
+handles it as one process does (a parameter no replica used keeps a None gradient; one that some
+replicas used gets their average), but walks the autograd graph and all-reduces a used-parameter map
+every step.
+
+So the first training step runs under DDP's ``static_graph=True`` (whose first iteration finds the
+unused parameters once, as the search does, and says nothing when there are none) and records which
+parameters got a gradient on this replica. At the next training forward the replicas agree (one MIN
+all-reduce on the control plane) and the module is re-wrapped: without the search if every parameter got a gradient
+everywhere (later steps cost what plain DDP costs), else with ``find_unused_parameters=True`` for the
+rest of the run (a branch taken on some steps only, or on some replicas only, then works too). A model whose every parameter was used on
+the first step but not on a later one is refused with the fix (`UnusedParameterError`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+_UNFINISHED = "Expected to have finished reduction in the prior iteration"
+
+
+class UnusedParameterError(RuntimeError):
+    """A parameter got no gradient on a step after a first step in which every parameter got one."""
+
+
+class ProbingDataParallel(nn.Module):
+    """``build(find_unused)``'s DDP wrapper, searching for unused parameters only where needed.
+
+    Args:
+        build: makes the DDP wrapper (with its communication hook) for ``find_unused_parameters`` and
+            ``static_graph`` (the first step's).
+        everywhere: whether a flag holds on every replica (one all-reduce of a CPU tensor on the
+            strategy's control plane: no device round trip).
+    """
+
+    def __init__(self, build: Callable[[bool, bool], DistributedDataParallel],
+                 everywhere: Callable[[bool], bool]) -> None:
+        super().__init__()
+        self._build = build
+        self._everywhere = everywhere
+        self.wrapped = build(False, True)
+        self._params = [p for p in self.wrapped.module.parameters() if p.requires_grad]
+        self._used: set[int] = set()
+        self._handles: list[Any] | None = [
+            p.register_post_accumulate_grad_hook(self._record) for p in self._params]
+        self._probed = False  # a training forward ran with the hooks on; decide at the next one
+
+    @property
+    def find_unused_parameters(self) -> bool:
+        """Whether the wrapper now searches the graph for unused parameters every step."""
+        return bool(self.wrapped.find_unused_parameters) and not self.wrapped.static_graph
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        return bool(self.wrapped.require_backward_grad_sync)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with self.wrapped.no_sync():
+            yield
+
+    def _record(self, param: torch.Tensor) -> None:
+        self._used.add(id(param))
+
+    def _decide(self) -> None:
+        """After the first step: search every step only if some replica left a parameter unused."""
+        handles, self._handles = self._handles, None
+        for handle in handles or []:
+            handle.remove()
+        all_used = self._everywhere(len(self._used) == len(self._params))
+        self._used.clear()
+        self.wrapped = None  # type: ignore[assignment]  # its reducer's hooks go with it
+        gc.collect()
+        self.wrapped = self._build(not all_used, False)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        training = torch.is_grad_enabled() and self.wrapped.require_backward_grad_sync
+        if training and self._probed and self._handles is not None:
+            self._decide()
+        try:
+            output = self.wrapped(*args, **kwargs)
+        except RuntimeError as error:
+            if _UNFINISHED not in str(error) or self.find_unused_parameters:
+                raise
+            raise UnusedParameterError(
+                "A parameter got no gradient in the last training step, but every parameter got one on the "
+                "first step, so the replicas stopped looking for unused parameters. Make the first step use "
+                "the same parameters as the others, or freeze the parameters that are not trained "
+                "(`requires_grad_(False)`).") from error
+        if training:
+            self._probed = True
+        return output
