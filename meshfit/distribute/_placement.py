@@ -30,31 +30,36 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
+# Both registries are keyed by ``id(param)`` and hold no weak reference to a parameter: torch cannot
+# swap a tensor that has one (``module.to(...)`` on DTensor or ``fully_shard`` parameters uses
+# ``torch.utils.swap_tensors``, which keeps the Python object and so its id).
+#
 # Parameters whose gradient a reducer outside any placement (the Estimator's averaging) reduced in the
-# current step; the next optimizer step takes the mark instead of reducing again. Weak and keyed by
-# identity: nothing is set on the tensors, and nothing here keeps a parameter alive.
-_REDUCED_ONCE = WeakIdKeyDictionary()
-# Each placed parameter's `GradientSync` (the last transform of its placement's plan).
-_SYNC_OF = WeakIdKeyDictionary()
+# current step; the next optimizer step takes the mark instead of reducing again. The value is the
+# parameter itself, held until that step, so that an id cannot be reused meanwhile.
+_REDUCED_ONCE: dict[int, torch.Tensor] = {}
+# Each placed parameter's `GradientSync` (the last transform of its placement's plan), held weakly:
+# a sync lives as long as its placement, whose module holds the parameters.
+_SYNC_OF: weakref.WeakValueDictionary[int, GradientSync] = weakref.WeakValueDictionary()
 
 
 def mark_reduced(params: Iterable[torch.Tensor]) -> None:
     """Tell the next optimizer step that these gradients were already reduced across replicas."""
     for p in params:
-        _REDUCED_ONCE[p] = True
+        _REDUCED_ONCE[id(p)] = p
 
 
 def register_placement(params: Iterable[torch.Tensor], sync: GradientSync) -> None:
     """Record that ``sync`` owns the gradients of ``params`` (what a plan's last transform does)."""
     for p in params:
-        _SYNC_OF[p] = sync
+        _SYNC_OF[id(p)] = sync
 
 
 def gradient_reduced(param: torch.Tensor) -> bool:
@@ -63,10 +68,10 @@ def gradient_reduced(param: torch.Tensor) -> bool:
     Its placement's `GradientSync` answers (fully sharded: always, in the backward; DDP: when the
     step's forward went through the wrapper); a one-off `mark_reduced` answers once.
     """
-    sync: GradientSync | None = _SYNC_OF.get(param)  # type: ignore[no-untyped-call]
+    sync = _SYNC_OF.get(id(param))
     if sync is not None and sync.reduced(param):
         return True
-    return bool(_REDUCED_ONCE.pop(param, False))  # type: ignore[no-untyped-call]
+    return _REDUCED_ONCE.pop(id(param), None) is param
 
 
 def take_reduced(param: torch.Tensor) -> bool:
