@@ -179,7 +179,7 @@ def local_digest(tensor: torch.Tensor, rank: int = 0) -> LocalDigest:
 
 def _sharded_digest(tensor: Any, dtensor: Any) -> LocalDigest:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import Partial, Replicate
 
     if any(isinstance(p, Partial) for p in tensor.placements):  # a pending sum: its value is the reduced one
         tensor = tensor.redistribute(tensor.device_mesh,
@@ -190,8 +190,13 @@ def _sharded_digest(tensor: Any, dtensor: Any) -> LocalDigest:
     coordinate = mesh.get_coordinate()
     if coordinate is None:  # not on this tensor's mesh: holds nothing of it
         return LocalDigest(torch.zeros((), dtype=torch.int64), False, (), meta)
-    canonical = all(c == 0 for c, p in zip(coordinate, placements, strict=True) if not isinstance(p, Shard))
-    shard = tuple(c for c, p in zip(coordinate, placements, strict=True) if isinstance(p, Shard))
+    # Sharded along an axis: Shard, and fully_shard's _StridedShard over tensor parallelism (not a Shard
+    # subclass in torch 2.13); each process's piece there is its own. Replicated along the others.
+    # A sub-mesh (fully_shard's `batch` of a 2-D mesh) has one instance per coordinate of the other axes,
+    # each holding a whole copy: the instance that holds global rank 0 counts.
+    canonical = bool((mesh.mesh == 0).any()) and all(
+        c == 0 for c, p in zip(coordinate, placements, strict=True) if isinstance(p, Replicate))
+    shard = tuple(c for c, p in zip(coordinate, placements, strict=True) if not isinstance(p, Replicate))
     local = tensor.to_local()
     local_shape, offset = compute_local_shape_and_global_offset(global_shape, mesh, placements)
     words, per_element = words_of(local)
