@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -31,12 +30,12 @@ from meshfit._engine._jit import check_jit_compile, resolve_jit_compile
 from meshfit._engine._loop import TrainingLoop, resolve_verbose
 from meshfit._engine._model_weights import WeightsMixin
 from meshfit._engine._state import LoopState
-from meshfit._engine._step_logs import MetricResults
+from meshfit._engine._steps import StepsMixin
 from meshfit._protocols import PlacementLike
 from meshfit._runtime import flush_denormals
 from meshfit._validation import check_bool, non_negative_int, positive_int
 from meshfit.callbacks import CallbackList, announce_quiet_worker, checkpoint_settings
-from meshfit.data import batch_size_of, unpack_batch
+from meshfit.data import unpack_batch
 from meshfit.distribute import (
     adopt,
     agree_on_settings,
@@ -53,7 +52,7 @@ from meshfit.optimizers import get as get_optimizer
 from meshfit.optimizers import serialize as serialize_optimizer
 
 
-class Model(WeightsMixin):
+class Model(StepsMixin, WeightsMixin):
     """A ``torch.nn.Module`` trained the Keras way, on whatever strategy it was created under.
 
     Args:
@@ -185,99 +184,6 @@ class Model(WeightsMixin):
             params = list(self.module.named_parameters())  # names: exclude_from_weight_decay
             if params:  # nothing to optimise: no optimizer (train_step skips the update)
                 self.optimizer.build(params)
-
-    # ---- steps (override these like Keras's train_step) ----------------------------------
-    def compute_loss(self, x: Any = None, y: Any = None, y_pred: Any = None, sample_weight: Any = None,
-                     training: bool = True) -> torch.Tensor:
-        """The loss of one (per-replica) batch: the mean over its examples (Keras's helper).
-
-        Like Keras 3's, it computes the loss only; the step updates the loss tracker.
-        """
-        if self.loss is None:
-            raise ValueError("No loss to compute. Provide a `loss` argument in `compile()`.")
-        return self.loss(y, y_pred, sample_weight=sample_weight)
-
-    def compute_metrics(self, x: Any, y: Any, y_pred: Any, sample_weight: Any = None) -> Mapping[str, Any]:
-        """Update the compiled metrics with one batch; returns `get_metrics_result()` (Keras's helper)."""
-        if y is not None:
-            y_pred = y_pred.detach()
-            for metric in self._compiled_metrics:
-                metric.update_state(y, y_pred, sample_weight=sample_weight)
-        return self.get_metrics_result()
-
-    def get_metrics_result(self) -> Mapping[str, Any]:
-        """``{name: result}`` of the logged metrics on this replica (``fit`` logs them reduced over all)."""
-        return MetricResults(self.logged_metrics())
-
-    def train_step(self, data: Any) -> Mapping[str, Any] | None:
-        """One optimisation step on this replica's batch; updates the metrics and returns their results.
-
-        Override it as in Keras (``y_pred = self(x)`` runs the strategy-wrapped module while
-        training; ``self.compute_loss`` / ``self.compute_metrics`` as Keras's). A returned dict with
-        other names than the metrics' is logged as it is.
-        """
-        x, y, sample_weight = unpack_batch(data)
-        if not self._has_trainable_weights():
-            return self._forward_only_step(x, y, sample_weight)
-        if self.optimizer is None:
-            raise RuntimeError("train_step needs an optimizer: call compile(optimizer=...) first.")
-        # Freed, as Keras leaves an unused gradient None; no page faults: meshfit/_runtime/_allocator.py.
-        self.optimizer.zero_grad(set_to_none=True)
-        with mixed_precision.autocast(self.strategy.device):  # forward + loss in the policy's dtype
-            y_pred = self(x)
-            if batch_size_of(y_pred) == 0:
-                # This replica's share of a last, small global batch is empty: it still joins the
-                # gradient all-reduce (with zeros), so that every replica takes the same step.
-                (y_pred.sum() * 0.0).backward()
-                self.optimizer.step()
-                return None
-            loss = self.compute_loss(x, y, y_pred, sample_weight)
-        self.optimizer.scale_loss(loss).backward()  # scaled under mixed_float16 (LossScaleOptimizer)
-        self.optimizer.step()
-        self._loss_tracker.update_state(loss.detach(), sample_weight=batch_size_of(y_pred))
-        return self.compute_metrics(x, y, y_pred, sample_weight)
-
-    def _has_trainable_weights(self) -> bool:
-        """Whether a parameter of the module requires a gradient (read at every step: a callback may
-        freeze one). The list of parameters is taken once per `build` (each fit, evaluate and predict
-        calls it), not walked through the module tree at every step."""
-        params = self._step_params
-        if params is None:
-            params = self._step_params = list(self.module.parameters())
-        for param in params:
-            if param.requires_grad:
-                return True
-        return False
-
-    def _forward_only_step(self, x: Any, y: Any, sample_weight: Any) -> Mapping[str, Any]:
-        """Keras's step for a model with no trainable weights: forward, loss, metrics, no update."""
-        if not self._warned_untrainable:
-            self._warned_untrainable = True
-            warnings.warn("The model does not have any trainable weights: fit runs the forward pass and logs "
-                          "the loss and metrics, without an update.", stacklevel=3)
-        with torch.no_grad(), mixed_precision.autocast(self.strategy.device):
-            y_pred = self(x)
-            loss = self.compute_loss(x, y, y_pred, sample_weight) if batch_size_of(y_pred) else None
-        if loss is not None:
-            self._loss_tracker.update_state(loss.detach(), sample_weight=batch_size_of(y_pred))
-            self.compute_metrics(x, y, y_pred, sample_weight)
-        return self.get_metrics_result()
-
-    def test_step(self, data: Any) -> Mapping[str, Any] | None:
-        """One evaluation step on this replica's batch; updates the metrics and returns their results."""
-        x, y, sample_weight = unpack_batch(data)
-        with mixed_precision.autocast(self.strategy.device):
-            y_pred = self.module(x)
-            loss = self.compute_loss(x, y, y_pred, sample_weight) if self.loss is not None else None
-        if loss is not None:
-            self._loss_tracker.update_state(loss.detach(), sample_weight=batch_size_of(y_pred))
-        return self.compute_metrics(x, y, y_pred, sample_weight)
-
-    def predict_step(self, data: Any) -> Any:
-        """The module's output for one batch."""
-        x, _, _ = unpack_batch(data)
-        with mixed_precision.autocast(self.strategy.device):
-            return mixed_precision.to_variable_dtype(self.module(x))
 
     def reset_metrics(self) -> None:
         for metric in self.metrics:

@@ -39,6 +39,7 @@ from meshfit.distribute._strategy import OneDeviceStrategy, Strategy, get_strate
 from meshfit.distribute._strategy import compiled as compiled
 from meshfit.distribute._torch_loader import LoaderPlan as LoaderPlan
 from meshfit.distribute._torch_loader import PerReplicaLoader as PerReplicaLoader
+from meshfit.distribute._unused_parameters import ProbingDataParallel as ProbingDataParallel
 from meshfit.distribute._values import (
     CommunicationImplementation,
     CommunicationOptions,

@@ -37,6 +37,7 @@ from meshfit.distribute import (
     GradientWeight,
     InputContext,
     Placement,
+    ProbingDataParallel,
     ReplicatedSync,
     World,
     compiled,
@@ -174,8 +175,6 @@ class MeshStrategy(CollectiveStrategy):
         if self.num_replicas_in_sync == 1 or not any(p.requires_grad for p in module.parameters()):
             return Placement(module, source, ReplicatedSync())
         from torch.nn.parallel import DistributedDataParallel
-
-        from meshfit.distribute._unused_parameters import ProbingDataParallel
 
         device_ids = [self._device.index] if self._device.type == "cuda" else None
         group = self._group_of(self._batch)
