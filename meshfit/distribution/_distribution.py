@@ -70,7 +70,17 @@ class Distribution:
         return self._process_id // processes_per_replica
 
     def get_data_layout(self, data_shape: Any) -> TensorLayout:
-        raise NotImplementedError()
+        """Batches split on their first dim over ``batch_dim_name``, the rest whole (both subclasses)."""
+        data_shard_spec: list[str | None] = [None] * len(data_shape)
+        data_shard_spec[0] = self.batch_dim_name
+        return TensorLayout(data_shard_spec, self.device_mesh)
+
+    def _own_or(self, variable: Any, mapped: TensorLayout | None = None) -> TensorLayout:
+        """A variable's explicit layout (Keras's ``_layout``), else ``mapped``, else replicated."""
+        explicit = getattr(variable, "_layout", None)
+        if explicit is not None:
+            return explicit
+        return mapped if mapped is not None else TensorLayout([None] * len(variable.shape), self.device_mesh)
 
     def get_variable_layout(self, variable: Any) -> TensorLayout:
         raise NotImplementedError()
@@ -153,16 +163,8 @@ class DataParallel(Distribution):
     def num_model_replicas(self) -> int:
         return int(self.device_mesh.devices.size)
 
-    def get_data_layout(self, data_shape: Any) -> TensorLayout:
-        data_shard_spec: list[str | None] = [None] * len(data_shape)
-        data_shard_spec[0] = self.batch_dim_name  # Shard on the first dim
-        return TensorLayout(data_shard_spec, self.device_mesh)
-
     def get_variable_layout(self, variable: Any) -> TensorLayout:
-        explicit = getattr(variable, "_layout", None)  # Keras's own attribute for an explicit layout
-        if explicit is not None:
-            return explicit
-        return TensorLayout([None] * len(variable.shape), self.device_mesh)
+        return self._own_or(variable)
 
     def get_tensor_layout(self, path: str) -> None:
         return None
@@ -211,20 +213,10 @@ class ModelParallel(Distribution):
         mesh_batch_dim_index = list(self.device_mesh.axis_names).index(str(self.batch_dim_name))
         return int(self.device_mesh.shape[mesh_batch_dim_index])
 
-    def get_data_layout(self, data_shape: Any) -> TensorLayout:
-        data_shard_spec: list[str | None] = [None] * len(data_shape)
-        data_shard_spec[0] = self.batch_dim_name  # Shard on the first dim
-        return TensorLayout(data_shard_spec, self.device_mesh)
-
     def get_variable_layout(self, variable: Any) -> TensorLayout:
         """The layout of ``variable`` (anything with ``.path`` and ``.shape``): its own, its map entry, or replicated."""
-        explicit = getattr(variable, "_layout", None)  # Keras's own attribute for an explicit layout
-        if explicit is not None:
-            return explicit
-        variable_layout = self._layout_map[variable.path]
-        if variable_layout is not None:
-            return variable_layout
-        return TensorLayout([None] * len(variable.shape), self.device_mesh)
+        explicit = getattr(variable, "_layout", None)  # checked before the map, which may not hold the path
+        return explicit if explicit is not None else self._own_or(variable, self._layout_map[variable.path])
 
     def get_tensor_layout(self, path: str) -> TensorLayout | None:
         return self._layout_map[path]
