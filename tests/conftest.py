@@ -35,11 +35,18 @@ def _process_starters(module: object) -> set[str]:
         starters |= more
 
 
+_SOURCES: dict[object, str] = {}
+
+
 def _source(function: object) -> str:
-    try:
-        return inspect.getsource(function)
-    except (OSError, TypeError):
-        return ""
+    """The function's source, read once per code object (collection asks for it per test item)."""
+    key = getattr(function, "__code__", function)
+    if key not in _SOURCES:
+        try:
+            _SOURCES[key] = inspect.getsource(function)  # type: ignore[arg-type]
+        except (OSError, TypeError):
+            _SOURCES[key] = ""
+    return _SOURCES[key]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -50,7 +57,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         module = sys.modules.get(getattr(function, "__module__", "") or "")
         if module is None or not (getattr(module, "__file__", None) or "").startswith(TESTS):
             return False  # pytest's own fixtures (tmp_path, capsys...) start nothing
-        names = starters.setdefault(module.__name__, _process_starters(module))
+        if module.__name__ not in starters:  # once per module: setdefault would evaluate it per item
+            starters[module.__name__] = _process_starters(module)
+        names = starters[module.__name__]
         source = _source(function)
         return (getattr(function, "__name__", None) in names or bool(_STARTS_PROCESSES.search(source))
                 or any(re.search(rf"\b{re.escape(s)}\(", source) for s in names))
@@ -101,6 +110,34 @@ from _multiproc import helper_pids  # noqa: E402
 
 # Set by pytest itself, or by torch on first use of inductor-backed ops: not the test's doing.
 _ENV_SET_BY_TOOLS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"}
+
+
+class _StartedAProcess(RuntimeError):
+    pass
+
+
+@pytest.fixture(autouse=True)
+def _quick_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """A test not marked ``slow`` runs in ``make test-quick``, which starts no process: refuse one.
+
+    Every way Python starts a process ends in ``os.fork``, ``os.posix_spawn`` or
+    ``_posixsubprocess.fork_exec`` (subprocess keeps its own name for it; multiprocessing's fork,
+    spawn and forkserver use these).
+    """
+    if request.node.get_closest_marker("slow") is not None:
+        yield
+        return
+    import _posixsubprocess
+    import subprocess
+
+    def refuse(*_args: object, **_kwargs: object) -> None:
+        raise _StartedAProcess(f"{request.node.nodeid} starts a process but is not marked slow: "
+                               "mark it @pytest.mark.slow (make test-quick starts no process)")
+
+    for owner, name in ((os, "fork"), (os, "posix_spawn"), (os, "posix_spawnp"), (_posixsubprocess, "fork_exec"),
+                        (subprocess, "_fork_exec")):
+        monkeypatch.setattr(owner, name, refuse)
+    yield
 
 
 @pytest.fixture(autouse=True)

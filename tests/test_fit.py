@@ -336,6 +336,7 @@ def _train_small(jit_compile: bool) -> tuple[list[np.ndarray], mf.Model]:
     return model.get_weights(), model
 
 
+@pytest.mark.slow  # starts processes
 def test_jit_compile_trains_a_compiled_module_to_the_eager_weights(monkeypatch):
     monkeypatch.setenv("MESHFIT_JIT_COMPILE_ON_CPU", "1")  # on CPU, jit_compile=True runs eagerly otherwise
     eager, _ = _train_small(False)

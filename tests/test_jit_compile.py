@@ -52,6 +52,7 @@ def test_jit_compile_defaults_to_auto_which_is_eager_without_a_warning():
     assert not isinstance(model.placement.module, torch._dynamo.eval_frame.OptimizedModule)
 
 
+@pytest.mark.slow  # starts processes
 def test_jit_compile_on_cpu_when_asked_compiles_and_trains_to_the_eager_weights(monkeypatch):
     eager = _model()
     eager.compile("sgd", "mse", jit_compile=False)

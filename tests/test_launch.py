@@ -68,6 +68,7 @@ def _is_alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow  # starts processes
 def test_workers_get_their_tf_config_and_prefixed_output(tmp_path, capfd, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setenv("MKL_NUM_THREADS", "7")
@@ -117,6 +118,7 @@ def test_failed_worker_stops_the_others_quickly(tmp_path, capfd):
     _assert_dead(pids)
 
 
+@pytest.mark.slow  # starts processes
 def test_max_restarts_restarts_the_group_with_fresh_ports(tmp_path, capfd):
     argv = _script(tmp_path, """
         record(f"tf-{INDEX}-r{ROUND}", os.environ["TF_CONFIG"])
@@ -136,6 +138,7 @@ def test_max_restarts_restarts_the_group_with_fresh_ports(tmp_path, capfd):
     _assert_dead(_pids(tmp_path))
 
 
+@pytest.mark.slow  # starts processes
 def test_restarts_exhausted_returns_the_workers_code(tmp_path, capfd):
     argv = _script(tmp_path, """
         if INDEX == 0:
@@ -149,6 +152,7 @@ def test_restarts_exhausted_returns_the_workers_code(tmp_path, capfd):
     _assert_dead(_pids(tmp_path))
 
 
+@pytest.mark.slow  # starts processes
 def test_preempted_exit_code_restarts_without_spending_a_restart(tmp_path, capfd):
     argv = _script(tmp_path, f"""
         if ROUND == 0:
@@ -165,6 +169,7 @@ def test_preempted_exit_code_restarts_without_spending_a_restart(tmp_path, capfd
     _assert_dead(_pids(tmp_path))
 
 
+@pytest.mark.slow  # starts processes
 def test_evaluator_exit_does_not_fail_and_is_stopped_after_training(tmp_path, capfd):
     argv = _script(tmp_path, """
         if KIND == "evaluator":

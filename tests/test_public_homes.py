@@ -116,6 +116,7 @@ def _round_trip_in_child(value: object) -> str:
     return repr(value)
 
 
+@pytest.mark.slow  # starts processes
 def test_spawned_processes_unpickle_meshfit_objects():
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:

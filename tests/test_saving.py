@@ -91,6 +91,7 @@ def test_a_non_chief_rank_raises_when_the_chief_failed():
         chief_writes(fail, is_chief=True, gather=lambda text: [text], what="save")
 
 
+@pytest.mark.slow  # starts processes
 def test_disk_full_error_names_the_path(tmp_path):
     model = mf.Model(torch.nn.Linear(256, 512))  # 0.5 MiB of weights: larger than the disk
     model.compile("sgd", "mse")

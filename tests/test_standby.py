@@ -107,6 +107,7 @@ def token(monkeypatch):
     _assert_none_left(value)
 
 
+@pytest.mark.slow  # starts processes
 def test_a_restarted_group_runs_in_warm_standbys_as_the_cold_script_would(tmp_path, capfd, token):
     script, out = _job(tmp_path)
     assert main(["--workers", "2", "--max-restarts", "1", "--standby", script, out, "--lr", "0.1"]) == 0
@@ -124,6 +125,7 @@ def test_a_restarted_group_runs_in_warm_standbys_as_the_cold_script_would(tmp_pa
         assert json.loads(warm["env"]["TF_CONFIG"]) != json.loads(cold["env"]["TF_CONFIG"])  # fresh ports
 
 
+@pytest.mark.slow  # starts processes
 def test_dead_standbys_are_replaced_by_cold_starts(tmp_path, capfd, token):
     script, out = _job(tmp_path, before_failing="[os.kill(p, signal.SIGKILL) for p in standby_pids()]")
     assert main(["--workers", "2", "--max-restarts", "1", "--standby", script, out]) == 0
@@ -133,6 +135,7 @@ def test_dead_standbys_are_replaced_by_cold_starts(tmp_path, capfd, token):
     assert not _seen(out, 0, 1)["preloaded"] and not _seen(out, 1, 1)["preloaded"]
 
 
+@pytest.mark.slow  # starts processes
 def test_module_mode_runs_the_module_as_main_from_the_working_directory(tmp_path, capfd, token, monkeypatch):
     package = tmp_path / "pkg"
     package.mkdir()

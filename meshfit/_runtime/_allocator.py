@@ -15,7 +15,6 @@ meshfit applies it when training starts (never at import), once per process, on 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import sys
 
@@ -33,8 +32,8 @@ def keep_freed_memory() -> bool:
     ok = False
     if sys.platform.startswith("linux") and os.environ.get("MESHFIT_KEEP_FREED_MEMORY", "1") != "0":
         try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            mallopt = libc.mallopt
+            # The C library this process already runs on (dlopen(NULL)); find_library would run ldconfig.
+            mallopt = ctypes.CDLL(None).mallopt
         except (OSError, AttributeError):  # not glibc (musl has no mallopt): nothing to tune
             mallopt = None
         if mallopt is not None:

@@ -89,7 +89,9 @@ def _environment_copier() -> Callable[[int], None] | None:
     thread is set)."""
     if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
         return None
-    openmp, libm = _loaded_library(("libgomp", "libomp.", "libiomp5")), ctypes.util.find_library("m")
+    openmp = _loaded_library(("libgomp", "libomp.", "libiomp5"))
+    # libm is mapped into every CPython process: read its path, not ldconfig's (find_library runs it).
+    libm = _loaded_library(("libm.", "libm-")) or ctypes.util.find_library("m")
     if openmp is None or libm is None:
         return None
     try:
