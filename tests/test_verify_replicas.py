@@ -141,8 +141,14 @@ def _healthy(rank: int, world: int) -> dict:
         module[8].running_mean[0] += 1e-3 if rank == 1 else 0.0
     with pytest.raises(mf.ReplicaDivergenceError) as nudged:
         strategy.verify_replicas(module, optimizer)
+    # workers built with different settings would check at different steps and wait on each other: refused
+    steps = []
+    counter = mf.callbacks.LambdaCallback(on_train_batch_begin=lambda batch, logs: steps.append(batch))
+    uneven = mf.callbacks.VerifyReplicas(every_n_steps=10 + rank, on_divergence="stop")
+    with pytest.raises(ValueError, match=r"worker 0: every_n_steps=10.*worker 1: every_n_steps=11") as mismatch:
+        model.fit(x[:64], y[:64], batch_size=BATCH, epochs=1, verbose=0, callbacks=[counter, uneven])
     return {"fit": verify.checks, "loop": checks, "total": digest.total,
-            "nudged": (nudged.value.path, nudged.value.ranks)}
+            "nudged": (nudged.value.path, nudged.value.ranks), "mismatch": (str(mismatch.value), steps)}
 
 
 def test_no_false_alarm_in_200_checks_of_a_healthy_run_fit_and_custom_loop():
@@ -150,6 +156,8 @@ def test_no_false_alarm_in_200_checks_of_a_healthy_run_fit_and_custom_loop():
     assert [r["fit"] + r["loop"] for r in results] == [200, 200]
     assert results[0]["total"] == results[1]["total"]
     assert [r["nudged"] for r in results] == [("8.running_mean", [0, 1])] * 2
+    for message, steps in (r["mismatch"] for r in results):
+        assert steps == [] and "same `every_n_steps`" in message  # refused before the first step, on both
 
 
 def test_bad_arguments_and_restore_without_a_backup_are_refused_before_the_first_step():

@@ -13,6 +13,7 @@ never disturbed.
 
 from __future__ import annotations
 
+from meshfit._protocols import DistributionStrategy
 from meshfit._validation import positive_int
 from meshfit.callbacks._callback import Callback
 from meshfit.callbacks._checkpoint_saver import CheckpointSaver
@@ -69,10 +70,24 @@ class VerifyReplicas(Callback):
                 "Invalid `on_divergence`: 'restore' rolls every worker back to the last backup, but fit's callbacks "
                 "hold no BackupAndRestore to restore from. Add meshfit.callbacks.BackupAndRestore(backup_dir, "
                 "save_freq=...) to the callbacks, or use on_divergence='stop'.")
+        self._agree_settings(loop.strategy)
         self._saver = savers[0] if savers else None
         for saver in savers:
             saver.guard = self
         self._verified_at = None
+
+    def _agree_settings(self, strategy: DistributionStrategy) -> None:
+        """Every worker must check at the same steps and act the same way: a worker that checks alone
+        would wait in a collective its peers never enter. One gather when ``fit`` starts."""
+        if strategy.num_replicas_in_sync <= 1:
+            return
+        settings = strategy.all_gather_object((self.every_n_steps, self.on_divergence))
+        if len(set(settings)) > 1:
+            seen = ", ".join(f"worker {rank}: every_n_steps={n}, on_divergence={a!r}"
+                             for rank, (n, a) in enumerate(settings))
+            raise ValueError(f"Invalid `VerifyReplicas`: every worker must pass the same `every_n_steps` and "
+                             f"`on_divergence`, received {seen}. Build the callback from the same values on "
+                             "every worker.")
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         self._begin = self._require_loop().counters.iterations
