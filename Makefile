@@ -35,8 +35,12 @@ typecheck: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 PYTHONPATH=$(CURDIR) $(BIN)/mkdocs build --strict
 
+# The suite in TEST_WORKERS pytest workers (pytest-xdist): most multi-process tests wait (for a timeout
+# to detect, a peer to start) more than they compute, so more workers than cores pays on 2 cores. Tests
+# that share a module-scoped fixture starting processes stay in one worker (tests/conftest.py).
+TEST_WORKERS ?= 3
 test: lint typecheck bytecode docs
-	$(BIN)/python -m pytest -q --durations=25 tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 tests
 
 test-quick: lint bytecode
 	$(BIN)/python -m pytest -q -m "not slow" tests

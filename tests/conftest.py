@@ -70,10 +70,38 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         # The test's own body, or any fixture it uses (directly or through other fixtures).
         fixtures = getattr(item, "_fixtureinfo", None)
-        fixture_functions = [definition.func for definitions in (fixtures.name2fixturedefs.values() if fixtures else ())
-                             for definition in definitions]
-        if starts_processes(function) or any(starts_processes(f) for f in fixture_functions):
+        definitions = [definition for defs in (fixtures.name2fixturedefs.values() if fixtures else ()) for definition in defs]
+        if starts_processes(function) or any(starts_processes(d.func) for d in definitions):
             item.add_marker(pytest.mark.slow)
+        # `make test` runs tests in several pytest workers (pytest-xdist, --dist loadgroup): the tests sharing
+        # a module-scoped fixture that starts processes run in one worker, which starts them once.
+        shared = [d for d in definitions if d.scope in ("module", "class", "package", "session")
+                  and starts_processes(d.func)]
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else item.nodeid))
+    # The longest first (a declared timeout above the default, then the process-starting ones), so that the
+    # workers end together on short tests instead of waiting for one long test started last. Stable: a
+    # module's tests keep their order.
+    default = float(config.getini("timeout") or 0)
+
+    def weight(item: pytest.Item) -> tuple[float, bool]:
+        marker = item.get_closest_marker("timeout")
+        declared = float(marker.args[0]) if marker is not None and marker.args else default
+        return -max(declared - default, 0.0), item.get_closest_marker("slow") is None
+
+    items.sort(key=weight)
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """``kill <pytest>`` (a CI timeout, a developer) ends the run as Ctrl-C does: the running test's
+    ``finally`` blocks and every fixture's teardown still end the processes they started."""
+    import signal
+
+    signal.signal(signal.SIGTERM, _interrupted)
 
 
 def _children(pid: int) -> set[int]:
