@@ -206,3 +206,66 @@ def test_a_tampered_backup_is_skipped_by_name_for_the_previous_one_ending_bitwis
     assert callback.restored_from.endswith("ckpt-2")
     for a, b in zip(resumed.get_weights(), reference.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+# ---- a shard loaded into the wrong place ---------------------------------------------------------------
+def _sharded_module() -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2))
+    fully_shard(module, mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("batch",)))
+    return module
+
+
+def _save_sharded(rank: int, world: int, path: str) -> str:
+    from meshfit.train import Checkpoint
+
+    return Checkpoint(model=_sharded_module()).save(path)
+
+
+def _restore_sharded(rank: int, world: int, path: str) -> str:
+    from meshfit.train import Checkpoint
+
+    module = _sharded_module()
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.zero_()
+    try:
+        Checkpoint(model=module).restore(path)
+    except Exception as error:  # noqa: BLE001 - reported to the parent, which checks its type and words
+        return f"{type(error).__name__}: {error}"
+    return "restored"
+
+
+def test_a_shard_loaded_into_the_wrong_place_is_refused_by_name(tmp_path):
+    """The checkpoint's index is rewritten so that the first weight's two row shards swap places (each
+    read from the other's bytes), and its checksum recorded again: every file is valid, every value is
+    one that was saved, and only the digest of what was loaded can tell."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from meshfit._storage._checksum import file_crc32
+
+    saved = run_distributed(_save_sharded, world_size=2, args=(str(tmp_path / "ckpt-1"),), timeout=240)[0]
+    assert run_distributed(_restore_sharded, world_size=2, args=(saved,), timeout=240) == ["restored"] * 2
+    index_path = os.path.join(saved, ".metadata")
+    with open(index_path, "rb") as f:
+        index = pickle.load(f)  # noqa: S301 - the test's own file, written just above
+    storage = index.storage_data
+    name = next(key.fqn for key in storage if key.fqn.endswith("0.weight"))
+    top, bottom = MetadataIndex(name, torch.Size([0, 0])), MetadataIndex(name, torch.Size([2, 0]))
+    storage[top], storage[bottom] = storage[bottom], storage[top]
+    with open(index_path, "wb") as f:
+        pickle.dump(index, f)
+    with open(os.path.join(saved, "meshfit_state.json")) as f:
+        document = json.load(f)
+    document["checksums"][".metadata"] = file_crc32(index_path)
+    with open(os.path.join(saved, "meshfit_state.json"), "w") as f:
+        json.dump(document, f)
+    results = run_distributed(_restore_sharded, world_size=2, args=(saved,), timeout=240)
+    for message in results:
+        assert message.startswith("DigestMismatchError"), message
+        assert "ckpt-1" in message and "0.weight" in message, message
