@@ -14,13 +14,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from meshfit.distribute import current_world
+
 
 def _group(process_group: Any) -> Any:
     """``process_group``, or the data group of this job's `World` (None with one process)."""
     if process_group is not None:
         return process_group
-    from meshfit.distribute import current_world
-
     return current_world().data_group()
 
 
