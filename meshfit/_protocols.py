@@ -201,6 +201,18 @@ class PreemptionHandler(Protocol):
     def save_for_preemption(self) -> None: ...
 
 
+@runtime_checkable
+class RestoresTraining(Protocol):
+    """A callback that resumes training from its saved state (`BackupAndRestore`, `CheckpointSaver`).
+
+    `TrainingLoop.run` calls ``restore_training`` on the one such callback of its list after the
+    metrics are reset and before any callback hook (``on_train_begin`` included), so every callback
+    sees the restored weights, optimizer and counters. Several in one list are an error.
+    """
+
+    def restore_training(self, loop: LoopLike) -> bool: ...  # whether a checkpoint was restored
+
+
 class CallbackLike(PreemptionHandler, Protocol):
     """What the loop and `CallbackList` read of one callback (see `meshfit.callbacks.Callback`)."""
 
@@ -276,6 +288,8 @@ class CallbackListLike(Protocol):
     def set_loop(self, loop: LoopLike) -> None: ...
 
     def batch_logs_needed(self) -> bool: ...
+
+    def restorer(self) -> RestoresTraining | None: ...  # the callback that resumes training, if any
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None: ...
 

@@ -144,7 +144,8 @@ class TrainingLoop:
 
         Args:
             epochs: the epoch index to stop at (Keras's ``epochs``); None: no epoch limit.
-            initial_epoch: the epoch to start at (a restored backup may move it on).
+            initial_epoch: the epoch to start at (a restored backup may move it on: the callbacks'
+                restorer, `RestoresTraining`, runs after the metrics are reset and before any hook).
             until_step: stop once ``counters.iterations`` reaches it (the Estimator's ``max_steps``);
                 it may end mid-epoch, and a resume continues inside that epoch.
             validate: called after each completed epoch with its index; returns ``val_`` logs.
@@ -165,6 +166,9 @@ class TrainingLoop:
         epoch_logs: dict[str, float] = {}
         try:
             trainable.reset_metrics()
+            restorer = cbs.restorer()
+            if restorer is not None:  # resume before any hook: every callback's on_train_begin sees the restored state
+                restorer.restore_training(self)
             cbs.on_train_begin()
             self._resumed = False  # a resume at the start is where the epoch loop begins anyway
             while not self._done(epochs, until_step) and not trainable.stop_training:

@@ -45,9 +45,7 @@ def require_every_worker(strategy: Any, call: str, why: str) -> None:
     world = strategy.world
     if world.size <= 1:
         return
-    import torch.distributed as dist
-
-    store = dist.distributed_c10d._get_default_store()
+    store = world.store()
     count = int(store.add(f"{_PREFIX}/{world.rank}", 1))
     store.set(f"{_PREFIX}/{world.rank}/{count}", call)
     waiting = [r for r in range(world.size) if r != world.rank]

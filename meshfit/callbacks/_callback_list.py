@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from meshfit._protocols import Stateful
+from meshfit._protocols import RestoresTraining, Stateful
 from meshfit.callbacks._callback import Callback
 from meshfit.callbacks._history import History
 from meshfit.callbacks._progbar_logger import ProgbarLogger
@@ -120,6 +120,19 @@ class CallbackList:
         # Callbacks that save training state (BackupAndRestore) run after all others in every hook,
         # so that what they save includes the others' updates for that step or epoch.
         self.callbacks.sort(key=lambda c: bool(c.run_last))
+
+    def restorer(self) -> RestoresTraining | None:
+        """The callback that resumes training (`BackupAndRestore`), which the loop calls before any hook.
+
+        Raises:
+            ValueError: two callbacks would each restore training state.
+        """
+        found = [c for c in self.callbacks if isinstance(c, RestoresTraining)]
+        if len(found) > 1:
+            raise ValueError(f"Invalid `callbacks`: {found[0]!r} and {found[1]!r} would each restore training state "
+                             "when fit starts, but one run resumes from one place. Keep one of them (or give "
+                             "the other restore-free checkpoints, such as ModelCheckpoint).")
+        return found[0] if found else None
 
     def set_model(self, model: Model) -> None:
         """Calls `set_model` on every callback."""

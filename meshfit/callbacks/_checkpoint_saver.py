@@ -17,7 +17,8 @@ kept, so a crash during a save leaves the previous one usable)::
       ckpt-12/          the newest complete checkpoint
       ckpt-13.tmp/      a save in progress (ignored until renamed; see meshfit/_storage/_atomic.py)
 
-At start the newest checkpoint that verifies is restored: a corrupt one (a data file's CRC-32C, an
+When ``fit`` starts (before any callback's ``on_train_begin``: `restore_training`, called by the
+loop) the newest checkpoint that verifies is restored: a corrupt one (a data file's CRC-32C, an
 unreadable state file) is skipped with a warning naming it, and the previous one is used.
 """
 
@@ -26,12 +27,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from meshfit._storage import StateMismatchError, chief_writes
 from meshfit._validation import check_bool, finite_float, optional_positive_int, path_like, positive_int
 from meshfit.callbacks._callback import Callback
 from meshfit.distribute import ReplicaDivergenceError
+
+if TYPE_CHECKING:
+    from meshfit._protocols import LoopLike
 
 
 class SaveGuard(Protocol):
@@ -117,6 +121,7 @@ class CheckpointSaver(Callback):
         self._checked_at = 0  # the step count at the previous batch end
         self._last_save_time = time.monotonic()
         self.guard: SaveGuard | None = None  # set by a VerifyReplicas in the same fit
+        self._prepared_for: LoopLike | None = None  # the loop this saver last prepared (restore_training)
 
     def agreed_settings(self) -> dict[str, Any]:
         """The arguments every worker must pass alike, by the user's argument names (compared by ``fit``)."""
@@ -127,9 +132,6 @@ class CheckpointSaver(Callback):
     def handles_preemption(self) -> bool:
         return self.policy.on_preemption
 
-    # A subclass that restores by itself before training (the Estimator) sets this to False.
-    restore_at_start = True
-
     def make_manager(self, checkpoint: Any) -> Any:
         """The `CheckpointManager` of this saver's folder (a subclass may name checkpoints otherwise)."""
         from meshfit.train import CheckpointManager  # lazily loaded public subpackage
@@ -137,34 +139,54 @@ class CheckpointSaver(Callback):
         return CheckpointManager(checkpoint, self.directory, max_to_keep=self.max_to_keep,
                                  checkpoint_name=self.checkpoint_name)
 
-    def on_train_begin(self, logs: dict | None = None) -> None:
-        from meshfit.train import claim_backup_dir  # lazily loaded public subpackage
+    # ---- RestoresTraining: the loop calls this before any callback hook --------------------------
+    def restore_training(self, loop: LoopLike) -> bool:
+        """Claim the folder, make this run's manager, and restore the newest intact checkpoint into the
+        loop (collective). `TrainingLoop.run` calls it before any ``on_train_begin``.
 
-        loop = self.loop
-        if loop is None:
-            raise RuntimeError(f"{type(self).__name__} saves training state: use it in fit's callbacks.")
+        Returns:
+            Whether a checkpoint was restored.
+        """
+        self.prepare(loop)
         strategy = loop.strategy
-        if self.delete_on_end:  # refuse a folder holding files meshfit would not delete
-            chief_writes(lambda: claim_backup_dir(self.directory, self.checkpoint_name),
-                         is_chief=strategy.is_chief, gather=strategy.all_gather_object,
-                         what=f"use {self.directory!r} as the checkpoint folder")
-        self.manager = self.make_manager(loop.snapshot())
-        strategy.failure.backup_dir = self.directory
-        latest = None
-        if self.restore_at_start:  # the loop restores its own state; this saver only says from where
-            try:
-                latest = loop.resume(strategy.broadcast_object(self.manager.checkpoints))
-            except StateMismatchError as error:  # the folder holds another run's state: say so, and the fix
-                raise StateMismatchError(
-                    f"{type(self).__name__} cannot resume from {self.directory!r}: {error} That folder holds the "
-                    f"backup of a run with another model or other data. Give this run another "
-                    f"`{self.directory_argument}`, or delete {self.directory!r} to start over.") from error
+        try:
+            latest = loop.resume(strategy.broadcast_object(self.manager.checkpoints))
+        except StateMismatchError as error:  # the folder holds another run's state: say so, and the fix
+            raise StateMismatchError(
+                f"{type(self).__name__} cannot resume from {self.directory!r}: {error} That folder holds the "
+                f"backup of a run with another model or other data. Give this run another "
+                f"`{self.directory_argument}`, or delete {self.directory!r} to start over.") from error
         self.restored_from = latest
         self.reset_clock(saved=latest is not None)
         if latest is not None and strategy.is_chief:
             counters = loop.counters
             print(f"{type(self).__name__}: resuming from {latest} at epoch {counters.epoch + 1}, "
                   f"batch {counters.step + 1} (iteration {counters.iterations})", flush=True)
+        return latest is not None
+
+    def prepare(self, loop: LoopLike) -> None:
+        """This run's side of the folder: refuse one holding files meshfit would not delete, make the
+        manager over the loop's snapshot, name the folder in failure messages."""
+        from meshfit.train import claim_backup_dir  # lazily loaded public subpackage
+
+        strategy = loop.strategy
+        if self.delete_on_end:  # refuse a folder holding files meshfit would not delete
+            chief_writes(lambda: claim_backup_dir(self.directory, self.checkpoint_name),
+                         is_chief=strategy.is_chief, gather=strategy.all_gather_object,
+                         what=f"use {self.directory!r} as the checkpoint folder")
+        self.manager = self.make_manager(loop.snapshot())
+        self._prepared_for = loop
+        self.restored_from = None
+        strategy.failure.backup_dir = self.directory
+        self.reset_clock()
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        if self.loop is None or self._prepared_for is not self.loop:
+            raise RuntimeError(f"{type(self).__name__} saves training state: use it in fit's callbacks (the "
+                               "training loop restores through it before any callback hook).")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.directory_argument}={self.directory!r})"
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         policy, iterations = self.policy, self._require_loop().counters.iterations

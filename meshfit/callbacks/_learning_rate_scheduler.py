@@ -37,10 +37,16 @@ class LearningRateScheduler(Callback):
         self.schedule = schedule
         self.verbose = verbose
         self._scheduled_epoch: int | None = None
+        self._restored = False  # state_dict was just loaded for a resumed run (the loop restores before hooks)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        """Forgets the last scheduled epoch (a restore right after sets it again)."""
-        self._scheduled_epoch = None
+        """Forgets the last scheduled epoch, unless state was just restored for a resumed run."""
+        if not self._restored:
+            self._scheduled_epoch = None
+        self._restored = False
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self._restored = False  # a state restored after on_train_begin (a roll-back) is for this fit only
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         """Applies the schedule, unless this epoch was scheduled before a restore."""
@@ -71,6 +77,7 @@ class LearningRateScheduler(Callback):
         return {"scheduled_epoch": -1 if self._scheduled_epoch is None else self._scheduled_epoch}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores the last scheduled epoch."""
+        """Restores the last scheduled epoch; the next `on_train_begin` keeps it."""
         epoch = int(state["scheduled_epoch"])
         self._scheduled_epoch = None if epoch < 0 else epoch
+        self._restored = True

@@ -55,6 +55,7 @@ class ReduceLROnPlateau(Callback):
         self.min_lr = finite_float("min_lr", min_lr, minimum=0.0)
         self.mode = check_mode(mode, "ReduceLROnPlateau")
         self.monitor_op = monitor_op(monitor, self.mode, "ReduceLROnPlateau")  # None: told when fit starts
+        self._restored = False  # state_dict was just loaded for a resumed run (the loop restores before hooks)
         self._reset()
 
     def _reset(self) -> None:
@@ -66,10 +67,15 @@ class ReduceLROnPlateau(Callback):
         return is_improvement(self.monitor_op, current, self.best, self.min_delta)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        """Starts watching afresh (a restore right after brings back a resumed run's state)."""
+        """Starts watching afresh, unless state was just restored for a resumed run."""
         if self.monitor_op is None:
             self.monitor_op = monitor_op(self.monitor, self.mode, "ReduceLROnPlateau", self.model, required=True)
-        self._reset()
+        if not self._restored:
+            self._reset()
+        self._restored = False
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self._restored = False  # a state restored after on_train_begin (a roll-back) is for this fit only
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         """Counts the epoch and reduces the rate when patience runs out; logs ``learning_rate``."""
@@ -107,7 +113,8 @@ class ReduceLROnPlateau(Callback):
         return {"wait": self.wait, "cooldown_counter": self.cooldown_counter, "best": best_to_state(self.best)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores `state_dict`'s values."""
+        """Restores `state_dict`'s values; the next `on_train_begin` keeps them."""
         self.wait = int(state["wait"])
         self.cooldown_counter = int(state["cooldown_counter"])
         self.best = best_from_state(state["best"])
+        self._restored = True

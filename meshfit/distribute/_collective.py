@@ -73,12 +73,6 @@ def choose_backend(options: CommunicationOptions) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _all_gather_object(obj: Any) -> list[Any]:
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered
-
-
 def join_world(options: CommunicationOptions, rank: int, world_size: int, master: tuple[str, int] | None, *,
                local_rank: int = 0, names: list[str] | None = None, own_host: str | None = None,
                settings: dict[str, Any] | None = None, cluster_resolver: Any = None) -> World:
@@ -91,9 +85,9 @@ def join_world(options: CommunicationOptions, rank: int, world_size: int, master
     backend = choose_backend(options)
     timeout = timedelta(seconds=float(options.timeout_seconds))
     hosting, owns = False, False
-    if dist.is_initialized():
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        backend = str(dist.get_backend())
+    formed = World.process_group_shape()
+    if formed is not None:
+        rank, world_size, backend = formed
     elif world_size > 1:
         if master is None:
             raise ValueError("Invalid cluster: several workers but no rendezvous address for rank 0.")
@@ -109,13 +103,13 @@ def join_world(options: CommunicationOptions, rank: int, world_size: int, master
     if "nccl" in backend:
         device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
         torch.cuda.set_device(device)
-    if owns:
-        share_cores(_all_gather_object, rank)
     world = World(rank=rank, size=world_size, device=device, backend=backend, timeout=timeout,
                   names=tuple(names or [f"rank {r}" for r in range(world_size)]), is_chief=rank == 0,
                   cluster_resolver=cluster_resolver or SingleProcessClusterResolver(), owns_group=owns)
     if world.distributed:
         world.form_planes()
+        if owns:
+            share_cores(world.all_gather_object, rank)
         set_process_world(world)
         report_uncaught_peer_failures()
         _start_heartbeat(world, options, hosting)
@@ -132,14 +126,14 @@ def _start_heartbeat(world: World, options: CommunicationOptions, hosting: bool)
     seconds = options.heartbeat_timeout_seconds
     if seconds is None:
         return
-    default_store = dist.distributed_c10d._get_default_store()
+    default_store = world.store()
     liveness = None
     message = torch.zeros(LIVENESS_INVITATION, dtype=torch.uint8, device=world.device)
     if world.rank == 0:
         secret = os.urandom(16)
         liveness, address = open_liveness(world.size, secret, default_store)
         message.copy_(torch.frombuffer(bytearray(invitation(secret, address)), dtype=torch.uint8))
-    dist.broadcast(message, src=0)  # over the group, never through the store anyone may read
+    world.broadcast_tensors([message])  # over the group, never through the store anyone may read
     secret, address = read_invitation(bytes(message.cpu().tolist()))
     probe = timedelta(seconds=max(1.0, seconds / 2))
     store_host = store_host_rank(default_store, hosting)
@@ -171,7 +165,8 @@ class CollectiveStrategy(Strategy):
                             f"received {communication_options!r}.")
         self.communication_options = communication_options
         self.world = world if world is not None else World.single()
-        self._gradient_weight = GradientWeight(compression=communication_options.gradient_compression)
+        self._gradient_weight = GradientWeight(compression=communication_options.gradient_compression,
+                                               process_group=self.world.group())
         self.mesh: Any = self.world.device_mesh
         if self.world.distributed and process_world() is None:
             set_process_world(self.world)
@@ -221,10 +216,10 @@ class CollectiveStrategy(Strategy):
         with self.guard():
             if self._device.type != "cpu":
                 moved = tensor.to(self._device)
-                dist.all_reduce(moved)
+                self.world.all_reduce(moved)
                 tensor.copy_(moved.to(tensor.device))
             else:
-                dist.all_reduce(tensor)
+                self.world.all_reduce(tensor)
         return tensor
 
     def all_reduce_control(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -250,10 +245,10 @@ class CollectiveStrategy(Strategy):
         with self.guard():
             if self._device.type != "cpu":
                 moved = tensor.to(self._device)
-                dist.broadcast(moved, src=0)
+                self.world.broadcast_tensors([moved])
                 tensor.copy_(moved.to(tensor.device))
             else:
-                dist.broadcast(tensor, src=0)
+                self.world.broadcast_tensors([tensor])
         return tensor
 
     def all_gather_object(self, obj: Any) -> list[Any]:
@@ -281,10 +276,11 @@ class CollectiveStrategy(Strategy):
         device_ids = [self._device.index] if self._device.type == "cuda" else None
         options = self.communication_options
         pack: dict[str, Any] = {"bucket_cap_mb": options.bytes_per_pack / 2**20} if options.bytes_per_pack else {}
-        weight = self._gradient_weight
+        weight, world = self._gradient_weight, self.world
 
         def build(find_unused: bool, static_graph: bool) -> DistributedDataParallel:
-            ddp = DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True,
+            ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=world.group(),
+                                          gradient_as_bucket_view=True,
                                           find_unused_parameters=find_unused, static_graph=static_graph, **pack)
             if weight.compression == "bfloat16":
                 ddp.register_comm_hook(weight, bfloat16_allreduce_hook)
@@ -356,7 +352,10 @@ def group_resolver(local_rank: int) -> ClusterResolver:
     """A resolver for a process group the user initialised: the environment's, when it describes this
     group (torchrun's variables, ``TF_CONFIG``), else `local_resolver`'s (rank 0's address from
     ``MASTER_ADDR``/``MASTER_PORT`` when set)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    formed = World.process_group_shape()
+    if formed is None:
+        raise ValueError("group_resolver: no process group is initialised in this process.")
+    rank, world = formed[0], formed[1]
     try:
         found = resolve_cluster()
     except ValueError:  # the group exists already; a stale or partial environment does not matter

@@ -66,7 +66,10 @@ def scale_accumulated_gradients(weight: GradientWeight, params: Iterable[torch.T
 def bfloat16_allreduce_hook(state: GradientWeight, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket as bfloat16 and write it back (``compression="bfloat16"`` only)."""
     buffer = bucket.buffer()
-    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    group = state.process_group
+    if group is None:  # the strategy names its data group when it builds the hook's state
+        raise RuntimeError("bfloat16 gradient compression needs the data group of the strategy's World; "
+                           "GradientWeight.process_group is None.")
     compressed = buffer.to(torch.bfloat16).div_(dist.get_world_size(group))
     reduced = dist.all_reduce(compressed, group=group, async_op=True).get_future()
 

@@ -49,10 +49,11 @@ def form_cluster_world(options: CommunicationOptions, cluster_resolver: Any = No
     the user initialised, or of a process alone."""
     if cluster_resolver is None and not dist.is_initialized():
         cluster_resolver = resolve_cluster()
-    if dist.is_initialized():
-        local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
-        world = join_world(options, dist.get_rank(), dist.get_world_size(), None, local_rank=local_rank,
-                           cluster_resolver=cluster_resolver)
+    formed = World.process_group_shape()
+    if formed is not None:
+        rank, size, _ = formed
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        world = join_world(options, rank, size, None, local_rank=local_rank, cluster_resolver=cluster_resolver)
         if cluster_resolver is None:
             world.cluster_resolver = group_resolver(local_rank)
         return world

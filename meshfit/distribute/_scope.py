@@ -68,7 +68,8 @@ def current_world() -> Any:
     from_job = process_world()
     if from_job is not None:
         return from_job
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    formed = World.process_group_shape()
+    if formed is not None and formed[1] > 1:
         world = World.of_process_group()
         set_process_world(world)
         return world

@@ -10,8 +10,13 @@ Two planes:
   gradients, parameters, metric states;
 - the **control plane** (``control_group``, always gloo) carries flags (stop, preemption), agreement
   between workers, checkpoint bookkeeping and object exchange, as CPU tensors. When the device
-  backend is gloo the default group is the control plane (``control_group`` is None: no second
-  group, no second collective).
+  backend is gloo the default group is the control plane (``control_group`` is that group: no
+  second group, no second collective).
+
+Every collective names its group: the control group, the whole world's (`group` with no axis) or
+a mesh axis's (`group` of ``"batch"``, ``"model"``, ...). Outside this module meshfit calls no
+``torch.distributed`` collective without ``group=`` (a test reads the sources), and reads the
+default group's rank and size only through `process_group_shape`, before a `World` exists.
 """
 
 from __future__ import annotations
@@ -49,7 +54,8 @@ class World:
         device_mesh: the named torch ``DeviceMesh`` (None with one process): 1-D ``("batch",)`` when the
             group forms; a mesh strategy re-arranges it in its axes once (`form_mesh`). Its sub-meshes
             (`sub_mesh`) and their groups (`group`) are looked up here by axis name.
-        control_group: the gloo group of the control plane; None when the default group is gloo.
+        control_group: the gloo group of the control plane (the default group itself when it is
+            gloo); None with one process.
 
     Example:
         >>> world = World.single()
@@ -87,11 +93,11 @@ class World:
         Builds the ``("batch",)`` device mesh and, when the default backend is not gloo, the gloo
         control group: both collective, so every rank calls this at the same point.
         """
-        if not dist.is_initialized():
+        shape = cls.process_group_shape()
+        if shape is None:
             raise ValueError("World.of_process_group: no process group is initialised in this process. Call "
                              "torch.distributed.init_process_group first, or let a strategy form the group.")
-        rank, size = dist.get_rank(), dist.get_world_size()
-        backend = str(dist.get_backend())
+        rank, size, backend = shape
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
         world = cls(rank=rank, size=size, device=torch.device(device), backend=backend,
@@ -100,6 +106,17 @@ class World:
                     cluster_resolver=cluster_resolver or SingleProcessClusterResolver())
         world.form_planes()
         return world
+
+    @staticmethod
+    def process_group_shape() -> tuple[int, int, str] | None:
+        """``(rank, size, backend)`` of the default process group someone initialised, else None.
+
+        The one place that reads torch's default group before a `World` exists (joining a group a
+        test or a launcher formed, counting a job's devices).
+        """
+        if not dist.is_available() or not dist.is_initialized():
+            return None
+        return dist.get_rank(), dist.get_world_size(), str(dist.get_backend())
 
     @property
     def distributed(self) -> bool:
@@ -113,8 +130,7 @@ class World:
         from torch.distributed.device_mesh import init_device_mesh
 
         self.device_mesh = init_device_mesh(self.device.type, (self.size,), mesh_dim_names=("batch",))
-        if "gloo" not in self.backend:
-            self.control_group = self.new_group(backend="gloo")
+        self.control_group = dist.group.WORLD if "gloo" in self.backend else self.new_group(backend="gloo")
 
     def form_mesh(self, axis_names: tuple[str, ...], shape: tuple[int, ...], device_type: str | None = None) -> Any:
         """Collective: arrange this world's processes in named axes; the world owns the mesh from then on.
@@ -151,6 +167,24 @@ class World:
             return dist.group.WORLD if self.distributed else None
         return self.sub_mesh(axis).get_group()
 
+    def store(self) -> Any:
+        """The key-value store the default group was formed on (the heartbeat and the every-worker calls')."""
+        return dist.distributed_c10d._get_default_store()
+
+    # ---- the device plane -----------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: Any = None, axis: str | None = None) -> torch.Tensor:
+        """All-reduce ``tensor`` in place over the group of ``axis`` (the world's when None), SUM unless
+        ``op`` says otherwise. On the device plane: ``tensor`` is on this world's device (NCCL needs it)."""
+        if self.distributed:
+            dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=self.group(axis))
+        return tensor
+
+    def data_group(self) -> Any:
+        """The group of the data-parallel replicas: the ``batch`` axis's, the whole world's when the mesh
+        has no such axis (None with one process)."""
+        names = () if self.device_mesh is None else tuple(self.device_mesh.mesh_dim_names or ())
+        return self.group("batch" if "batch" in names else None)
+
     def broadcast_tensors(self, tensors: list[torch.Tensor], src: int = 0, axis: str | None = None) -> None:
         """Rank ``src`` (of the group of ``axis``, of the world when None) sends ``tensors``' values, in place.
 
@@ -181,10 +215,19 @@ class World:
         return self._async_group
 
     # ---- the control plane ----------------------------------------------------------------------
+    def control(self) -> Any:
+        """The control plane's group (None with one process)."""
+        if not self.distributed:
+            return None
+        if self.control_group is None:
+            raise RuntimeError(f"This World ({self.size} processes) has no control group yet: form its planes first "
+                               "(World.form_planes, collective).")
+        return self.control_group
+
     def control_all_reduce(self, tensor: torch.Tensor, op: Any = None) -> torch.Tensor:
         """All-reduce a CPU tensor over the control plane, in place (SUM unless ``op`` says otherwise)."""
         if self.distributed:
-            dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=self.control_group)
+            dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=self.control())
         return tensor
 
     def all_gather_object(self, obj: Any) -> list[Any]:
@@ -192,7 +235,7 @@ class World:
         if not self.distributed:
             return [obj]
         out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.control_group)
+        dist.all_gather_object(out, obj, group=self.control())
         return out
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
@@ -200,13 +243,13 @@ class World:
         if not self.distributed:
             return obj
         holder = [obj]
-        dist.broadcast_object_list(holder, src=src, group=self.control_group)
+        dist.broadcast_object_list(holder, src=src, group=self.control())
         return holder[0]
 
     def barrier(self) -> None:
         """Every rank reaches this point (over the control plane)."""
         if self.distributed:
-            dist.barrier(group=self.control_group)
+            dist.barrier(group=self.control())
 
     # ---- lifetime -------------------------------------------------------------------------------
     def shutdown(self, wait_for_peers: float = 0.0) -> None:

@@ -8,23 +8,25 @@ plain process they are this host's: its GPUs, else one CPU.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from meshfit.cluster import resolve_cluster
+from meshfit.distribute import World
 
 
 def num_processes() -> int:
     """How many processes the job runs (1 for a plain process)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
+    formed = World.process_group_shape()
+    if formed is not None:
+        return formed[1]
     resolver = resolve_cluster()
     return resolver.world_size if resolver is not None else 1
 
 
 def process_id() -> int:
     """This process's rank in the job (0 for a plain process)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
+    formed = World.process_group_shape()
+    if formed is not None:
+        return formed[0]
     resolver = resolve_cluster()
     return (resolver.rank or 0) if resolver is not None else 0
 
@@ -48,7 +50,7 @@ def get_device_count(device_type: str | None = None) -> int:
     type, else 0. In a plain process: the local GPUs, or 1 CPU.
     """
     kind = _device_type(device_type)
-    if (dist.is_available() and dist.is_initialized()) or resolve_cluster() is not None:
+    if World.process_group_shape() is not None or resolve_cluster() is not None:
         return num_processes() if kind == _default_type() else 0
     return torch.cuda.device_count() if kind == "gpu" else 1
 

@@ -124,10 +124,10 @@ class MeshStrategy(CollectiveStrategy):
         # The mesh's groups are the device plane (NCCL on a CUDA mesh): the tensor goes to the device.
         moved = tensor.to(self._device) if tensor.device != self._device else tensor
         if self._batch and self.num_replicas_in_sync > 1:
-            dist.all_reduce(moved, group=self._group_of(self._batch))
+            self.world.all_reduce(moved, axis=self._batch)
         for axis, size in zip(self.mesh.axis_names, self.mesh.shape, strict=True):
             if axis != self._batch and size > 1:
-                dist.all_reduce(moved, op=dist.ReduceOp.MAX, group=self._group_of(axis))
+                self.world.all_reduce(moved, op=dist.ReduceOp.MAX, axis=axis)
         if moved is not tensor:
             tensor.copy_(moved)
         return tensor

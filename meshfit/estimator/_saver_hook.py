@@ -101,7 +101,11 @@ class EstimatorCheckpointSaver(CheckpointSaver):
         super().__init__(hook.checkpoint_dir, policy=policy, checkpoint_name=CHECKPOINT_NAME)
         self.hook, self.session = hook, session
 
-    restore_at_start = False  # the Estimator restored the latest checkpoint before training began
+    def restore_training(self, loop: Any) -> bool:
+        """Make this run's manager; restore nothing (the Estimator restored the latest checkpoint
+        before training began, to compute the step to stop at)."""
+        self.prepare(loop)
+        return False
 
     def make_manager(self, checkpoint: Any) -> Any:
         from meshfit.train import CheckpointManager  # lazily loaded public subpackage

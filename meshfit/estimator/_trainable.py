@@ -27,11 +27,10 @@ def split_features_labels(element: Any) -> tuple[Any, Any]:
     return element, None
 
 
-def broadcast_from_first_replica(tensors: list[torch.Tensor]) -> None:
-    """Give every replica rank 0's values (replicas start from the same weights, as DDP does)."""
-    import torch.distributed as dist
-
-    if not tensors or not dist.is_initialized():
+def broadcast_from_first_replica(tensors: list[torch.Tensor], world: Any) -> None:
+    """Give every process of ``world`` (a `World`) rank 0's values (replicas start from the same
+    weights, as DDP does)."""
+    if not tensors or not world.distributed:
         return
     with torch.no_grad():
         groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
@@ -39,7 +38,7 @@ def broadcast_from_first_replica(tensors: list[torch.Tensor]) -> None:
             groups.setdefault((t.dtype, t.device), []).append(t)
         for group in groups.values():
             flat = torch.cat([t.detach().reshape(-1) for t in group])
-            dist.broadcast(flat, src=0)
+            world.broadcast_tensors([flat])
             offset = 0
             for t in group:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
@@ -180,7 +179,8 @@ class EstimatorModel:
             self.caller.synchronized = True
         self._sharded = sharded
         if self.strategy.num_replicas_in_sync > 1 and not self.caller.synchronized:
-            broadcast_from_first_replica([t for m in modules.values() for t in (*m.parameters(), *m.buffers())])
+            broadcast_from_first_replica([t for m in modules.values() for t in (*m.parameters(), *m.buffers())],
+                                         self.strategy.world)
             self.caller.synchronized = True
         self._module = next(iter(modules.values())) if len(modules) == 1 else nn.ModuleDict(modules)
         if self.mode == ModeKeys.TRAIN:

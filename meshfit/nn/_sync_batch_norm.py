@@ -14,17 +14,23 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from meshfit.distribute import current_world
 
-def _world(group: Any) -> int:
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+def _group(process_group: Any) -> Any:
+    """``process_group``, or the data group of this job's `World` (None with one process)."""
+    if process_group is not None:
+        return process_group
+    return current_world().data_group()
 
 
 class SyncBatchNorm(_BatchNorm):
     """Batch normalization whose training statistics are those of the global batch (all replicas).
 
     Arguments as ``torch.nn.BatchNorm1d/2d/3d`` (any input of shape ``(N, C, ...)``), plus
-    ``process_group`` (default: every process). In eval mode, or without a process group of more
-    than one process, it is plain batch normalization. Each training forward makes two
+    ``process_group`` (default: the data-parallel replicas of this job's `World`: every process of a
+    1-D job, the ``batch`` axis of a mesh). In eval mode, or without a process group of more than one
+    process, it is plain batch normalization. Each training forward makes two
     all-reduces (mean, then variance); every replica must run it the same number of times.
 
     Example:
@@ -51,14 +57,14 @@ class SyncBatchNorm(_BatchNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
-        if not self.training or _world(self.process_group) == 1:
+        group = _group(self.process_group) if self.training else None
+        if group is None or dist.get_world_size(group) == 1:
             return super().forward(input)
         from torch.distributed.nn.functional import all_reduce  # autograd-aware collectives
 
         dims = [0, *range(2, input.dim())]
         count = torch.tensor(float(input.numel() // input.shape[1]), dtype=input.dtype, device=input.device)
         sums = torch.cat([input.sum(dims), count.reshape(1)])
-        group = self.process_group if self.process_group is not None else dist.group.WORLD
         sums = all_reduce(sums, group=group)
         total = sums[-1]
         mean = sums[:-1] / total

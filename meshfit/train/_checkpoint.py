@@ -199,7 +199,7 @@ class Checkpoint:
         distributed = world.distributed
         if not distributed:
             _silence_single_process_warning()
-        group = world.control_group
+        group = world.control()
         rank = world.rank
         self._save_counter += 1  # before writing, as TF: the checkpoint records the save that wrote it
         tensors, document, own_paths = self._collect(rank, distributed, group, path)
@@ -328,7 +328,7 @@ class Checkpoint:
         distributed = world.distributed
         if not distributed:
             _silence_single_process_warning()
-        group = world.control_group
+        group = world.control()
         rank = world.rank
         store.verify(path, document, distributed, group)
         reader = store.reader(path)
