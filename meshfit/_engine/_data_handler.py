@@ -18,6 +18,7 @@ from meshfit._engine._stream_source import EndOfData as EndOfData  # the loop re
 from meshfit._engine._stream_source import _StreamSource
 from meshfit._protocols import DataSource, DistributionStrategy
 from meshfit._storage import StateMismatchError
+from meshfit._validation import invalid_argument
 from meshfit.data import (
     AutoShardPolicy,
     Dataset,
@@ -70,7 +71,7 @@ class DataHandler:
         self.source: DataSource = self._adapt(x, y, sample_weight, batch_size, shuffle)
         length = self.source.length()
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0):
-            raise ValueError(f"Invalid `{argument}`: expected a positive int or None, received {argument}={steps!r}.")
+            raise invalid_argument(argument, "a positive int or None", steps)
         if steps is None and length is None and not unbounded_ok and not isinstance(self.source, _StreamSource):
             stop = " (or, in fit, a callback that stops training, such as EarlyStopping)" if training else ""
             raise ValueError(f"The input data is infinite (e.g. it ends with .repeat()), so `{argument}` must "

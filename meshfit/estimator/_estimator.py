@@ -16,6 +16,7 @@ import torch
 from meshfit._engine import TrainingLoop
 from meshfit._engine import evaluate as evaluation_loop
 from meshfit._runtime import flush_denormals
+from meshfit._validation import invalid_argument
 from meshfit.callbacks import CallbackList
 from meshfit.distribute import OneDeviceStrategy, get_strategy
 from meshfit.estimator._data import input_data, is_finite, restore_for_inference
@@ -39,7 +40,7 @@ def _check_train_steps(steps: Any, max_steps: Any) -> None:
                          f"max_steps={max_steps!r}.")
     for name, value in (("steps", steps), ("max_steps", max_steps)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise ValueError(f"Invalid `{name}`: expected a positive int or None, received {name}={value!r}.")
+            raise invalid_argument(name, "a positive int or None", value)
 
 
 def _check_hooks(hooks: Any) -> list[SessionRunHook]:

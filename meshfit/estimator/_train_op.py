@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from meshfit._validation import _fail
+from meshfit._validation import invalid_argument
 from meshfit.distribute import mark_reduced
 
 
@@ -32,9 +32,9 @@ class TrainOp:
 
     def __init__(self, optimizer: Any, loss: torch.Tensor, var_list: Iterable[torch.Tensor] | None = None) -> None:
         if not (hasattr(optimizer, "step") and hasattr(optimizer, "zero_grad")):
-            raise _fail("optimizer", "a meshfit optimizer or a torch.optim.Optimizer", optimizer, TypeError)
+            raise invalid_argument("optimizer", "a meshfit optimizer or a torch.optim.Optimizer", optimizer, TypeError)
         if not isinstance(loss, torch.Tensor):
-            raise _fail("loss", "a scalar tensor", loss, TypeError)
+            raise invalid_argument("loss", "a scalar tensor", loss, TypeError)
         self.optimizer, self.loss = optimizer, loss
         self.var_list = list(var_list) if var_list is not None else None
 
