@@ -15,6 +15,7 @@ import torch
 
 from meshfit._engine import TrainingLoop
 from meshfit._engine import evaluate as evaluation_loop
+from meshfit._protocols import DistributionStrategy
 from meshfit._runtime import flush_denormals
 from meshfit._validation import invalid_argument
 from meshfit.callbacks import CallbackList
@@ -169,7 +170,8 @@ class Estimator:
         process, each holding a part (an ``evaluator`` task, outside the mesh, reads whole weights alone)."""
         if self._config.task_type == "evaluator":
             return False
-        return bool(getattr(getattr(self._train_strategy(), "layout_map", None), "is_fully_sharded", False))
+        layout_map = self._train_strategy().layout_map
+        return layout_map is not None and layout_map.is_fully_sharded
 
     def _seed_before_first_build(self) -> None:
         seed = self._config.tf_random_seed
@@ -202,7 +204,7 @@ class Estimator:
                 data.close()
         return self
 
-    def _train(self, data: Any, strategy: Any, hooks: list[SessionRunHook], steps: int | None,
+    def _train(self, data: Any, strategy: DistributionStrategy, hooks: list[SessionRunHook], steps: int | None,
                max_steps: int | None, saving_listeners: list[Any] | None) -> None:
         is_chief = self._config.is_chief
         trainable = EstimatorModel(self._caller, ModeKeys.TRAIN, strategy)

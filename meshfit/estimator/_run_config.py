@@ -12,6 +12,7 @@ import dataclasses
 import os
 from typing import Any
 
+from meshfit._protocols import DistributionStrategy
 from meshfit._validation import invalid_argument, is_int
 from meshfit.cluster import resolve_cluster
 
@@ -65,8 +66,8 @@ class RunConfig:
     save_checkpoints_secs: float | None = _USE_DEFAULT
     keep_checkpoint_max: int | None = 5
     log_step_count_steps: int | None = 100
-    train_distribute: Any = None
-    eval_distribute: Any = None
+    train_distribute: DistributionStrategy | None = None
+    eval_distribute: DistributionStrategy | None = None
 
     def __post_init__(self) -> None:
         steps, secs = self.save_checkpoints_steps, self.save_checkpoints_secs
@@ -114,9 +115,9 @@ class RunConfig:
 
     # ---- the cluster role, as TF's RunConfig reports it --------------------------------------
     def _resolver(self) -> Any:
-        resolver = getattr(self.train_distribute, "cluster_resolver", None)
-        if resolver is not None and not getattr(resolver, "synthetic", False):
-            return resolver
+        strategy = self.train_distribute
+        if strategy is not None and not strategy.cluster_resolver.synthetic:
+            return strategy.cluster_resolver
         return resolve_cluster()  # as TF's RunConfig: TF_CONFIG, whatever the strategy made up
 
     @property

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from meshfit._protocols import DistributionStrategy
 from meshfit._validation import invalid_argument
 from meshfit.distribute import mark_reduced
 
@@ -79,7 +80,7 @@ def trained_parameters(optimizer: Any, default: Iterable[torch.Tensor]) -> list[
     return [p for group in torch_optimizer.param_groups for p in group["params"]]
 
 
-def run_train_op(train_op: Any, loss: torch.Tensor, params: list[torch.Tensor], strategy: Any,
+def run_train_op(train_op: Any, loss: torch.Tensor, params: list[torch.Tensor], strategy: DistributionStrategy,
                  reduce: bool = True) -> None:
     """Apply ``train_op``: backward, average the gradients of ``params`` over replicas (unless the
     backward did, ``reduce=False``: fully sharded modules), step."""
@@ -97,7 +98,7 @@ def run_train_op(train_op: Any, loss: torch.Tensor, params: list[torch.Tensor], 
     optimizer.step()
 
 
-def average_gradients(params: list[torch.Tensor], strategy: Any) -> None:
+def average_gradients(params: list[torch.Tensor], strategy: DistributionStrategy) -> None:
     """Replace each gradient by its mean over the replicas (one flat all-reduce per dtype).
 
     A parameter without a gradient on some replicas counts as zero there; one without a gradient
