@@ -312,16 +312,17 @@ class DataHandler:
         return int(state["index"]) == 0
 
     def _topology(self) -> dict[str, Any]:
-        source: Any = self.source  # the concrete source: its dataset, view, loader and replica count
-        view = getattr(source, "view", None)
-        per_replica_pipeline = getattr(source, "context", None) is not None  # a dataset_fn built it for one replica
-        own_data = per_replica_pipeline or getattr(source, "policy", None) is AutoShardPolicy.FILE
-        # The user's dataset, batched with the global batch size, whatever view a replica reads; a
-        # dataset_fn's pipeline holds one replica's batches.
-        users = getattr(source, "dataset", None)
-        data = users if isinstance(users, Dataset) and not per_replica_pipeline else view
-        return data_topology(data if data is not None else getattr(source, "loader", None),
-                             global_batch_factor=source.num_replicas if per_replica_pipeline else 1,
+        source, data, factor, own_data = self.source, None, 1, False
+        if isinstance(source, DistributedDataset):
+            per_replica_pipeline = source.context is not None  # a dataset_fn built it for one replica
+            own_data = per_replica_pipeline or source.policy is AutoShardPolicy.FILE
+            # The user's dataset, batched with the global batch size, whatever view a replica reads; a
+            # dataset_fn's pipeline holds one replica's batches.
+            data = source.view if per_replica_pipeline else source.dataset
+            factor = source.num_replicas if per_replica_pipeline else 1
+        elif isinstance(source, _StreamSource):
+            data = source.loader
+        return data_topology(data, global_batch_factor=factor,
                              batches_per_pass=self._length, world_size=self.strategy.num_replicas_in_sync,
                              count_examples=not own_data)
 

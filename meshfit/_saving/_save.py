@@ -142,7 +142,7 @@ def save_model(model: Any, filepath: str | os.PathLike, *, checked: bool = False
     def write() -> None:
         compile_config = dict(model._compile_config) if model._compile_config else None
         if compile_config is not None:
-            compile_config["metrics"] = [_metric_config(m) for m in getattr(model, "_metric_identifiers", [])]
+            compile_config["metrics"] = [_metric_config(m) for m in model._metric_identifiers]
         config: dict[str, Any] = {
             "format": FORMAT,
             "name": model.name,

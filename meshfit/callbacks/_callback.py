@@ -158,5 +158,4 @@ def _to_float(value: Any) -> Any:
 
 def _is_chief(model: Model | None) -> bool:
     """Whether this process writes shared files: True without a model or strategy."""
-    strategy = getattr(model, "strategy", None)
-    return True if strategy is None else bool(strategy.is_chief)
+    return True if model is None else model.strategy.is_chief

@@ -42,6 +42,7 @@ __all__ = ["PEER_FAILURE_EXIT_CODE", "Heartbeat", "PeerFailureError"]
 _GRACE_SECONDS = 1.5
 _KEPT_BEATS = 64  # beats kept in the store per rank, so a lagging watcher still finds the next one
 _PREFIX = "meshfit/hb"
+_OUR_EXCEPTHOOKS: list[Callable[..., Any]] = []  # the hooks report_uncaught_peer_failures installed
 
 
 class PeerFailureError(RuntimeError):
@@ -57,7 +58,7 @@ def report_uncaught_peer_failures() -> None:
     meshfit's internals (the message names the peer and the backup). Installed when a group of
     several processes forms, never at import; other exceptions go to the previous hook."""
     previous = sys.excepthook
-    if getattr(previous, "meshfit_peer_failures", False):
+    if previous in _OUR_EXCEPTHOOKS:
         return
 
     def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
@@ -66,7 +67,7 @@ def report_uncaught_peer_failures() -> None:
             return
         previous(kind, value, traceback)
 
-    hook.meshfit_peer_failures = True  # type: ignore[attr-defined]
+    _OUR_EXCEPTHOOKS.append(hook)
     sys.excepthook = hook
 
 

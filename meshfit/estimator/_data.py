@@ -9,6 +9,7 @@ from typing import Any
 from meshfit._engine import DataHandler
 from meshfit._protocols import DistributionStrategy
 from meshfit.data import Dataset
+from meshfit.distribute import DistributedDataset
 from meshfit.estimator._hooks import log
 from meshfit.estimator._model_fn import accepts_input_context, call_input_fn
 
@@ -49,9 +50,8 @@ def input_data(estimator: Any, input_fn: Callable[..., Any], mode: str, strategy
 
 
 def _finite(source: Any) -> bool:
-    length = getattr(source, "length", None)
-    if callable(length):
-        return length() is not None
+    if isinstance(source, DistributedDataset):
+        return source.length() is not None
     if isinstance(source, Dataset):
         return source.node.length() is not None
     try:

@@ -18,6 +18,7 @@ import torch
 from meshfit._protocols import DistributionStrategy
 from meshfit._validation import invalid_argument
 from meshfit.distribute import mark_reduced
+from meshfit.optimizers import Optimizer
 
 
 class TrainOp:
@@ -74,10 +75,11 @@ def trained_parameters(optimizer: Any, default: Iterable[torch.Tensor]) -> list[
     """The parameters ``optimizer`` updates (building a meshfit optimizer on ``default`` first)."""
     if isinstance(optimizer, torch.optim.Optimizer):
         return [p for group in optimizer.param_groups for p in group["params"]]
-    if not getattr(optimizer, "built", True):
-        optimizer.build([p for p in default if p.requires_grad])
-    torch_optimizer = getattr(optimizer, "torch_optimizer", optimizer)
-    return [p for group in torch_optimizer.param_groups for p in group["params"]]
+    if isinstance(optimizer, Optimizer):
+        if not optimizer.built:
+            optimizer.build([p for p in default if p.requires_grad])
+        optimizer = optimizer.torch_optimizer
+    return [p for group in optimizer.param_groups for p in group["params"]]  # any optimizer with param_groups
 
 
 def run_train_op(train_op: Any, loss: torch.Tensor, params: list[torch.Tensor], strategy: DistributionStrategy,

@@ -105,8 +105,7 @@ class Metric:
         """The strategy whose replicas `result()` sums over, or None for a local metric."""
         if self.mesh is not None:
             return self.mesh.strategy
-        ref = getattr(self, "_strategy_ref", None)
-        strategy = ref() if ref is not None else None
+        strategy = self._strategy_ref() if self._strategy_ref is not None else None
         return strategy if strategy is not None and strategy.num_replicas_in_sync > 1 else None
 
     def local_result(self) -> torch.Tensor:

@@ -61,7 +61,7 @@ def _accuracy_for(name: str, loss: Any) -> Metric:
     if isinstance(loss, losses.CategoricalCrossentropy):
         return CategoricalAccuracy(name)
     if isinstance(loss, losses.BinaryCrossentropy | nn.BCELoss | nn.BCEWithLogitsLoss):
-        logits = isinstance(loss, nn.BCEWithLogitsLoss) or getattr(loss, "from_logits", False)
+        logits = isinstance(loss, nn.BCEWithLogitsLoss) or (isinstance(loss, losses.BinaryCrossentropy) and loss.from_logits)
         return BinaryAccuracy(name, threshold=0.0 if logits else 0.5)
     return _AutoAccuracy(name)
 
