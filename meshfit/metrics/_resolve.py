@@ -11,18 +11,16 @@ from meshfit import losses
 from meshfit.losses import TorchModuleLoss as _TorchModuleLoss
 from meshfit.losses import get as get_loss
 from meshfit.losses import snake_case
-from meshfit.metrics._metrics import (
+from meshfit.metrics._accuracy import (
     Accuracy,
     BinaryAccuracy,
     CategoricalAccuracy,
-    MeanAbsoluteError,
-    MeanMetricWrapper,
-    MeanSquaredError,
-    Metric,
     SparseCategoricalAccuracy,
     SparseTopKCategoricalAccuracy,
     _AutoAccuracy,
 )
+from meshfit.metrics._metrics import MeanMetricWrapper, Metric
+from meshfit.metrics._regression import MeanAbsoluteError, MeanSquaredError
 from meshfit.metrics._torchmetrics import TorchMetricsMetric
 
 #: The built-in metric classes by class name (what a saved model's compile config can name).
