@@ -22,7 +22,9 @@ from meshfit.distribute._placement import GradientSync, Placement
 from meshfit.distribute._placement import PlacementPlan as PlacementPlan
 from meshfit.distribute._placement import Transform as Transform
 from meshfit.distribute._placement import gradient_reduced as gradient_reduced
+from meshfit.distribute._placement import is_placement_hook as is_placement_hook
 from meshfit.distribute._placement import mark_reduced as mark_reduced
+from meshfit.distribute._placement import placement_hook as placement_hook
 from meshfit.distribute._placement import register_placement as register_placement
 from meshfit.distribute._rendezvous import agree_on_settings as agree_on_settings
 from meshfit.distribute._replication import adopt as adopt

@@ -32,7 +32,7 @@ import contextlib
 import dataclasses
 import weakref
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -48,6 +48,9 @@ _REDUCED_ONCE: dict[int, torch.Tensor] = {}
 # Each placed parameter's `GradientSync` (the last transform of its placement's plan), held weakly:
 # a sync lives as long as its placement, whose module holds the parameters.
 _SYNC_OF: weakref.WeakValueDictionary[int, GradientSync] = weakref.WeakValueDictionary()
+# The forward hooks a strategy's placement adds to a module (`placement_hook`), held weakly.
+_PLACEMENT_HOOKS: weakref.WeakSet[Any] = weakref.WeakSet()
+_Hook = TypeVar("_Hook")
 
 
 def mark_reduced(params: Iterable[torch.Tensor]) -> None:
@@ -156,3 +159,18 @@ class Placement:
     def state_dict(self) -> dict[str, Any]:
         """The state of the user's module (never the wrapper's prefixed names)."""
         return self.source.state_dict()
+
+
+def placement_hook(hook: _Hook) -> _Hook:
+    """Record ``hook`` as a placement's forward hook (it moves inputs and outputs, no math), so that saving
+    describes the module as its plain layers; returns ``hook``."""
+    _PLACEMENT_HOOKS.add(hook)
+    return hook
+
+
+def is_placement_hook(hook: Any) -> bool:
+    """Whether ``hook`` was recorded by `placement_hook`."""
+    try:
+        return hook in _PLACEMENT_HOOKS
+    except TypeError:  # an unhashable hook is not one of ours
+        return False

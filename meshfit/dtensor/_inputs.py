@@ -29,6 +29,7 @@ from torch import nn
 
 from meshfit._lazy_dtensor import is_dtensor
 from meshfit.data import map_structure
+from meshfit.distribute import is_placement_hook, placement_hook
 from meshfit.dtensor._pack import local_rows
 
 BATCH_AXIS = "batch"
@@ -43,9 +44,9 @@ def accept_inputs(module: nn.Module) -> Callable[[nn.Module, tuple, dict], Any]:
     for hook in module._forward_pre_hooks.values():
         if isinstance(hook, _Before):
             return hook
-    before = _Before()
+    before = placement_hook(_Before())  # saving describes the module as its plain layers (no math here)
     module.register_forward_pre_hook(before, with_kwargs=True)
-    module.register_forward_hook(_After(before), with_kwargs=True)
+    module.register_forward_hook(placement_hook(_After(before)), with_kwargs=True)
     return before
 
 
@@ -60,7 +61,7 @@ def _batch_placements(mesh: Any, rank: int) -> list[Any]:
 def _placed_by_a_strategy(module: nn.Module) -> bool:
     """A strategy's own placement hooks (mf.Model's boundary) or ``fully_shard`` handle the inputs."""
     for hook in module._forward_pre_hooks.values():
-        if getattr(hook, "meshfit_placement", False) and not isinstance(hook, _Before):
+        if is_placement_hook(hook) and not isinstance(hook, _Before):
             return True
     fsdp = sys.modules.get("torch.distributed.fsdp")
     return fsdp is not None and isinstance(module, fsdp.FSDPModule)
@@ -68,8 +69,6 @@ def _placed_by_a_strategy(module: nn.Module) -> bool:
 
 class _Before:
     """The pre-hook: convert the inputs; remembers, per call, what the post-hook must undo."""
-
-    meshfit_placement = True  # saving describes the module as its plain layers (no math here)
 
     def __init__(self) -> None:
         self.calls: list[Any] = []
@@ -110,8 +109,6 @@ class _Before:
 
 class _After:
     """The post-hook: outputs back to what the caller passed in (local rows, or DTensors)."""
-
-    meshfit_placement = True
 
     def __init__(self, before: _Before) -> None:
         self.before = before

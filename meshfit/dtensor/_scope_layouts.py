@@ -28,6 +28,7 @@ from torch.nn.parameter import is_lazy
 from meshfit._lazy_dtensor import is_dtensor
 from meshfit._protocols import DistributionStrategy
 from meshfit.data import map_structure
+from meshfit.distribute import placement_hook
 from meshfit.dtensor._inputs import accept_inputs
 from meshfit.dtensor._pack import local_rows
 
@@ -133,5 +134,4 @@ def _lay_out_at_first_call(module: nn.Module, layout_map: Any, strategy: Distrib
         convert = _lay_out(module, layout_map, strategy)
         return convert(module, args, kwargs)  # this call's inputs too (the new hook runs from the next call)
 
-    first_call.meshfit_placement = True  # type: ignore[attr-defined]
-    handles.append(module.register_forward_pre_hook(first_call, with_kwargs=True))
+    handles.append(module.register_forward_pre_hook(placement_hook(first_call), with_kwargs=True))
