@@ -101,7 +101,7 @@ def adopt(module: torch.nn.Module, strategy: DistributionStrategy) -> None:
             setattr(tensor, _LABEL, f"{kind} {name!r}")
 
 
-def owner_of(tensor: torch.Tensor) -> Any:
+def owner_of(tensor: torch.Tensor) -> DistributionStrategy | None:
     """The strategy in whose scope ``tensor`` was created, or None."""
     ref = _OWNER.get(tensor)
     return ref() if ref is not None else None

@@ -153,10 +153,10 @@ class Estimator:
         return latest
 
     # ---- strategies -------------------------------------------------------------------------
-    def _train_strategy(self) -> Any:
+    def _train_strategy(self) -> DistributionStrategy:
         return self._config.train_distribute or get_strategy()
 
-    def _eval_strategy(self) -> Any:
+    def _eval_strategy(self) -> DistributionStrategy:
         """``eval_distribute``, else this process alone (TF evaluates without a strategy); a fully sharded
         training strategy evaluates on its processes together (the weights are split over them)."""
         if self._config.eval_distribute is not None:

@@ -10,6 +10,7 @@ import torch
 
 from meshfit import losses
 from meshfit._lazy_dtensor import is_dtensor
+from meshfit._protocols import DistributionStrategy
 from meshfit.distribute import current_scope_strategy
 from meshfit.losses import snake_case
 
@@ -101,7 +102,7 @@ class Metric:
                            zip(flat.split([t.numel() for t in states]), states, strict=True))
         return self.result_from(states)
 
-    def _reducing_strategy(self) -> Any:
+    def _reducing_strategy(self) -> DistributionStrategy | None:
         """The strategy whose replicas `result()` sums over, or None for a local metric."""
         if self.mesh is not None:
             return self.mesh.strategy
