@@ -17,9 +17,6 @@ from typing import Any
 
 import numpy as np
 
-from meshfit._protocols import ModelLike
-from meshfit.metrics import TorchMetricsMetric
-
 Comparison = Callable[[Any, Any], Any]
 
 _HIGHER_IS_BETTER = ("acc", "auc", "precision", "recall", "fmeasure", "f1", "iou", "r2", "true_positives",
@@ -51,12 +48,13 @@ def _from_name(name: str) -> Comparison | None:
     return None
 
 
-def _from_model(name: str, model: ModelLike | None) -> Comparison | None:
-    for metric in model.metrics if model is not None else ():
-        if metric.name != name:
+def _from_model(name: str, model: Any) -> Comparison | None:
+    # Probes on purpose: the model is whatever `set_model` was given (Keras drives any model; a stand-in
+    # without compiled metrics falls back to the name), and its metrics may be the user's own objects.
+    for metric in getattr(model, "metrics", None) or ():
+        if getattr(metric, "name", None) != name:
             continue
-        # torchmetrics' own attribute (None on a metric that does not say)
-        higher = metric.metric.higher_is_better if isinstance(metric, TorchMetricsMetric) else None
+        higher = getattr(getattr(metric, "metric", None), "higher_is_better", None)  # a torchmetrics metric
         direction = _METRIC_DIRECTION.get(type(metric).__name__)
         if higher is not None:
             return np.greater if higher else np.less
@@ -65,7 +63,7 @@ def _from_model(name: str, model: ModelLike | None) -> Comparison | None:
     return None
 
 
-def monitor_op(monitor: str, mode: str, owner: str, model: ModelLike | None = None, required: bool = False) -> Comparison | None:
+def monitor_op(monitor: str, mode: str, owner: str, model: Any = None, required: bool = False) -> Comparison | None:
     """``np.greater`` or ``np.less`` for ``mode``; in "auto", from the model's metrics or the name, or None
     while it cannot be told (an error when ``required``)."""
     if mode == "max":

@@ -91,9 +91,10 @@ class TensorBoard(Callback):
         """Starts writing (chief only)."""
         self._writing = _is_chief(self.model)
         if self._writing and self.write_graph:
-            if self.model is not None:
+            module = getattr(self.model, "module", None)  # whatever set_model was given (Keras drives any model)
+            if module is not None:
                 # Indented four spaces so TensorBoard's markdown shows it as code.
-                text = "\n".join("    " + line for line in repr(self.model.module).splitlines())
+                text = "\n".join("    " + line for line in repr(module).splitlines())
                 self._writer("train").add_text("model", text, 0)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
@@ -114,8 +115,7 @@ class TensorBoard(Callback):
         scalars = _scalars(logs)
         train = {k: v for k, v in scalars.items() if not k.startswith("val_")}
         validation = {k[len("val_") :]: v for k, v in scalars.items() if k.startswith("val_")}
-        optimizer = self.model.optimizer if self.model is not None else None
-        learning_rate = _to_float(optimizer.learning_rate) if optimizer is not None else None
+        learning_rate = _to_float(getattr(getattr(self.model, "optimizer", None), "learning_rate", None))
         if isinstance(learning_rate, float) and "learning_rate" not in train:
             train["learning_rate"] = learning_rate
         for name, values in (("train", train), ("validation", validation)):
@@ -129,9 +129,9 @@ class TensorBoard(Callback):
             writer.flush()
 
     def _write_histograms(self, epoch: int) -> None:
-        if self.model is None:
+        module = getattr(self.model, "module", None)
+        if module is None:
             return
-        module = self.model.module
         writer = self._writer("train")
         for name, parameter in module.named_parameters():
             tensor = parameter.detach()
