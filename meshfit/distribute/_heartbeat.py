@@ -42,7 +42,6 @@ __all__ = ["PEER_FAILURE_EXIT_CODE", "Heartbeat", "PeerFailureError"]
 _GRACE_SECONDS = 1.5
 _KEPT_BEATS = 64  # beats kept in the store per rank, so a lagging watcher still finds the next one
 _PREFIX = "meshfit/hb"
-_OUR_EXCEPTHOOKS: list[Callable[..., Any]] = []  # the hooks report_uncaught_peer_failures installed
 
 
 class PeerFailureError(RuntimeError):
@@ -57,18 +56,21 @@ def report_uncaught_peer_failures() -> None:
     """An uncaught `PeerFailureError` ends the worker with its message alone, not a traceback into
     meshfit's internals (the message names the peer and the backup). Installed when a group of
     several processes forms, never at import; other exceptions go to the previous hook."""
-    previous = sys.excepthook
-    if previous in _OUR_EXCEPTHOOKS:
-        return
+    if not isinstance(sys.excepthook, _PeerFailureHook):
+        sys.excepthook = _PeerFailureHook(sys.excepthook)
 
-    def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+
+class _PeerFailureHook:
+    """``sys.excepthook`` printing a `PeerFailureError`'s message alone; other exceptions go to ``previous``."""
+
+    def __init__(self, previous: Callable[..., Any]) -> None:
+        self.previous = previous
+
+    def __call__(self, kind: type[BaseException], value: BaseException, traceback: Any) -> None:
         if isinstance(value, PeerFailureError):
             print(f"meshfit: {type(value).__name__}: {value}", file=sys.stderr, flush=True)
             return
-        previous(kind, value, traceback)
-
-    _OUR_EXCEPTHOOKS.append(hook)
-    sys.excepthook = hook
+        self.previous(kind, value, traceback)
 
 
 class _Peer:

@@ -31,8 +31,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from collections.abc import Iterable
-from typing import Any, Protocol, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -48,9 +48,6 @@ _REDUCED_ONCE: dict[int, torch.Tensor] = {}
 # Each placed parameter's `GradientSync` (the last transform of its placement's plan), held weakly:
 # a sync lives as long as its placement, whose module holds the parameters.
 _SYNC_OF: weakref.WeakValueDictionary[int, GradientSync] = weakref.WeakValueDictionary()
-# The forward hooks a strategy's placement adds to a module (`placement_hook`), held weakly.
-_PLACEMENT_HOOKS: weakref.WeakSet[Any] = weakref.WeakSet()
-_Hook = TypeVar("_Hook")
 
 
 def mark_reduced(params: Iterable[torch.Tensor]) -> None:
@@ -161,16 +158,22 @@ class Placement:
         return self.source.state_dict()
 
 
-def placement_hook(hook: _Hook) -> _Hook:
-    """Record ``hook`` as a placement's forward hook (it moves inputs and outputs, no math), so that saving
-    describes the module as its plain layers; returns ``hook``."""
-    _PLACEMENT_HOOKS.add(hook)
-    return hook
+class PlacementHook:
+    """A forward hook of a strategy's placement: it moves inputs and outputs and changes no math, so
+    saving describes the module as its plain layers. Subclass it, or wrap a function with `placement_hook`."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
 
 
-def is_placement_hook(hook: Any) -> bool:
-    """Whether ``hook`` was recorded by `placement_hook`."""
-    try:
-        return hook in _PLACEMENT_HOOKS
-    except TypeError:  # an unhashable hook is not one of ours
-        return False
+class _FunctionHook(PlacementHook):
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.function(*args, **kwargs)
+
+
+def placement_hook(function: Callable[..., Any]) -> PlacementHook:
+    """``function`` as a `PlacementHook` (register the result with torch)."""
+    return _FunctionHook(function)

@@ -29,7 +29,7 @@ from torch import nn
 
 from meshfit._lazy_dtensor import is_dtensor
 from meshfit.data import map_structure
-from meshfit.distribute import is_placement_hook, placement_hook
+from meshfit.distribute import PlacementHook
 from meshfit.dtensor._pack import local_rows
 
 BATCH_AXIS = "batch"
@@ -44,9 +44,9 @@ def accept_inputs(module: nn.Module) -> Callable[[nn.Module, tuple, dict], Any]:
     for hook in module._forward_pre_hooks.values():
         if isinstance(hook, _Before):
             return hook
-    before = placement_hook(_Before())  # saving describes the module as its plain layers (no math here)
+    before = _Before()
     module.register_forward_pre_hook(before, with_kwargs=True)
-    module.register_forward_hook(placement_hook(_After(before)), with_kwargs=True)
+    module.register_forward_hook(_After(before), with_kwargs=True)
     return before
 
 
@@ -61,13 +61,13 @@ def _batch_placements(mesh: Any, rank: int) -> list[Any]:
 def _placed_by_a_strategy(module: nn.Module) -> bool:
     """A strategy's own placement hooks (mf.Model's boundary) or ``fully_shard`` handle the inputs."""
     for hook in module._forward_pre_hooks.values():
-        if is_placement_hook(hook) and not isinstance(hook, _Before):
+        if isinstance(hook, PlacementHook) and not isinstance(hook, _Before):
             return True
     fsdp = sys.modules.get("torch.distributed.fsdp")
     return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
-class _Before:
+class _Before(PlacementHook):
     """The pre-hook: convert the inputs; remembers, per call, what the post-hook must undo."""
 
     def __init__(self) -> None:
@@ -107,7 +107,7 @@ class _Before:
         return args, kwargs
 
 
-class _After:
+class _After(PlacementHook):
     """The post-hook: outputs back to what the caller passed in (local rows, or DTensors)."""
 
     def __init__(self, before: _Before) -> None:
