@@ -13,6 +13,7 @@ from meshfit.metrics._regression import MeanAbsoluteError, MeanSquaredError
 
 # Seams for meshfit's other packages (not public API: not in __all__).
 from meshfit.metrics._resolve import CLASSES as CLASSES
+from meshfit.metrics._resolve import builtin_config as builtin_config
 from meshfit.metrics._resolve import get
 from meshfit.metrics._torchmetrics import TorchMetricsMetric
 

@@ -45,6 +45,13 @@ _ALIASES: dict[str, type[Metric]] = {
 _LOOKUP = {key.replace("_", "").lower(): cls for key, cls in _ALIASES.items()}
 
 
+def builtin_config(metric: Metric) -> dict[str, Any]:
+    """A built-in metric's constructor arguments (`CLASSES`): its name, and a wrapper's keywords (``k``,
+    ``threshold``), so that a saved model's compile config rebuilds it."""
+    keywords = metric._fn_kwargs if isinstance(metric, MeanMetricWrapper) else {}
+    return {"name": metric.name, **keywords}
+
+
 def _accuracy_for(name: str, loss: Any) -> Metric:
     """Keras's `"accuracy"`: the accuracy that matches the loss, else chosen from shapes."""
     if isinstance(loss, str | dict):
