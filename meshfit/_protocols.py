@@ -26,6 +26,9 @@ class ClusterResolverLike(Protocol):
     @property
     def task_id(self) -> int | None: ...
 
+    @property
+    def synthetic(self) -> bool: ...  # meshfit made it up (nothing described a cluster): read the environment
+
 
 class CheckpointRecordLike(Protocol):
     """Where a custom loop's checkpoints are, for failure messages (a `meshfit.train.CheckpointManager`)."""
@@ -119,6 +122,13 @@ class MetricLike(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+class LayoutMapLike(Protocol):
+    """The layouts a mesh strategy applies to the modules it sets up (see `meshfit.dtensor.LayoutMap`)."""
+
+    @property
+    def is_fully_sharded(self) -> bool: ...  # ``LayoutMap.fully_sharded``: every weight sharded (FSDP)
+
+
 class DistributionStrategy(Protocol):
     """How a step runs: placement of modules and batches, and reductions over the data-parallel axis.
 
@@ -150,6 +160,11 @@ class DistributionStrategy(Protocol):
     @property
     def cluster_resolver(self) -> ClusterResolverLike: ...  # TF's task_type / task_id / cluster_spec() (SPEC)
 
+    @property
+    def layout_map(self) -> LayoutMapLike | None: ...  # a mesh strategy's layouts (None: replicated)
+
+    def places_on_creation(self, module: nn.Module) -> bool: ...  # `Model(module)` places it at once
+
     def scope(self) -> AbstractContextManager[Any]: ...
 
     def setup_module(self, module: nn.Module, jit_compile: bool = False) -> PlacementLike: ...
@@ -163,6 +178,8 @@ class DistributionStrategy(Protocol):
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
     def all_reduce_control(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def broadcast_tensor(self, tensor: torch.Tensor) -> torch.Tensor: ...  # rank 0's values, in place
 
     def broadcast_object(self, obj: Any) -> Any: ...
 
@@ -179,6 +196,20 @@ class DistributionStrategy(Protocol):
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any: ...
 
     def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any: ...
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Any], options: Any = None) -> Any: ...
+
+
+class MeshStrategyLike(DistributionStrategy, Protocol):
+    """The strategy of a mesh made by ``create_mesh`` (see `meshfit.dtensor.Mesh.strategy`)."""
+
+    @property
+    def local_device_count(self) -> int: ...  # the mesh's devices on this host
+
+    @property
+    def local_device_index(self) -> int: ...  # this process's position among them
+
+    def with_layout_map(self, layout_map: Any) -> MeshStrategyLike: ...  # same processes, applying the layouts
 
 
 class StrategySource(Protocol):

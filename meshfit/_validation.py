@@ -11,7 +11,8 @@ import os
 from typing import Any
 
 
-def _fail(name: str, expected: str, value: Any, error: type[Exception] = ValueError) -> Exception:
+def invalid_argument(name: str, expected: str, value: Any, error: type[Exception] = ValueError) -> Exception:
+    """The error for a bad argument, in Keras's house format (raise it: ``raise invalid_argument(...)``)."""
     return error(f"Invalid `{name}`: expected {expected}, received {name}={value!r}.")
 
 
@@ -23,7 +24,7 @@ def is_int(value: Any) -> bool:
 def positive_int(name: str, value: Any) -> int:
     """``value`` if it is an int > 0."""
     if not is_int(value) or value <= 0:
-        raise _fail(name, "a positive int", value)
+        raise invalid_argument(name, "a positive int", value)
     return value
 
 
@@ -32,14 +33,14 @@ def optional_positive_int(name: str, value: Any) -> int | None:
     if value is None:
         return None
     if not is_int(value) or value <= 0:
-        raise _fail(name, "a positive int or None", value)
+        raise invalid_argument(name, "a positive int or None", value)
     return value
 
 
 def non_negative_int(name: str, value: Any) -> int:
     """``value`` if it is an int >= 0."""
     if not is_int(value) or value < 0:
-        raise _fail(name, "an int >= 0", value)
+        raise invalid_argument(name, "an int >= 0", value)
     return value
 
 
@@ -48,14 +49,14 @@ def epoch_or_positive_int(name: str, value: Any) -> str | int:
     if value == "epoch" and isinstance(value, str):
         return value
     if not is_int(value) or value <= 0:
-        raise _fail(name, "'epoch' or a positive int", value)
+        raise invalid_argument(name, "'epoch' or a positive int", value)
     return value
 
 
 def check_bool(name: str, value: Any) -> bool:
     """``value`` if it is a bool."""
     if not isinstance(value, bool):
-        raise _fail(name, "True or False", value, TypeError)
+        raise invalid_argument(name, "True or False", value, TypeError)
     return value
 
 
@@ -69,26 +70,26 @@ def finite_float(name: str, value: Any, *, minimum: float | None = None, positiv
         positive: require ``value > 0``.
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _fail(name, "a finite number", value)
+        raise invalid_argument(name, "a finite number", value)
     if positive and value <= 0:
-        raise _fail(name, "a number > 0", value)
+        raise invalid_argument(name, "a number > 0", value)
     if minimum is not None and value < minimum:
-        raise _fail(name, f"a number >= {minimum:g}", value)
+        raise invalid_argument(name, f"a number >= {minimum:g}", value)
     return float(value)
 
 
 def path_like(name: str, value: Any) -> str:
     """``value`` as a ``str`` path if it is a non-empty ``str`` or ``os.PathLike``."""
     if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
-        raise _fail(name, "a non-empty path (str or os.PathLike)", value, TypeError)
+        raise invalid_argument(name, "a non-empty path (str or os.PathLike)", value, TypeError)
     path = os.fspath(value)
     if not isinstance(path, str):
-        raise _fail(name, "a str path", value, TypeError)
+        raise invalid_argument(name, "a str path", value, TypeError)
     return path
 
 
 def one_of(name: str, value: Any, choices: tuple[Any, ...]) -> Any:
     """``value`` if it is one of ``choices``."""
     if not any(type(value) is type(choice) and value == choice for choice in choices):
-        raise _fail(name, "one of " + ", ".join(repr(c) for c in choices), value)
+        raise invalid_argument(name, "one of " + ", ".join(repr(c) for c in choices), value)
     return value

@@ -213,7 +213,7 @@ def test_dist_errors_are_communication_errors():
 
 def test_watchdog_store_requests_are_bounded_even_when_the_server_is_frozen():
     """torch's store client blocks forever on a frozen server; the watchdog's connection does not."""
-    from meshfit.distribute._heartbeat import _BoundedStore
+    from meshfit.distribute._bounded_store import BoundedStore
 
     release = threading.Event()
 
@@ -222,7 +222,7 @@ def test_watchdog_store_requests_are_bounded_even_when_the_server_is_frozen():
             release.wait(30)
             return True
 
-    bounded = _BoundedStore(lambda: Frozen(), 0.5)
+    bounded = BoundedStore(lambda: Frozen(), 0.5)
     started = time.monotonic()
     with pytest.raises(TimeoutError):
         bounded.call(lambda store: store.check(["k"]))

@@ -9,10 +9,11 @@ import torch
 from torch.nn.parameter import is_lazy
 
 from meshfit._lazy_dtensor import is_dtensor
+from meshfit._protocols import DistributionStrategy
 from meshfit.data import leaves, map_structure
 
 
-def _placement(module: torch.nn.Module, strategy: Any) -> tuple[torch.device, torch.dtype]:
+def _placement(module: torch.nn.Module, strategy: DistributionStrategy) -> tuple[torch.device, torch.dtype]:
     """The device and floating dtype of the module's first floating parameter or buffer (else the strategy's
     device and torch's default dtype)."""
     for tensor in (*module.parameters(), *module.buffers()):
@@ -21,7 +22,7 @@ def _placement(module: torch.nn.Module, strategy: Any) -> tuple[torch.device, to
     return strategy.device, torch.get_default_dtype()
 
 
-def convert_call_inputs(module: torch.nn.Module, strategy: Any, args: Any, kwargs: Any) -> tuple[Any, Any]:
+def convert_call_inputs(module: torch.nn.Module, strategy: DistributionStrategy, args: Any, kwargs: Any) -> tuple[Any, Any]:
     """``(args, kwargs)`` with numpy arrays (in any nesting) as tensors: floating ones in the module's
     floating dtype (Keras casts to the layer's input dtype), integer and bool ones keeping theirs; all on
     the module's device. Tensors and other values are passed through unchanged."""

@@ -18,6 +18,7 @@ from meshfit._engine._stream_source import EndOfData as EndOfData  # the loop re
 from meshfit._engine._stream_source import _StreamSource
 from meshfit._protocols import DataSource, DistributionStrategy
 from meshfit._storage import StateMismatchError
+from meshfit._validation import invalid_argument
 from meshfit.data import (
     AutoShardPolicy,
     Dataset,
@@ -70,7 +71,7 @@ class DataHandler:
         self.source: DataSource = self._adapt(x, y, sample_weight, batch_size, shuffle)
         length = self.source.length()
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0):
-            raise ValueError(f"Invalid `{argument}`: expected a positive int or None, received {argument}={steps!r}.")
+            raise invalid_argument(argument, "a positive int or None", steps)
         if steps is None and length is None and not unbounded_ok and not isinstance(self.source, _StreamSource):
             stop = " (or, in fit, a callback that stops training, such as EarlyStopping)" if training else ""
             raise ValueError(f"The input data is infinite (e.g. it ends with .repeat()), so `{argument}` must "
@@ -311,16 +312,17 @@ class DataHandler:
         return int(state["index"]) == 0
 
     def _topology(self) -> dict[str, Any]:
-        source: Any = self.source  # the concrete source: its dataset, view, loader and replica count
-        view = getattr(source, "view", None)
-        per_replica_pipeline = getattr(source, "context", None) is not None  # a dataset_fn built it for one replica
-        own_data = per_replica_pipeline or getattr(source, "policy", None) is AutoShardPolicy.FILE
-        # The user's dataset, batched with the global batch size, whatever view a replica reads; a
-        # dataset_fn's pipeline holds one replica's batches.
-        users = getattr(source, "dataset", None)
-        data = users if isinstance(users, Dataset) and not per_replica_pipeline else view
-        return data_topology(data if data is not None else getattr(source, "loader", None),
-                             global_batch_factor=source.num_replicas if per_replica_pipeline else 1,
+        source, data, factor, own_data = self.source, None, 1, False
+        if isinstance(source, DistributedDataset):
+            per_replica_pipeline = source.context is not None  # a dataset_fn built it for one replica
+            own_data = per_replica_pipeline or source.policy is AutoShardPolicy.FILE
+            # The user's dataset, batched with the global batch size, whatever view a replica reads; a
+            # dataset_fn's pipeline holds one replica's batches.
+            data = source.view if per_replica_pipeline else source.dataset
+            factor = source.num_replicas if per_replica_pipeline else 1
+        elif isinstance(source, _StreamSource):
+            data = source.loader
+        return data_topology(data, global_batch_factor=factor,
                              batches_per_pass=self._length, world_size=self.strategy.num_replicas_in_sync,
                              count_examples=not own_data)
 

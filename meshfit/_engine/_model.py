@@ -31,12 +31,13 @@ from meshfit._engine._loop import TrainingLoop, resolve_verbose
 from meshfit._engine._model_weights import WeightsMixin
 from meshfit._engine._state import LoopState
 from meshfit._engine._steps import StepsMixin
-from meshfit._protocols import PlacementLike
+from meshfit._protocols import DistributionStrategy, PlacementLike
 from meshfit._runtime import flush_denormals
 from meshfit._validation import check_bool, non_negative_int, positive_int
 from meshfit.callbacks import CallbackList, announce_quiet_worker, checkpoint_settings
 from meshfit.data import unpack_batch
 from meshfit.distribute import (
+    CollectiveStrategy,
     adopt,
     agree_on_settings,
     check_training_strategy,
@@ -91,7 +92,7 @@ class Model(StepsMixin, WeightsMixin):
         self._input_example: Any = None  # one example of the batch built on, for summary()'s shapes
         self._warned_untrainable = False  # once a fit: "The model does not have any trainable weights"
         self._step_params: list[nn.Parameter] | None = None  # _has_trainable_weights's list, per build
-        if getattr(self.strategy, "places_on_creation", lambda m: False)(module):  # sharded as Keras lays out
+        if self.strategy.places_on_creation(module):  # sharded as Keras lays out
             self.placement = self.strategy.setup_module(module)  # variables: at creation (custom loops too)
 
     # ---- compile -------------------------------------------------------------------------
@@ -242,7 +243,7 @@ class Model(StepsMixin, WeightsMixin):
                 agree_on_settings(self.strategy, {
                     "steps_per_epoch": data.steps, "epochs": epochs, "initial_epoch": initial_epoch,
                     **checkpoint_settings(cbs),
-                    "communication_options": repr(getattr(self.strategy, "communication_options", None))}, "fit")
+                    "communication_options": _communication_options(self.strategy)}, "fit")
                 loop = TrainingLoop(self, data, cbs, counters=self.loop_state)
                 loop.run(epochs=epochs, initial_epoch=initial_epoch, validate=validate)
             finally:
@@ -322,3 +323,8 @@ class Model(StepsMixin, WeightsMixin):
 
     def __repr__(self) -> str:
         return f"<meshfit.Model {self.name!r} on {self.strategy!r}>"
+
+
+def _communication_options(strategy: DistributionStrategy) -> str:
+    """The options a collective strategy's processes formed with, as every worker must agree on them."""
+    return repr(strategy.communication_options if isinstance(strategy, CollectiveStrategy) else None)

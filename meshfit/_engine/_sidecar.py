@@ -15,6 +15,7 @@ import os
 import time
 from typing import Any
 
+from meshfit._engine._model import Model
 from meshfit._saving import load_weights
 from meshfit._storage import clean_directory, is_scratch_name
 
@@ -70,14 +71,16 @@ class SidecarEvaluator:
         []
     """
 
-    def __init__(self, model: Any, data: Any, checkpoint_dir: str | os.PathLike, steps: int | None = None,
+    def __init__(self, model: Model, data: Any, checkpoint_dir: str | os.PathLike, steps: int | None = None,
                  max_evaluations: int | None = None, timeout: float | None = None,
                  poll_interval: float = 1.0) -> None:
         if max_evaluations is not None and (isinstance(max_evaluations, bool) or not isinstance(max_evaluations, int)
                                             or max_evaluations < 1):
             raise ValueError("Invalid `max_evaluations`: expected a positive int or None, received "
                              f"max_evaluations={max_evaluations!r}.")
-        if not getattr(model, "compiled", False):
+        if not isinstance(model, Model):
+            raise TypeError(f"Invalid `model`: expected a meshfit.Model, received {type(model).__name__}.")
+        if not model.compiled:
             raise ValueError("Invalid `model`: compile it (loss and metrics) before building a SidecarEvaluator.")
         self.model, self.data, self.steps = model, data, steps
         self.checkpoint_dir = os.fspath(checkpoint_dir)

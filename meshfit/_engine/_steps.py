@@ -12,6 +12,7 @@ from torch import nn
 
 from meshfit import mixed_precision
 from meshfit._engine._step_logs import MetricResults
+from meshfit._protocols import DistributionStrategy
 from meshfit.data import batch_size_of, unpack_batch
 from meshfit.metrics import Mean, Metric
 
@@ -22,7 +23,7 @@ class StepsMixin:
     module: nn.Module
     loss: Any
     optimizer: Any
-    strategy: Any
+    strategy: DistributionStrategy
     _compiled_metrics: list[Metric]
     _loss_tracker: Mean
     _step_params: list[nn.Parameter] | None

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshfit.distribute import PlacementHook
+
 __all__ = ["ARCHITECTURE_FORMAT", "module_from_config", "module_to_config", "supported_layers"]
 
 ARCHITECTURE_FORMAT = "meshfit.architecture/1"
@@ -171,7 +173,7 @@ def _has_custom_behaviour(module: nn.Module) -> bool:
 
 def _is_placement_hook(hook: Any) -> bool:
     """A hook of a strategy's placement: meshfit's (marked) or torch ``fully_shard``'s (its state's methods)."""
-    if getattr(hook, "meshfit_placement", False):
+    if isinstance(hook, PlacementHook):
         return True
     owner = getattr(hook, "__self__", None)
     return owner is not None and type(owner).__module__.startswith("torch.distributed.fsdp.")

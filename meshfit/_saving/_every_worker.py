@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from meshfit._lazy_dtensor import is_dtensor
+from meshfit._protocols import DistributionStrategy
 
 _PREFIX = "meshfit/every-worker"
 _POLL_SECONDS = 0.05
@@ -30,7 +31,7 @@ class EveryWorkerCallError(RuntimeError):
     """A call that needs every worker was made on some workers only."""
 
 
-def require_every_worker(strategy: Any, call: str, why: str) -> None:
+def require_every_worker(strategy: DistributionStrategy, call: str, why: str) -> None:
     """Return once every worker made ``call`` too; raise at once when one cannot.
 
     Args:

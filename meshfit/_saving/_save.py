@@ -41,6 +41,7 @@ from meshfit._saving._weights import (
 )
 from meshfit._storage import atomic_directory, atomic_write_json, chief_writes, recover
 from meshfit.metrics import CLASSES as METRIC_CLASSES
+from meshfit.metrics import builtin_config as builtin_metric_config
 
 FORMAT = "meshfit.model/1"
 
@@ -79,8 +80,7 @@ def _metric_config(identifier: Any) -> Any:
     cls = type(identifier)
     if METRIC_CLASSES.get(cls.__name__) is not cls:
         return {"class_name": cls.__name__, "config": None}  # not rebuildable without running code
-    return {"class_name": cls.__name__,
-            "config": {"name": identifier.name, **getattr(identifier, "_fn_kwargs", {})}}
+    return {"class_name": cls.__name__, "config": builtin_metric_config(identifier)}
 
 
 def laid_out_like(value: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
@@ -142,7 +142,7 @@ def save_model(model: Any, filepath: str | os.PathLike, *, checked: bool = False
     def write() -> None:
         compile_config = dict(model._compile_config) if model._compile_config else None
         if compile_config is not None:
-            compile_config["metrics"] = [_metric_config(m) for m in getattr(model, "_metric_identifiers", [])]
+            compile_config["metrics"] = [_metric_config(m) for m in model._metric_identifiers]
         config: dict[str, Any] = {
             "format": FORMAT,
             "name": model.name,

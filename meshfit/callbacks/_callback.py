@@ -158,5 +158,7 @@ def _to_float(value: Any) -> Any:
 
 def _is_chief(model: Model | None) -> bool:
     """Whether this process writes shared files: True without a model or strategy."""
+    # A probe on purpose: Keras callbacks drive whatever `set_model` was given, and a model of the
+    # user's own without a strategy is one process, the chief (tests/test_callbacks.py holds this).
     strategy = getattr(model, "strategy", None)
     return True if strategy is None else bool(strategy.is_chief)

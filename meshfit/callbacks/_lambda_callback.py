@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from meshfit._validation import invalid_argument
 from meshfit.callbacks._callback import Callback
 from meshfit.callbacks._callback_list import _HOOKS_WITH_INDEX, _HOOKS_WITHOUT_INDEX
 
@@ -44,7 +45,7 @@ class LambdaCallback(Callback):
                 setattr(self, name, function)
                 continue
             if not callable(function):
-                raise TypeError(f"Invalid `{name}`: expected a function, received {name}={function!r}.")
+                raise invalid_argument(name, "a function", function, TypeError)
             self._functions[hook] = function
 
     @property

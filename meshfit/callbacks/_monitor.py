@@ -49,6 +49,8 @@ def _from_name(name: str) -> Comparison | None:
 
 
 def _from_model(name: str, model: Any) -> Comparison | None:
+    # Probes on purpose: the model is whatever `set_model` was given (Keras drives any model; a stand-in
+    # without compiled metrics falls back to the name), and its metrics may be the user's own objects.
     for metric in getattr(model, "metrics", None) or ():
         if getattr(metric, "name", None) != name:
             continue

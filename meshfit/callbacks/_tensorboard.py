@@ -91,7 +91,7 @@ class TensorBoard(Callback):
         """Starts writing (chief only)."""
         self._writing = _is_chief(self.model)
         if self._writing and self.write_graph:
-            module = getattr(self.model, "module", None)
+            module = getattr(self.model, "module", None)  # whatever set_model was given (Keras drives any model)
             if module is not None:
                 # Indented four spaces so TensorBoard's markdown shows it as code.
                 text = "\n".join("    " + line for line in repr(module).splitlines())

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from meshfit._validation import invalid_argument
 from meshfit.data._node import AUTOTUNE, Node, Transform
 from meshfit.data._structure import from_python, is_namedtuple, stack
 
@@ -15,7 +16,7 @@ def _check_positive_int(name: str, value: Any, allow: tuple = ()) -> None:
     if value in allow:
         return
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"Invalid `{name}`: expected a positive int, received {name}={value!r}.")
+        raise invalid_argument(name, "a positive int", value)
 
 
 class Shuffle(Transform):

@@ -19,10 +19,12 @@ from meshfit.distribute._mirrored import local_devices as local_devices
 from meshfit.distribute._multi_worker import MultiWorkerMirroredStrategy
 from meshfit.distribute._multi_worker import form_cluster_world as form_cluster_world
 from meshfit.distribute._placement import GradientSync, Placement
+from meshfit.distribute._placement import PlacementHook as PlacementHook
 from meshfit.distribute._placement import PlacementPlan as PlacementPlan
 from meshfit.distribute._placement import Transform as Transform
 from meshfit.distribute._placement import gradient_reduced as gradient_reduced
 from meshfit.distribute._placement import mark_reduced as mark_reduced
+from meshfit.distribute._placement import placement_hook as placement_hook
 from meshfit.distribute._placement import register_placement as register_placement
 from meshfit.distribute._rendezvous import agree_on_settings as agree_on_settings
 from meshfit.distribute._replication import adopt as adopt

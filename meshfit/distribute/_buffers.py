@@ -19,8 +19,10 @@ from typing import Any
 import torch
 from torch.nn.parameter import is_lazy
 
+from meshfit._protocols import DistributionStrategy
 
-def agree_buffers(module: torch.nn.Module, strategy: Any) -> None:
+
+def agree_buffers(module: torch.nn.Module, strategy: DistributionStrategy) -> None:
     """Give every replica rank 0's values of ``module``'s buffers, in place (collective).
 
     Every replica of ``strategy`` must call it at the same point; it does nothing for one replica.

@@ -27,7 +27,6 @@ import functools
 import hashlib
 import hmac
 import os
-import queue
 import sys
 import threading
 import time
@@ -35,6 +34,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from meshfit._runtime import PEER_FAILURE_EXIT_CODE
+from meshfit.distribute._bounded_store import BoundedStore
 from meshfit.distribute._failure import FailureState
 
 __all__ = ["PEER_FAILURE_EXIT_CODE", "Heartbeat", "PeerFailureError"]
@@ -56,18 +56,21 @@ def report_uncaught_peer_failures() -> None:
     """An uncaught `PeerFailureError` ends the worker with its message alone, not a traceback into
     meshfit's internals (the message names the peer and the backup). Installed when a group of
     several processes forms, never at import; other exceptions go to the previous hook."""
-    previous = sys.excepthook
-    if getattr(previous, "meshfit_peer_failures", False):
-        return
+    if not isinstance(sys.excepthook, _PeerFailureHook):
+        sys.excepthook = _PeerFailureHook(sys.excepthook)
 
-    def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+
+class _PeerFailureHook:
+    """``sys.excepthook`` printing a `PeerFailureError`'s message alone; other exceptions go to ``previous``."""
+
+    def __init__(self, previous: Callable[..., Any]) -> None:
+        self.previous = previous
+
+    def __call__(self, kind: type[BaseException], value: BaseException, traceback: Any) -> None:
         if isinstance(value, PeerFailureError):
             print(f"meshfit: {type(value).__name__}: {value}", file=sys.stderr, flush=True)
             return
-        previous(kind, value, traceback)
-
-    hook.meshfit_peer_failures = True  # type: ignore[attr-defined]
-    sys.excepthook = hook
+        self.previous(kind, value, traceback)
 
 
 class _Peer:
@@ -102,7 +105,7 @@ class Heartbeat:
         self._timeout = float(timeout)
         self._interval = interval or max(0.2, min(1.0, self._timeout / 5))
         self._request_timeout = max(1.0, self._timeout / 2)
-        self._stores: list[_BoundedStore] = []  # every connection's thread, joined by `stop`
+        self._stores: list[BoundedStore] = []  # every connection's thread, joined by `stop`
         self._store = self._new_store()
         self._state = failure_state
         self._secret = secret
@@ -120,9 +123,9 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, daemon=True, name="meshfit-heartbeat")
         self._thread.start()
 
-    def _new_store(self) -> _BoundedStore:
+    def _new_store(self) -> BoundedStore:
         self._stores = [s for s in self._stores if s.alive()]
-        self._stores.append(_BoundedStore(self._connect, self._request_timeout))
+        self._stores.append(BoundedStore(self._connect, self._request_timeout))
         return self._stores[-1]
 
     # ---- keys ---------------------------------------------------------------------------------
@@ -329,57 +332,3 @@ class Heartbeat:
                 print(f"meshfit: {self._names[self._rank]} hosts the rendezvous store and waits for {names} "
                       "to finish", file=sys.stderr, flush=True)
             time.sleep(0.1)
-
-
-class _BoundedStore:
-    """A store connection whose every request returns within ``seconds`` or raises `TimeoutError`.
-
-    torch's store clients bound only waits for keys: a request to a frozen server blocks forever. Here
-    requests run on a daemon thread of their own; a caller that times out abandons that thread and
-    the connection (the caller opens a fresh `_BoundedStore`, so a late answer never reaches it).
-    """
-
-    def __init__(self, connect: Callable[[], Any], seconds: float) -> None:
-        self._connect, self._seconds = connect, seconds
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.closed = False
-        self._thread = threading.Thread(target=self._serve, daemon=True, name="meshfit-heartbeat-store")
-        self._thread.start()
-
-    def close(self) -> None:
-        """End the thread (and drop its connection) after the requests already queued."""
-        self.closed = True
-        self._jobs.put(None)
-
-    def join(self, seconds: float) -> None:
-        self._thread.join(seconds)
-
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def _serve(self) -> None:
-        store = None
-        while True:
-            item = self._jobs.get()
-            if item is None:
-                return
-            job, box, done = item
-            try:
-                if store is None:
-                    store = self._connect()
-                box.append((True, job(store)))
-            except BaseException as error:  # handed to the caller, which decides
-                box.append((False, error))
-            done.set()
-
-    def call(self, job: Callable[[Any], Any]) -> Any:
-        """``job(store)``'s result within the bound; raises what it raised, or `TimeoutError`."""
-        box: list[tuple[bool, Any]] = []
-        done = threading.Event()
-        self._jobs.put((job, box, done))
-        if not done.wait(self._seconds):
-            raise TimeoutError(f"no answer within {self._seconds:g} s")
-        ok, value = box[0]
-        if ok:
-            return value
-        raise value

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import torch
@@ -156,3 +156,24 @@ class Placement:
     def state_dict(self) -> dict[str, Any]:
         """The state of the user's module (never the wrapper's prefixed names)."""
         return self.source.state_dict()
+
+
+class PlacementHook:
+    """A forward hook of a strategy's placement: it moves inputs and outputs and changes no math, so
+    saving describes the module as its plain layers. Subclass it, or wrap a function with `placement_hook`."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+
+class _FunctionHook(PlacementHook):
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.function(*args, **kwargs)
+
+
+def placement_hook(function: Callable[..., Any]) -> PlacementHook:
+    """``function`` as a `PlacementHook` (register the result with torch)."""
+    return _FunctionHook(function)

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from meshfit._protocols import DistributionStrategy
+
 _KEY = "meshfit/rendezvous"
 _WAIT_MESSAGE_EVERY = 5.0
 _PROBE_SECONDS = 5.0  # how long a worker that found rank 0's address taken looks for this job's rank 0 there
@@ -239,7 +241,7 @@ def store_host_rank(store: Any, hosting: bool) -> int | None:
     return 0
 
 
-def agree_on_settings(strategy: Any, settings: Mapping[str, object], what: str) -> None:
+def agree_on_settings(strategy: DistributionStrategy, settings: Mapping[str, object], what: str) -> None:
     """Check that every replica passed the same ``settings``; else fail at once on every replica.
 
     One small all-gather; call it on every replica at the same point, before the collectives that

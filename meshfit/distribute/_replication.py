@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.nn.parameter import is_lazy
 from torch.utils.weak import WeakIdKeyDictionary
 
+from meshfit._protocols import DistributionStrategy
 from meshfit.distribute._model_agreement import agree_on_tensors, describe
 from meshfit.distribute._placement import take_reduced
 from meshfit.distribute._scope import current_scope_strategy, is_default_strategy, process_world
@@ -52,7 +53,7 @@ _BROADCAST = "_meshfit_broadcast"
 _LABEL = "_meshfit_label"  # how error messages name a tensor
 
 
-def _record(tensor: torch.Tensor | None, strategy: Any) -> None:
+def _record(tensor: torch.Tensor | None, strategy: DistributionStrategy) -> None:
     if tensor is None or tensor in _OWNER:
         return
     _OWNER[tensor] = weakref.ref(strategy)
@@ -69,7 +70,7 @@ def _on_registration(module: torch.nn.Module, name: str, tensor: Any) -> None:
 
 
 @contextlib.contextmanager
-def tracking_scope(strategy: Any) -> Iterator[None]:
+def tracking_scope(strategy: DistributionStrategy) -> Iterator[None]:
     """Record the parameters created inside; broadcast rank 0's values when the scope exits."""
     from torch.nn.modules import module as torch_module
 
@@ -92,7 +93,7 @@ def tracking_scope(strategy: Any) -> Iterator[None]:
             broadcast_initial_values(tensors, strategy)
 
 
-def adopt(module: torch.nn.Module, strategy: Any) -> None:
+def adopt(module: torch.nn.Module, strategy: DistributionStrategy) -> None:
     """Record ``module``'s parameters and buffers as ``strategy``'s (``Model(module)`` in a scope)."""
     for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
         for name, tensor in named:
@@ -100,13 +101,13 @@ def adopt(module: torch.nn.Module, strategy: Any) -> None:
             setattr(tensor, _LABEL, f"{kind} {name!r}")
 
 
-def owner_of(tensor: torch.Tensor) -> Any:
+def owner_of(tensor: torch.Tensor) -> DistributionStrategy | None:
     """The strategy in whose scope ``tensor`` was created, or None."""
     ref = _OWNER.get(tensor)
     return ref() if ref is not None else None
 
 
-def broadcast_initial_values(tensors: Iterable[torch.Tensor], strategy: Any) -> None:
+def broadcast_initial_values(tensors: Iterable[torch.Tensor], strategy: DistributionStrategy) -> None:
     """Give every replica rank 0's values of ``tensors`` (lazy and already broadcast ones skipped)."""
     if strategy.num_replicas_in_sync <= 1:
         return

@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
-from meshfit._protocols import DistributionStrategy
+from meshfit._protocols import DistributionStrategy, LayoutMapLike
 from meshfit._runtime import flush_denormals
+from meshfit.cluster import ClusterResolver
 from meshfit.data import Dataset, map_structure
 from meshfit.distribute._distributed_dataset import DistributedDataset, agree_on_shuffle_seeds
 from meshfit.distribute._failure import FailureState
@@ -30,6 +31,8 @@ from meshfit.distribute._world import World
 class Strategy:
     """Base class of meshfit strategies: one replica in this process, no communication."""
 
+    layout_map: LayoutMapLike | None = None  # the layouts a mesh strategy applies (none here: replicated)
+
     def __init__(self, device: str | torch.device | None = None) -> None:
         # one task: task_type None, as TF's single worker
         self.world = World.single(_parse_device(device))
@@ -41,12 +44,12 @@ class Strategy:
         return self.world.failure
 
     @property
-    def cluster_resolver(self) -> Any:
+    def cluster_resolver(self) -> ClusterResolver:
         """TF's identity of this process: ``task_type``, ``task_id``, ``cluster_spec()``."""
         return self.world.cluster_resolver
 
     @cluster_resolver.setter
-    def cluster_resolver(self, resolver: Any) -> None:
+    def cluster_resolver(self, resolver: ClusterResolver) -> None:
         self.world.cluster_resolver = resolver
 
     @property
@@ -87,6 +90,10 @@ class Strategy:
     def extended(self) -> Strategy:
         """TF compatibility: ``strategy.extended`` is the strategy itself."""
         return self
+
+    def places_on_creation(self, module: torch.nn.Module) -> bool:
+        """Whether ``mf.Model(module)`` places the module at once (a fully sharded mesh does; this does not)."""
+        return False
 
     # ---- scope ---------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -7,7 +7,7 @@ import dataclasses
 import enum
 from typing import Any
 
-from meshfit._validation import finite_float, non_negative_int, one_of
+from meshfit._validation import finite_float, invalid_argument, non_negative_int, one_of
 
 
 class ReduceOp(enum.Enum):
@@ -94,7 +94,7 @@ class InputContext:
         for name in ("num_input_pipelines", "num_replicas_in_sync"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Invalid `{name}`: expected a positive int, received {name}={value!r}.")
+                raise invalid_argument(name, "a positive int", value)
         if not 0 <= self.input_pipeline_id < self.num_input_pipelines:
             raise ValueError(f"Invalid `input_pipeline_id`: expected 0 <= id < num_input_pipelines="
                              f"{self.num_input_pipelines}, received input_pipeline_id={self.input_pipeline_id!r}.")

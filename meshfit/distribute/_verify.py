@@ -17,6 +17,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parameter import is_lazy
 
+from meshfit._protocols import DistributionStrategy
 from meshfit.distribute._buffers import agree_buffers
 from meshfit.distribute._digest import LocalDigest, combine_digests, finish_digest, local_digest
 
@@ -195,7 +196,7 @@ def compare_replicas(paths: Sequence[str], gathered: Sequence[tuple[list[int], l
     return None
 
 
-def verify_replicas(strategy: Any, model: Any, optimizer: Any = None) -> StateDigest:
+def verify_replicas(strategy: DistributionStrategy, model: Any, optimizer: Any = None) -> StateDigest:
     """Compare every replica's digest of the state it should share (see `Strategy.verify_replicas`)."""
     module, optimizer = resolve_state(model, optimizer)
     state, agreed = named_state(module, optimizer)

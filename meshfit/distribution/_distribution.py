@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from meshfit._protocols import DistributionStrategy
 from meshfit.distribute import global_distribution, set_global_distribution
 from meshfit.distribution import _devices
 from meshfit.distribution._layout_map import LayoutMap
@@ -43,7 +44,7 @@ class Distribution:
         self._num_processes = _devices.num_processes()
         self._process_id = _devices.process_id()
         self._is_multi_process = self._num_processes > 1
-        self._strategy: Any = None
+        self._strategy: DistributionStrategy | None = None
 
     @property
     def num_processes(self) -> int:
@@ -114,13 +115,13 @@ class Distribution:
     def auto_shard_dataset(self, auto_shard_dataset: bool) -> None:
         self._auto_shard_dataset = auto_shard_dataset
 
-    def training_strategy(self) -> Any:
+    def training_strategy(self) -> DistributionStrategy:
         """The ``mf.dtensor`` strategy that trains on this distribution (processes formed on first use)."""
         if self._strategy is None:
             self._strategy = self._make_strategy()
         return self._strategy
 
-    def _make_strategy(self) -> Any:
+    def _make_strategy(self) -> DistributionStrategy:
         raise ValueError(f"Invalid distribution {self!r}: the base Distribution does not train a model. Use "
                          "DataParallel(...) or ModelParallel(layout_map=...).")
 
@@ -169,7 +170,7 @@ class DataParallel(Distribution):
     def get_tensor_layout(self, path: str) -> None:
         return None
 
-    def _make_strategy(self) -> Any:
+    def _make_strategy(self) -> DistributionStrategy:
         return self.device_mesh.mesh_for(self.batch_dim_name).strategy
 
 
@@ -221,7 +222,7 @@ class ModelParallel(Distribution):
     def get_tensor_layout(self, path: str) -> TensorLayout | None:
         return self._layout_map[path]
 
-    def _make_strategy(self) -> Any:
+    def _make_strategy(self) -> DistributionStrategy:
         layout_map = self._layout_map.dtensor_layout_map(self.batch_dim_name)
         return layout_map.mesh.strategy.with_layout_map(layout_map)
 

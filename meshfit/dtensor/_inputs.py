@@ -29,6 +29,7 @@ from torch import nn
 
 from meshfit._lazy_dtensor import is_dtensor
 from meshfit.data import map_structure
+from meshfit.distribute import PlacementHook
 from meshfit.dtensor._pack import local_rows
 
 BATCH_AXIS = "batch"
@@ -60,16 +61,14 @@ def _batch_placements(mesh: Any, rank: int) -> list[Any]:
 def _placed_by_a_strategy(module: nn.Module) -> bool:
     """A strategy's own placement hooks (mf.Model's boundary) or ``fully_shard`` handle the inputs."""
     for hook in module._forward_pre_hooks.values():
-        if getattr(hook, "meshfit_placement", False) and not isinstance(hook, _Before):
+        if isinstance(hook, PlacementHook) and not isinstance(hook, _Before):
             return True
     fsdp = sys.modules.get("torch.distributed.fsdp")
     return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
-class _Before:
+class _Before(PlacementHook):
     """The pre-hook: convert the inputs; remembers, per call, what the post-hook must undo."""
-
-    meshfit_placement = True  # saving describes the module as its plain layers (no math here)
 
     def __init__(self) -> None:
         self.calls: list[Any] = []
@@ -108,10 +107,8 @@ class _Before:
         return args, kwargs
 
 
-class _After:
+class _After(PlacementHook):
     """The post-hook: outputs back to what the caller passed in (local rows, or DTensors)."""
-
-    meshfit_placement = True
 
     def __init__(self, before: _Before) -> None:
         self.before = before

@@ -14,6 +14,8 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from meshfit._protocols import MeshStrategyLike
+
 _AXIS_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RESERVED_AXIS = "unsharded"
 
@@ -45,7 +47,7 @@ class Mesh:
     device_type: str = "cpu"
     # Attached by create_mesh: the torch DeviceMesh and the strategy (not part of the value).
     _device_mesh: Any = dataclasses.field(default=None, compare=False, repr=False)
-    _strategy: Any = dataclasses.field(default=None, compare=False, repr=False)
+    _strategy: MeshStrategyLike | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         names, shape = self.axis_names, self.shape
@@ -112,9 +114,12 @@ class Mesh:
         return self._device_mesh
 
     @property
-    def strategy(self) -> Any:
+    def strategy(self) -> MeshStrategyLike:
         """The strategy that trains on this mesh (only on a mesh made by `create_mesh`)."""
         self.device_mesh  # noqa: B018  (raises the clear error for a plain value)
+        if self._strategy is None:
+            raise RuntimeError(f"{self!r} has no strategy: only a mesh made by meshfit.dtensor.create_mesh([...]) "
+                               "trains.")
         return self._strategy
 
     def num_local_devices(self) -> int:

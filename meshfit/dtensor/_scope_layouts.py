@@ -26,7 +26,9 @@ from torch.nn.modules import module as torch_module
 from torch.nn.parameter import is_lazy
 
 from meshfit._lazy_dtensor import is_dtensor
+from meshfit._protocols import DistributionStrategy
 from meshfit.data import map_structure
+from meshfit.distribute import placement_hook
 from meshfit.dtensor._inputs import accept_inputs
 from meshfit.dtensor._pack import local_rows
 
@@ -76,7 +78,7 @@ def _on_module(parent: nn.Module, name: str, child: Any) -> None:
 
 
 @contextlib.contextmanager
-def laying_out(layout_map: Any, strategy: Any) -> Iterator[None]:
+def laying_out(layout_map: Any, strategy: DistributionStrategy) -> Iterator[None]:
     """Record the modules created inside; at a normal exit lay out each root with ``layout_map``."""
     if not _HANDLES:
         _HANDLES.append(torch_module.register_module_parameter_registration_hook(_on_parameter))
@@ -108,7 +110,7 @@ def laying_out(layout_map: Any, strategy: Any) -> Iterator[None]:
             _lay_out(root, layout_map, strategy)
 
 
-def _lay_out(module: nn.Module, layout_map: Any, strategy: Any) -> Callable[..., Any]:
+def _lay_out(module: nn.Module, layout_map: Any, strategy: DistributionStrategy) -> Callable[..., Any]:
     if not _LAY_OUT:
         raise RuntimeError("meshfit.dtensor was not imported: import meshfit.dtensor before using a LayoutMap.")
     if any(t.device != strategy.device for t in (*module.parameters(), *module.buffers())):
@@ -117,7 +119,7 @@ def _lay_out(module: nn.Module, layout_map: Any, strategy: Any) -> Callable[...,
     return accept_inputs(module)
 
 
-def _lay_out_at_first_call(module: nn.Module, layout_map: Any, strategy: Any) -> None:
+def _lay_out_at_first_call(module: nn.Module, layout_map: Any, strategy: DistributionStrategy) -> None:
     handles: list[Any] = []
 
     def first_call(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -132,5 +134,4 @@ def _lay_out_at_first_call(module: nn.Module, layout_map: Any, strategy: Any) ->
         convert = _lay_out(module, layout_map, strategy)
         return convert(module, args, kwargs)  # this call's inputs too (the new hook runs from the next call)
 
-    first_call.meshfit_placement = True  # type: ignore[attr-defined]
-    handles.append(module.register_forward_pre_hook(first_call, with_kwargs=True))
+    handles.append(module.register_forward_pre_hook(placement_hook(first_call), with_kwargs=True))

@@ -41,6 +41,7 @@ from meshfit.distribute import (
     ReplicatedSync,
     World,
     compiled,
+    placement_hook,
 )
 from meshfit.dtensor._apply import apply_layouts, attach_layout, resolve_layouts
 from meshfit.dtensor._fully_sharded import fully_shard_module
@@ -235,11 +236,9 @@ class _Boundary:
         def after(*args: Any) -> Any:
             return self.after(*args)
 
-        # Marked so that saving still describes the module as its plain layers (no math changes here).
-        before.meshfit_placement = after.meshfit_placement = True  # type: ignore[attr-defined]
-        _settle_partial_sums.meshfit_placement = True  # type: ignore[attr-defined]
-        module.register_forward_pre_hook(before, with_kwargs=True)
-        module.register_forward_hook(after, with_kwargs=True)
+        # Recorded so that saving still describes the module as its plain layers (no math changes here).
+        module.register_forward_pre_hook(placement_hook(before), with_kwargs=True)
+        module.register_forward_hook(placement_hook(after), with_kwargs=True)
         for name, submodule in module.named_modules():
             if name:
                 submodule.register_forward_hook(_settle_partial_sums)
@@ -283,6 +282,7 @@ class _Boundary:
         return map_structure(to_local, output)
 
 
+@placement_hook
 def _settle_partial_sums(module: nn.Module, args: Any, output: Any) -> Any:
     """A layer's partial-sum output (weights split by input features) is summed where it is made.
 

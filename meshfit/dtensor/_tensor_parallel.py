@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshfit.distribute import placement_hook
 from meshfit.dtensor._layout import UNSHARDED, Layout
 
 _COLUMN, _ROW = "column-wise", "row-wise"
@@ -140,5 +141,4 @@ def _check_row_inputs(layer: nn.Module, path: str, axis: str) -> None:
                                  f"layer that feeds it column-wise (Layout([{axis!r}, UNSHARDED], mesh)), or remove "
                                  f"the key of {path + '.weight'!r}.")
 
-    pre_hook.meshfit_placement = True  # type: ignore[attr-defined]  # saving: no math changes here
-    layer.register_forward_pre_hook(pre_hook)
+    layer.register_forward_pre_hook(placement_hook(pre_hook))  # saving: no math changes here

@@ -7,14 +7,16 @@ from collections.abc import Callable
 from typing import Any
 
 from meshfit._engine import DataHandler
+from meshfit._protocols import DistributionStrategy
 from meshfit.data import Dataset
+from meshfit.distribute import DistributedDataset
 from meshfit.estimator._hooks import log
 from meshfit.estimator._model_fn import accepts_input_context, call_input_fn
 
 _UNBOUNDED = sys.maxsize // 2  # steps of one "epoch" of infinite data: training ends at its until_step
 
 
-def input_data(estimator: Any, input_fn: Callable[..., Any], mode: str, strategy: Any,
+def input_data(estimator: Any, input_fn: Callable[..., Any], mode: str, strategy: DistributionStrategy,
                steps: int | None = None) -> DataHandler:
     """This replica's batches of ``input_fn``'s data.
 
@@ -48,9 +50,8 @@ def input_data(estimator: Any, input_fn: Callable[..., Any], mode: str, strategy
 
 
 def _finite(source: Any) -> bool:
-    length = getattr(source, "length", None)
-    if callable(length):
-        return length() is not None
+    if isinstance(source, DistributedDataset):
+        return source.length() is not None
     if isinstance(source, Dataset):
         return source.node.length() is not None
     try:

@@ -15,7 +15,9 @@ import torch
 
 from meshfit._engine import TrainingLoop
 from meshfit._engine import evaluate as evaluation_loop
+from meshfit._protocols import DistributionStrategy
 from meshfit._runtime import flush_denormals
+from meshfit._validation import invalid_argument
 from meshfit.callbacks import CallbackList
 from meshfit.distribute import OneDeviceStrategy, get_strategy
 from meshfit.estimator._data import input_data, is_finite, restore_for_inference
@@ -39,7 +41,7 @@ def _check_train_steps(steps: Any, max_steps: Any) -> None:
                          f"max_steps={max_steps!r}.")
     for name, value in (("steps", steps), ("max_steps", max_steps)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise ValueError(f"Invalid `{name}`: expected a positive int or None, received {name}={value!r}.")
+            raise invalid_argument(name, "a positive int or None", value)
 
 
 def _check_hooks(hooks: Any) -> list[SessionRunHook]:
@@ -151,10 +153,10 @@ class Estimator:
         return latest
 
     # ---- strategies -------------------------------------------------------------------------
-    def _train_strategy(self) -> Any:
+    def _train_strategy(self) -> DistributionStrategy:
         return self._config.train_distribute or get_strategy()
 
-    def _eval_strategy(self) -> Any:
+    def _eval_strategy(self) -> DistributionStrategy:
         """``eval_distribute``, else this process alone (TF evaluates without a strategy); a fully sharded
         training strategy evaluates on its processes together (the weights are split over them)."""
         if self._config.eval_distribute is not None:
@@ -168,7 +170,8 @@ class Estimator:
         process, each holding a part (an ``evaluator`` task, outside the mesh, reads whole weights alone)."""
         if self._config.task_type == "evaluator":
             return False
-        return bool(getattr(getattr(self._train_strategy(), "layout_map", None), "is_fully_sharded", False))
+        layout_map = self._train_strategy().layout_map
+        return layout_map is not None and layout_map.is_fully_sharded
 
     def _seed_before_first_build(self) -> None:
         seed = self._config.tf_random_seed
@@ -201,7 +204,7 @@ class Estimator:
                 data.close()
         return self
 
-    def _train(self, data: Any, strategy: Any, hooks: list[SessionRunHook], steps: int | None,
+    def _train(self, data: Any, strategy: DistributionStrategy, hooks: list[SessionRunHook], steps: int | None,
                max_steps: int | None, saving_listeners: list[Any] | None) -> None:
         is_chief = self._config.is_chief
         trainable = EstimatorModel(self._caller, ModeKeys.TRAIN, strategy)

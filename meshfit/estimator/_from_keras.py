@@ -15,6 +15,7 @@ from meshfit.estimator._estimator import Estimator
 from meshfit.estimator._run_config import RunConfig
 from meshfit.estimator._spec import EstimatorSpec, ModeKeys
 from meshfit.estimator._train_op import minimize
+from meshfit.optimizers import Optimizer
 from meshfit.optimizers import deserialize as deserialize_optimizer
 from meshfit.optimizers import serialize as serialize_optimizer
 
@@ -159,7 +160,7 @@ def _fresh_optimizer(optimizer: Any) -> Any:
     config = serialize_optimizer(optimizer)
     if config is not None:
         return deserialize_optimizer(config)
-    if not getattr(optimizer, "built", False):
+    if not (isinstance(optimizer, Optimizer) and optimizer.built):  # a torch optimizer instance: copied as is
         return copy.deepcopy(optimizer)
     raise ValueError(f"Invalid `keras_model`: its optimizer {type(optimizer).__name__} is already built on the "
                      "model's parameters and has no config to build a fresh one from. Compile the model with a "

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from meshfit._validation import _fail, is_int
+from meshfit._validation import invalid_argument, is_int
 
 logger = logging.getLogger("meshfit.estimator")
 
@@ -132,7 +132,7 @@ class StopAtStepHook(SessionRunHook):
                              f"num_steps={num_steps!r}, last_step={last_step!r}.")
         for name, value in (("num_steps", num_steps), ("last_step", last_step)):
             if value is not None and (not is_int(value) or value < 0):
-                raise _fail(name, "an int >= 0", value)
+                raise invalid_argument(name, "an int >= 0", value)
         self.num_steps, self.last_step = num_steps, last_step
 
     def after_create_session(self, session: Any, coord: Any) -> None:
@@ -176,7 +176,7 @@ class LoggingTensorHook(SessionRunHook):
             raise ValueError("Invalid LoggingTensorHook: give exactly one of every_n_iter and every_n_secs (or "
                              f"at_end=True), received every_n_iter={every_n_iter!r}, every_n_secs={every_n_secs!r}.")
         if every_n_iter is not None and (not is_int(every_n_iter) or every_n_iter <= 0):
-            raise _fail("every_n_iter", "a positive int", every_n_iter)
+            raise invalid_argument("every_n_iter", "a positive int", every_n_iter)
         if isinstance(tensors, str):
             tensors = [tensors]
         self.tensors = dict(tensors) if isinstance(tensors, Mapping) else {name: name for name in tensors}

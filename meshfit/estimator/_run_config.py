@@ -12,7 +12,8 @@ import dataclasses
 import os
 from typing import Any
 
-from meshfit._validation import _fail, is_int
+from meshfit._protocols import DistributionStrategy
+from meshfit._validation import invalid_argument, is_int
 from meshfit.cluster import resolve_cluster
 
 _USE_DEFAULT: Any = type("_UseDefault", (), {"__repr__": lambda self: "<default>"})()
@@ -24,7 +25,7 @@ _BOTH_SET = ("Invalid `save_checkpoints_steps` and `save_checkpoints_secs`: they
 
 def _optional_count(name: str, value: Any, minimum: int) -> None:
     if value is not None and (not is_int(value) or value < minimum):
-        raise _fail(name, f"None or an int >= {minimum}", value)
+        raise invalid_argument(name, f"None or an int >= {minimum}", value)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,8 +66,8 @@ class RunConfig:
     save_checkpoints_secs: float | None = _USE_DEFAULT
     keep_checkpoint_max: int | None = 5
     log_step_count_steps: int | None = 100
-    train_distribute: Any = None
-    eval_distribute: Any = None
+    train_distribute: DistributionStrategy | None = None
+    eval_distribute: DistributionStrategy | None = None
 
     def __post_init__(self) -> None:
         steps, secs = self.save_checkpoints_steps, self.save_checkpoints_secs
@@ -82,20 +83,20 @@ class RunConfig:
         object.__setattr__(self, "save_checkpoints_secs", secs)
         _optional_count("save_checkpoints_steps", steps, 1)
         if secs is not None and (isinstance(secs, bool) or not isinstance(secs, (int, float)) or secs <= 0):
-            raise _fail("save_checkpoints_secs", "None or a number > 0", secs)
+            raise invalid_argument("save_checkpoints_secs", "None or a number > 0", secs)
         _optional_count("save_summary_steps", self.save_summary_steps, 0)
         _optional_count("keep_checkpoint_max", self.keep_checkpoint_max, 0)
         _optional_count("log_step_count_steps", self.log_step_count_steps, 0)
         if self.tf_random_seed is not None and (not is_int(self.tf_random_seed) or self.tf_random_seed < 0):
-            raise _fail("tf_random_seed", "None or an int >= 0", self.tf_random_seed)
+            raise invalid_argument("tf_random_seed", "None or an int >= 0", self.tf_random_seed)
         if self.model_dir is not None:
             if not isinstance(self.model_dir, (str, os.PathLike)) or not os.fspath(self.model_dir):
-                raise _fail("model_dir", "None or a non-empty path", self.model_dir, TypeError)
+                raise invalid_argument("model_dir", "None or a non-empty path", self.model_dir, TypeError)
             object.__setattr__(self, "model_dir", os.fspath(self.model_dir))
         for name in ("train_distribute", "eval_distribute"):
             strategy = getattr(self, name)
             if strategy is not None and not hasattr(strategy, "num_replicas_in_sync"):
-                raise _fail(name, "a meshfit strategy (e.g. mf.MultiWorkerMirroredStrategy()) or None",
+                raise invalid_argument(name, "a meshfit strategy (e.g. mf.MultiWorkerMirroredStrategy()) or None",
                             strategy, TypeError)
 
     def replace(self, **changes: Any) -> RunConfig:
@@ -114,9 +115,9 @@ class RunConfig:
 
     # ---- the cluster role, as TF's RunConfig reports it --------------------------------------
     def _resolver(self) -> Any:
-        resolver = getattr(self.train_distribute, "cluster_resolver", None)
-        if resolver is not None and not getattr(resolver, "synthetic", False):
-            return resolver
+        strategy = self.train_distribute
+        if strategy is not None and not strategy.cluster_resolver.synthetic:
+            return strategy.cluster_resolver
         return resolve_cluster()  # as TF's RunConfig: TF_CONFIG, whatever the strategy made up
 
     @property

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from meshfit._protocols import DistributionStrategy
 from meshfit.callbacks import Callback
 from meshfit.estimator._hooks import SessionRunContext, SessionRunValues, fetch
 
@@ -34,7 +35,7 @@ class RunState:
         return self.loop.counters.iterations if self.loop is not None else self._global_step
 
     @property
-    def strategy(self) -> Any:
+    def strategy(self) -> DistributionStrategy:
         return self.trainable.strategy
 
 

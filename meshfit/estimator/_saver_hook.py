@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from meshfit._validation import _fail, is_int
+from meshfit._validation import invalid_argument, is_int
 from meshfit.callbacks import CheckpointSaver, SavePolicy
 from meshfit.estimator._hooks import SessionRunHook, log
 
@@ -73,12 +73,12 @@ class CheckpointSaverHook(SessionRunHook):
             raise ValueError(f"Invalid CheckpointSaverHook: give exactly one of save_secs and save_steps, received "
                              f"save_secs={save_secs!r}, save_steps={save_steps!r}.")
         if save_steps is not None and (not is_int(save_steps) or save_steps <= 0):
-            raise _fail("save_steps", "a positive int", save_steps)
+            raise invalid_argument("save_steps", "a positive int", save_steps)
         if save_secs is not None and (isinstance(save_secs, bool) or not isinstance(save_secs, (int, float))
                                       or save_secs <= 0):
-            raise _fail("save_secs", "a number > 0", save_secs)
+            raise invalid_argument("save_secs", "a number > 0", save_secs)
         if max_to_keep is not None and (not is_int(max_to_keep) or max_to_keep < 0):
-            raise _fail("max_to_keep", "None or an int >= 0", max_to_keep)
+            raise invalid_argument("max_to_keep", "None or an int >= 0", max_to_keep)
         self.checkpoint_dir, self.save_secs, self.save_steps = checkpoint_dir, save_secs, save_steps
         self.max_to_keep = max_to_keep or None
         self.listeners = list(listeners or [])

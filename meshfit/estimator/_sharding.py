@@ -18,13 +18,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshfit._protocols import DistributionStrategy
 
-def is_fully_sharded(strategy: Any) -> bool:
+
+def is_fully_sharded(strategy: DistributionStrategy) -> bool:
     """Whether ``strategy`` carries a ``LayoutMap.fully_sharded`` map (hand maps are refused here)."""
-    layout_map = getattr(strategy, "layout_map", None)
+    layout_map = strategy.layout_map
     if layout_map is None:
         return False
-    if not getattr(layout_map, "is_fully_sharded", False):
+    if not layout_map.is_fully_sharded:
         raise ValueError(f"Invalid `train_distribute`: a mesh strategy with a hand LayoutMap (layout_map.scope(), "
                          f"received {layout_map!r}) is not supported by the Estimator yet: its modules would train "
                          "replicated, not laid out. Use mf.dtensor.LayoutMap.fully_sharded(mesh) (every weight "
@@ -39,7 +41,7 @@ def is_sharded_module(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def shard_modules(strategy: Any, modules: dict[str, nn.Module], optimizer: Any) -> Any:
+def shard_modules(strategy: DistributionStrategy, modules: dict[str, nn.Module], optimizer: Any) -> Any:
     """Shard the modules not sharded yet, in place; returns the gradient sync of one (None when none was new).
 
     Raises:

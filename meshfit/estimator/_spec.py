@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from meshfit._validation import _fail, is_int
+from meshfit._validation import invalid_argument, is_int
 
 
 class ModeKeys:
@@ -102,7 +102,7 @@ class EstimatorSpec:
             raise TypeError(f"Invalid `loss`: expected a scalar tensor, received {shape}. Reduce the per-example "
                             "loss, e.g. loss.sum() / BATCH_SIZE.")
         if eval_metric_ops is not None and not isinstance(eval_metric_ops, Mapping):
-            raise _fail("eval_metric_ops", "a dict {name: metric}", eval_metric_ops, TypeError)
+            raise invalid_argument("eval_metric_ops", "a dict {name: metric}", eval_metric_ops, TypeError)
         values = dict(mode=mode, predictions=predictions, loss=loss, train_op=train_op,
                       eval_metric_ops=dict(eval_metric_ops or {}), export_outputs=export_outputs,
                       training_chief_hooks=_hooks("training_chief_hooks", training_chief_hooks),
@@ -129,18 +129,18 @@ class EstimatorSpec:
 
 def _input_fn(input_fn: Any) -> Callable[..., Any]:
     if not callable(input_fn):
-        raise _fail("input_fn", "a function returning a meshfit.data.Dataset", input_fn, TypeError)
+        raise invalid_argument("input_fn", "a function returning a meshfit.data.Dataset", input_fn, TypeError)
     return input_fn
 
 
 def _optional_positive(name: str, value: Any) -> None:
     if value is not None and (not is_int(value) or value <= 0):
-        raise _fail(name, "None or a positive int", value)
+        raise invalid_argument(name, "None or a positive int", value)
 
 
 def _non_negative_number(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise _fail(name, "a number >= 0", value)
+        raise invalid_argument(name, "a number >= 0", value)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=False)
@@ -197,7 +197,7 @@ class EvalSpec:
         _input_fn(self.input_fn)
         _optional_positive("steps", self.steps)
         if self.name is not None and (not isinstance(self.name, str) or "/" in self.name):
-            raise _fail("name", "None or a name without '/'", self.name)
+            raise invalid_argument("name", "None or a name without '/'", self.name)
         _non_negative_number("start_delay_secs", self.start_delay_secs)
         _non_negative_number("throttle_secs", self.throttle_secs)
         object.__setattr__(self, "hooks", _hooks("hooks", self.hooks))

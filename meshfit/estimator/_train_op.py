@@ -15,8 +15,10 @@ from typing import Any
 
 import torch
 
-from meshfit._validation import _fail
+from meshfit._protocols import DistributionStrategy
+from meshfit._validation import invalid_argument
 from meshfit.distribute import mark_reduced
+from meshfit.optimizers import Optimizer
 
 
 class TrainOp:
@@ -32,9 +34,9 @@ class TrainOp:
 
     def __init__(self, optimizer: Any, loss: torch.Tensor, var_list: Iterable[torch.Tensor] | None = None) -> None:
         if not (hasattr(optimizer, "step") and hasattr(optimizer, "zero_grad")):
-            raise _fail("optimizer", "a meshfit optimizer or a torch.optim.Optimizer", optimizer, TypeError)
+            raise invalid_argument("optimizer", "a meshfit optimizer or a torch.optim.Optimizer", optimizer, TypeError)
         if not isinstance(loss, torch.Tensor):
-            raise _fail("loss", "a scalar tensor", loss, TypeError)
+            raise invalid_argument("loss", "a scalar tensor", loss, TypeError)
         self.optimizer, self.loss = optimizer, loss
         self.var_list = list(var_list) if var_list is not None else None
 
@@ -73,13 +75,14 @@ def trained_parameters(optimizer: Any, default: Iterable[torch.Tensor]) -> list[
     """The parameters ``optimizer`` updates (building a meshfit optimizer on ``default`` first)."""
     if isinstance(optimizer, torch.optim.Optimizer):
         return [p for group in optimizer.param_groups for p in group["params"]]
-    if not getattr(optimizer, "built", True):
-        optimizer.build([p for p in default if p.requires_grad])
-    torch_optimizer = getattr(optimizer, "torch_optimizer", optimizer)
-    return [p for group in torch_optimizer.param_groups for p in group["params"]]
+    if isinstance(optimizer, Optimizer):
+        if not optimizer.built:
+            optimizer.build([p for p in default if p.requires_grad])
+        optimizer = optimizer.torch_optimizer
+    return [p for group in optimizer.param_groups for p in group["params"]]  # any optimizer with param_groups
 
 
-def run_train_op(train_op: Any, loss: torch.Tensor, params: list[torch.Tensor], strategy: Any,
+def run_train_op(train_op: Any, loss: torch.Tensor, params: list[torch.Tensor], strategy: DistributionStrategy,
                  reduce: bool = True) -> None:
     """Apply ``train_op``: backward, average the gradients of ``params`` over replicas (unless the
     backward did, ``reduce=False``: fully sharded modules), step."""
@@ -97,7 +100,7 @@ def run_train_op(train_op: Any, loss: torch.Tensor, params: list[torch.Tensor], 
     optimizer.step()
 
 
-def average_gradients(params: list[torch.Tensor], strategy: Any) -> None:
+def average_gradients(params: list[torch.Tensor], strategy: DistributionStrategy) -> None:
     """Replace each gradient by its mean over the replicas (one flat all-reduce per dtype).
 
     A parameter without a gradient on some replicas counts as zero there; one without a gradient

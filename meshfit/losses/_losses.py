@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from meshfit._validation import check_bool
+from meshfit._validation import check_bool, invalid_argument
 
 EPSILON = 1e-7
 REDUCTIONS = ("sum_over_batch_size", "sum", "none")
@@ -85,7 +85,7 @@ def _warn_if_logits(loss: SparseCategoricalCrossentropy | CategoricalCrossentrop
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"Invalid `{name}`: expected one of {list(choices)}, received {name}={value!r}.")
+        raise invalid_argument(name, f"one of {list(choices)}", value)
 
 
 def _check_smoothing(value: Any) -> float:

@@ -1,22 +1,19 @@
 """Metrics with additive state, summed across replicas; `get` resolves Keras-style identifiers."""
 
 from meshfit._export import publish as _publish
-from meshfit.metrics._metrics import (
+from meshfit.metrics._accuracy import (
     Accuracy,
     BinaryAccuracy,
     CategoricalAccuracy,
-    Mean,
-    MeanAbsoluteError,
-    MeanMetricWrapper,
-    MeanSquaredError,
-    Metric,
     SparseCategoricalAccuracy,
     SparseTopKCategoricalAccuracy,
-    Sum,
 )
+from meshfit.metrics._metrics import Mean, MeanMetricWrapper, Metric, Sum
+from meshfit.metrics._regression import MeanAbsoluteError, MeanSquaredError
 
 # Seams for meshfit's other packages (not public API: not in __all__).
 from meshfit.metrics._resolve import CLASSES as CLASSES
+from meshfit.metrics._resolve import builtin_config as builtin_config
 from meshfit.metrics._resolve import get
 from meshfit.metrics._torchmetrics import TorchMetricsMetric
 

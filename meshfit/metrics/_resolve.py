@@ -11,18 +11,16 @@ from meshfit import losses
 from meshfit.losses import TorchModuleLoss as _TorchModuleLoss
 from meshfit.losses import get as get_loss
 from meshfit.losses import snake_case
-from meshfit.metrics._metrics import (
+from meshfit.metrics._accuracy import (
     Accuracy,
     BinaryAccuracy,
     CategoricalAccuracy,
-    MeanAbsoluteError,
-    MeanMetricWrapper,
-    MeanSquaredError,
-    Metric,
     SparseCategoricalAccuracy,
     SparseTopKCategoricalAccuracy,
     _AutoAccuracy,
 )
+from meshfit.metrics._metrics import MeanMetricWrapper, Metric
+from meshfit.metrics._regression import MeanAbsoluteError, MeanSquaredError
 from meshfit.metrics._torchmetrics import TorchMetricsMetric
 
 #: The built-in metric classes by class name (what a saved model's compile config can name).
@@ -47,6 +45,13 @@ _ALIASES: dict[str, type[Metric]] = {
 _LOOKUP = {key.replace("_", "").lower(): cls for key, cls in _ALIASES.items()}
 
 
+def builtin_config(metric: Metric) -> dict[str, Any]:
+    """A built-in metric's constructor arguments (`CLASSES`): its name, and a wrapper's keywords (``k``,
+    ``threshold``), so that a saved model's compile config rebuilds it."""
+    keywords = metric._fn_kwargs if isinstance(metric, MeanMetricWrapper) else {}
+    return {"name": metric.name, **keywords}
+
+
 def _accuracy_for(name: str, loss: Any) -> Metric:
     """Keras's `"accuracy"`: the accuracy that matches the loss, else chosen from shapes."""
     if isinstance(loss, str | dict):
@@ -61,7 +66,7 @@ def _accuracy_for(name: str, loss: Any) -> Metric:
     if isinstance(loss, losses.CategoricalCrossentropy):
         return CategoricalAccuracy(name)
     if isinstance(loss, losses.BinaryCrossentropy | nn.BCELoss | nn.BCEWithLogitsLoss):
-        logits = isinstance(loss, nn.BCEWithLogitsLoss) or getattr(loss, "from_logits", False)
+        logits = isinstance(loss, nn.BCEWithLogitsLoss) or (isinstance(loss, losses.BinaryCrossentropy) and loss.from_logits)
         return BinaryAccuracy(name, threshold=0.0 if logits else 0.5)
     return _AutoAccuracy(name)
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from meshfit._validation import invalid_argument
+
 
 def _full(value: torch.Tensor) -> torch.Tensor:
     """A plain tensor: a DTensor reduction is made whole (its Partial sum or its replicated value)."""
@@ -47,7 +49,7 @@ class GradientClipping:
         for name, value in given.items():
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value) or value <= 0):
-                raise ValueError(f"Invalid `{name}`: expected a positive number or None, received {name}={value!r}.")
+                raise invalid_argument(name, "a positive number or None", value)
         named = [f"{name}={value!r}" for name, value in given.items() if value is not None]
         if len(named) > 1:
             raise ValueError("Only one of `clipnorm`, `clipvalue` and `global_clipnorm` can be set, as in Keras; "

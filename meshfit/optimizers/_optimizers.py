@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch.nn.parameter import is_lazy
 
+from meshfit._validation import invalid_argument
 from meshfit.distribute import synchronize_gradients
 from meshfit.optimizers._clipping import GradientClipping
 from meshfit.optimizers._ema import MovingAverage, check_ema
@@ -24,7 +25,7 @@ from meshfit.optimizers.schedules import _schedules
 def _check_number(name: str, value: Any, rule: tuple[str, Callable[[float], bool]]) -> float:
     expected, ok = rule
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-        raise ValueError(f"Invalid `{name}`: expected {expected}, received {name}={value!r}.")
+        raise invalid_argument(name, expected, value)
     return float(value)
 
 
@@ -39,7 +40,7 @@ def _check_weight_decay(value: Any) -> float | None:
 
 def _check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise TypeError(f"Invalid `{name}`: expected a bool, received {name}={value!r}.")
+        raise invalid_argument(name, "a bool", value, TypeError)
     return value
 
 

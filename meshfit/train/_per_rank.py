@@ -7,11 +7,12 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from meshfit._protocols import Stateful
+
 
 def is_trackable(value: Any) -> bool:
     """True for a tensor or an object with callable ``state_dict`` and ``load_state_dict``."""
-    return isinstance(value, torch.Tensor) or (
-        callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)))
+    return isinstance(value, (torch.Tensor, Stateful))
 
 
 class PerRank:

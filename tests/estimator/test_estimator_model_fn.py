@@ -133,8 +133,11 @@ def test_unsupported_input_fn_results_are_errors(tmp_path):
 
 
 def test_a_layout_map_is_refused_rather_than_ignored(tmp_path):
+    class HandMap:  # what layout_map.scope() sets on a mesh strategy: per-weight layouts, not fully_sharded
+        is_fully_sharded = False
+
     class LaidOut(mf.OneDeviceStrategy):
-        layout_map = object()  # what layout_map.scope() sets on a mesh strategy
+        layout_map = HandMap()
 
     def model_fn(features, labels, mode):
         return _spec(once(lambda: nn.Linear(4, 2)), features, labels, mode)

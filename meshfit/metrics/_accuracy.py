@@ -1,0 +1,115 @@
+"""The accuracy metrics: the mean over samples of a per-sample hit (1.0) or miss (0.0), as Keras's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from meshfit.losses import squeeze_or_expand
+from meshfit.metrics._metrics import MeanMetricWrapper
+
+
+def _sparse_labels(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+    """Integer labels with one dim fewer than the class scores."""
+    return (y_true.squeeze(-1) if y_true.ndim == y_pred.ndim and y_true.shape[-1] == 1 else y_true).long()
+
+
+def sparse_categorical_accuracy(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+    """1.0 where the integer label equals the arg-max of the last dim of `y_pred`, else 0.0."""
+    return (y_pred.argmax(dim=-1) == _sparse_labels(y_true, y_pred)).to(torch.float64)
+
+
+def categorical_accuracy(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+    """1.0 where the arg-maxes of one-hot `y_true` and `y_pred` agree, else 0.0."""
+    return (y_pred.argmax(dim=-1) == y_true.argmax(dim=-1)).to(torch.float64)
+
+
+def binary_accuracy(y_true: torch.Tensor, y_pred: torch.Tensor, threshold: float = 0.5) -> torch.Tensor:
+    """1.0 where `y_pred > threshold` equals the 0/1 label, per element."""
+    y_true, y_pred = squeeze_or_expand(y_true, y_pred)
+    return ((y_pred > threshold) == (y_true > 0.5)).to(torch.float64)
+
+
+def accuracy(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+    """1.0 where `y_pred` equals `y_true` exactly, per element."""
+    y_true, y_pred = squeeze_or_expand(y_true, y_pred)
+    return (y_pred == y_true.to(y_pred.dtype)).to(torch.float64)
+
+
+def sparse_top_k_categorical_accuracy(y_true: torch.Tensor, y_pred: torch.Tensor, k: int = 5) -> torch.Tensor:
+    """1.0 where the integer label is among the `k` highest scores of the last dim, else 0.0."""
+    top = y_pred.topk(min(k, y_pred.shape[-1]), dim=-1).indices
+    return (top == _sparse_labels(y_true, y_pred).unsqueeze(-1)).any(dim=-1).to(torch.float64)
+
+
+class SparseCategoricalAccuracy(MeanMetricWrapper):
+    """How often the arg-max of `y_pred` equals the integer label `y_true`.
+
+    Example:
+        >>> import torch, meshfit.metrics as metrics
+        >>> m = metrics.SparseCategoricalAccuracy()
+        >>> m.update_state(torch.tensor([0, 1]), torch.tensor([[0.9, 0.1], [0.8, 0.2]]))
+        >>> float(m.result())
+        0.5
+    """
+
+    def __init__(self, name: str = "sparse_categorical_accuracy", mesh: Any = None) -> None:
+        super().__init__(sparse_categorical_accuracy, name, mesh)
+
+
+class CategoricalAccuracy(MeanMetricWrapper):
+    """How often the arg-max of `y_pred` equals the arg-max of one-hot `y_true`."""
+
+    def __init__(self, name: str = "categorical_accuracy", mesh: Any = None) -> None:
+        super().__init__(categorical_accuracy, name, mesh)
+
+
+class BinaryAccuracy(MeanMetricWrapper):
+    """How often `y_pred > threshold` matches the 0/1 label.
+
+    Args:
+        name: The metric's name.
+        threshold: Decision threshold (`0.0` suits logits).
+    """
+
+    def __init__(self, name: str = "binary_accuracy", threshold: float = 0.5) -> None:
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
+            raise TypeError(f"Invalid `threshold`: expected a float, received threshold={threshold!r}.")
+        super().__init__(binary_accuracy, name, threshold=float(threshold))
+
+
+class Accuracy(MeanMetricWrapper):
+    """How often `y_pred` equals `y_true` exactly."""
+
+    def __init__(self, name: str = "accuracy") -> None:
+        super().__init__(accuracy, name)
+
+
+class SparseTopKCategoricalAccuracy(MeanMetricWrapper):
+    """How often the integer label is among the `k` highest scores.
+
+    Args:
+        k: Positive int.
+        name: The metric's name.
+    """
+
+    def __init__(self, k: int = 5, name: str = "sparse_top_k_categorical_accuracy") -> None:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"Invalid `k`: expected a positive int, received k={k!r}.")
+        super().__init__(sparse_top_k_categorical_accuracy, name, k=k)
+
+
+class _AutoAccuracy(MeanMetricWrapper):
+    """`"accuracy"` with an unknown loss: picks binary / sparse / categorical from shapes, as Keras 3."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(self._pick, name)
+
+    @staticmethod
+    def _pick(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        if y_pred.ndim <= 1 or y_pred.shape[-1] == 1:
+            return binary_accuracy(y_true, y_pred)
+        if y_true.ndim < y_pred.ndim or y_true.shape[-1] == 1:
+            return sparse_categorical_accuracy(y_true, y_pred)
+        return categorical_accuracy(y_true, y_pred)
