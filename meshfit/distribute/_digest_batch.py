@@ -27,6 +27,7 @@ from meshfit.distribute._digest import (
     BLOCK_ROWS,
     COLUMNS,
     LocalPart,
+    LocalWords,
     _indexed_sum,
     _keys,
     _row_key_table,
@@ -188,15 +189,27 @@ def range_sums(ranges: Sequence[tuple[torch.Tensor, int]]) -> torch.Tensor:
 def local_parts(tensors: Sequence[torch.Tensor], rank: int) -> tuple[list[int], list[LocalPart]]:
     """Each tensor's local part on ``rank``: its sum (a signed 64-bit int) and where it counts.
 
-    The tensors of each device are summed together (`range_sums`); the host reads each device's
-    sums once, after all the device work is queued (one sync per device, none before).
+    The tensors of each device are summed together (`queue_sums`); the host then reads each
+    device's sums in one copy (one sync per device, none before).
     """
+    held, queued = queue_sums(tensors, rank)
+    values = [0] * len(held)
+    for slots, sums in queued:
+        for slot, value in zip(slots, sums.tolist(), strict=True):
+            values[slot] = value
+    parts: list[LocalPart] = list(held)
+    return values, parts
+
+
+def queue_sums(tensors: Sequence[torch.Tensor], rank: int) -> tuple[list[LocalWords], list[tuple[list[int], torch.Tensor]]]:
+    """The words each tensor has on ``rank``, and per device the slots summed there with their sums
+    (an int64 vector on the device, not read yet). A tensor holding no words is in none: its sum is 0."""
     held = [local_words(t, rank) for t in tensors]
     ranged: dict[torch.device, list[tuple[int, torch.Tensor, int]]] = {}
     indexed: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     for slot, part in enumerate(held):
         if part.words is None or not part.words.numel():
-            continue  # holds nothing: its part is 0
+            continue
         if part.index is None:
             ranged.setdefault(part.words.device, []).append((slot, part.words, part.start))
         else:  # a block of a sharded tensor that is not one flat range: its own path
@@ -210,9 +223,4 @@ def local_parts(tensors: Sequence[torch.Tensor], rank: int) -> tuple[list[int], 
             sums.append(torch.stack([value for _, value in indexed[device]]))
         slots = [s for s, _, _ in ranged.get(device, [])] + [s for s, _ in indexed.get(device, [])]
         queued.append((slots, sums[0] if len(sums) == 1 else torch.cat(sums)))
-    values = [0] * len(held)
-    for slots, device_sums in queued:
-        for slot, value in zip(slots, device_sums.tolist(), strict=True):
-            values[slot] = value
-    parts: list[LocalPart] = list(held)
-    return values, parts
+    return held, queued
