@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import hashlib
 import sys
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -159,8 +159,7 @@ def _partial_row(words: torch.Tensor, start: int) -> torch.Tensor:
     return (row * keys).view(torch.int64).sum() * row_key
 
 
-@dataclasses.dataclass(frozen=True)
-class LocalPart:
+class LocalPart(Protocol):
     """Where this process's part of one tensor's digest counts.
 
     Attributes:
@@ -171,33 +170,45 @@ class LocalPart:
         meta: a hash of the logical shape and dtype, mixed into the final digest.
     """
 
+    @property
+    def canonical(self) -> bool: ...
+
+    @property
+    def shard(self) -> tuple[int, ...]: ...
+
+    @property
+    def meta(self) -> int: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalDigest:
+    """This process's part of one tensor's digest (a `LocalPart`): ``value``, the int64 sum over the
+    elements this process holds (0-d, on the tensor's device)."""
+
+    value: torch.Tensor
     canonical: bool
     shard: tuple[int, ...]
     meta: int
 
 
-@dataclasses.dataclass(frozen=True)
-class LocalDigest(LocalPart):
-    """This process's part of one tensor's digest: ``value``, the int64 sum over the elements this
-    process holds (0-d, on the tensor's device)."""
-
-    value: torch.Tensor
-
-
-@dataclasses.dataclass(frozen=True)
-class LocalWords(LocalPart):
-    """The words this process holds of one tensor, and where they are in the logical tensor.
+class LocalWords(NamedTuple):
+    """The words this process holds of one tensor, and where they are in the logical tensor (a
+    `LocalPart`; a tuple: made per tensor and call, where a frozen dataclass's ``__init__`` costs
+    microseconds a launch-bound GPU would wait for).
 
     Attributes:
         words: a flat tensor of words (see `raw_words`), or ``None`` where this process holds
             nothing of the tensor (not on its mesh).
         start: the global index of ``words[0]`` when the words are one flat range of the tensor.
-        index: else the global index of each word (int64, on the words' device).
+        word_index: else the global index of each word (int64, on the words' device).
     """
 
+    canonical: bool
+    shard: tuple[int, ...]
+    meta: int
     words: torch.Tensor | None
     start: int = 0
-    index: torch.Tensor | None = None
+    word_index: torch.Tensor | None = None
 
 
 @functools.lru_cache(maxsize=4096)  # a blake2b per tensor and call is measurable on a launch-bound GPU
@@ -223,11 +234,11 @@ def local_digest(tensor: torch.Tensor, rank: int = 0) -> LocalDigest:
     held = local_words(tensor, rank)
     if held.words is None:
         value = torch.zeros((), dtype=torch.int64)
-    elif held.index is not None:
-        value = _indexed_sum(widen(held.words), held.index)
+    elif held.word_index is not None:
+        value = _indexed_sum(widen(held.words), held.word_index)
     else:
         value = range_sum(widen(held.words), held.start)
-    return LocalDigest(held.canonical, held.shard, held.meta, value)
+    return LocalDigest(value, held.canonical, held.shard, held.meta)
 
 
 def _sharded_words(tensor: Any, dtensor: Any) -> LocalWords:
@@ -265,7 +276,7 @@ def _sharded_words(tensor: Any, dtensor: Any) -> LocalWords:
         view[dim] = size
         index += ((torch.arange(size, device=local.device) + start) * stride).view(view)
     word_index = (index.reshape(-1, 1) * per_element + torch.arange(per_element, device=local.device)).reshape(-1)
-    return LocalWords(canonical, shard, meta, words, index=word_index)
+    return LocalWords(canonical, shard, meta, words, word_index=word_index)
 
 
 def _row_major_strides(shape: tuple[int, ...]) -> list[int]:

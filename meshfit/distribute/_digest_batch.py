@@ -2,17 +2,19 @@
 
 The sum is the one `meshfit.distribute._digest` defines, computed for all the tensors of a device
 together, bit for bit equal to `range_sum` one tensor at a time. Per tensor, only its full key rows
-cost ops of their own: a multiply by the key row into a scratch matrix and a row sum written into
-its slice of one vector of row sums, per block of rows. The rows no tensor fills (a head and a tail
-per tensor) are gathered by one ``cat`` into zero-padded rows of a few widths (a small tensor's row
-is a few hundred words, not 65,536) and multiplied and summed per width. The row keys and one
-``index_add_`` then turn all the row sums into every tensor's sum at once. The layout of all this
-(which row belongs to which tensor, with which row key) depends only on the tensors' sizes and
-offsets: it is computed once per layout and kept on the device.
+cost an op of their own: a multiply by the key row into rows of a scratch matrix, per block of rows;
+the blocks of several tensors fill the scratch matrix, and one row sum of it writes their rows' sums
+into one vector of row sums. The rows no tensor fills (a head and a tail per tensor) are gathered by
+one ``cat`` into zero-padded rows of a few widths (a small tensor's row is a few hundred words, not
+65,536) and multiplied and summed per width. The row keys and one ``index_add_`` then turn all the
+row sums into every tensor's sum at once. The layout of all this (which row belongs to which tensor,
+with which row key) depends only on the tensors' sizes and offsets: it is computed once per layout
+and kept on the device.
 
 On a GPU a digest is bound by kernel launches, not by bandwidth: one tensor at a time cost 12 or more
 kernels per tensor (34 times one ``sum`` per tensor); here a tensor of fewer than a block of full
-rows costs 2, and the host reads every sum of a device in one copy at the end, with no sync before.
+rows costs one multiply and a share of a row sum, and the host reads every sum of a device in one
+copy at the end, with no sync before.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from meshfit.distribute._digest import (
 # narrowest window [0, w) or [C - w, C) that holds it (a tensor's tail starts at column 0; a shard's
 # head ends at column C), so a small tensor costs a few hundred words, and there are at most 9 windows.
 WINDOWS = (256, 1024, 4096, 16384, COLUMNS)
-GPU_BLOCK_ROWS = 256  # rows per multiply on an accelerator: a 64 MiB scratch matrix
+GPU_BLOCK_ROWS = 256  # scratch rows on an accelerator: 64 MiB, 4 tensors of 4 M float32 per row sum
 _LAYOUTS = 32  # layouts kept per process (a training state has one or two: the model's, a checkpoint's)
 
 
@@ -62,15 +64,18 @@ class _Layout:
     """Where each tensor's words go, for one list of ``(word count, start, word width)``.
 
     Attributes:
-        blocks: ``(slot, offset, rows)``: a matrix of full key rows of one tensor's words.
+        blocks: ``(slot, offset, rows, at, flush)``: a matrix of full key rows of one tensor's
+            words, multiplied into rows ``[at, at + rows)`` of the scratch matrix; after it, when
+            ``flush``, the first ``flush`` rows of the scratch matrix are summed (the blocks of
+            several tensors fill it before one sum: a tensor's full rows cost one op, not two).
         partials: by integer width (bytes), the partial rows of the words of that width.
-        scratch_rows: the most rows of one block (the scratch matrix's height).
-        runs: how many row sums each block, then each window of ``partials``, writes.
+        scratch_rows: the scratch matrix's height.
+        runs: how many row sums each flush, then each window of ``partials``, writes.
         row_keys: each row sum's row key (int64, on the device).
         segments: each row sum's tensor (its slot; int64, on the device).
     """
 
-    blocks: tuple[tuple[int, int, int], ...]
+    blocks: tuple[tuple[int, int, int, int, int], ...]
     partials: tuple[tuple[int, _Partials], ...]
     scratch_rows: int
     runs: tuple[int, ...]
@@ -105,7 +110,9 @@ def _zeros(device: torch.device, width: int) -> torch.Tensor:
 def _layout(device: torch.device, sizes: tuple[tuple[int, int, int], ...]) -> _Layout:
     """The layout for tensors of ``(word count, start, word width)``, in slot order, on ``device``."""
     block = BLOCK_ROWS if device.type == "cpu" else GPU_BLOCK_ROWS
-    blocks: list[tuple[int, int, int]] = []
+    blocks: list[tuple[int, int, int, int, int]] = []
+    runs: list[int] = []
+    fill = 0  # scratch rows filled since the last flush
     row_index: list[int] = []
     segments: list[int] = []
     loose: dict[int, list[tuple[tuple[int, int], int, int, int, int, int]]] = {}
@@ -120,11 +127,19 @@ def _layout(device: torch.device, sizes: tuple[tuple[int, int, int], ...]) -> _L
                 loose.setdefault(width, []).append((window, slot, offset, length, column, (start + offset) // COLUMNS))
         for begin in range(0, rows, block):
             height = min(block, rows - begin)
-            blocks.append((slot, head + begin * COLUMNS, height))
+            if fill + height > block:
+                blocks[-1] = (*blocks[-1][:4], fill)
+                runs.append(fill)
+                fill = 0
+            blocks.append((slot, head + begin * COLUMNS, height, fill, 0))
+            fill += height
             first = (start + head) // COLUMNS + begin
             row_index.extend(range(first, first + height))
             segments.extend([slot] * height)
-    runs = [rows for _, _, rows in blocks]
+    if blocks:
+        blocks[-1] = (*blocks[-1][:4], fill)
+        runs.append(fill)
+    scratch_rows = max(runs, default=0)
     partials = []
     for width in sorted(loose):
         zeros = _zeros(device, width)
@@ -142,13 +157,14 @@ def _layout(device: torch.device, sizes: tuple[tuple[int, int, int], ...]) -> _L
         partials.append((width, _Partials(tuple(pieces), tuple(windows))))
         runs.extend(rows for _, _, rows in windows)
     table = _row_key_table(device, 1 << max(10, max(row_index, default=0).bit_length()))
-    return _Layout(tuple(blocks), tuple(partials), max(runs[:len(blocks)], default=0), tuple(runs),
+    return _Layout(tuple(blocks), tuple(partials), scratch_rows, tuple(runs),
                    table.index_select(0, _to_device(row_index, device)), _to_device(segments, device))
 
 
 def range_sums(ranges: Sequence[tuple[torch.Tensor, int]]) -> torch.Tensor:
     """`range_sum` of every ``(words, start)`` (flat words of one device, see `raw_words`), as one
-    int64 vector on that device, in a fixed number of ops plus two per block of full rows."""
+    int64 vector on that device, in a fixed number of ops plus one per block of full rows and one per
+    scratch matrix they fill."""
     device = ranges[0][0].device
     layout = _layout(device, tuple((w.numel(), start, w.element_size()) for w, start in ranges))
     keys, _ = _keys(device)
@@ -156,16 +172,16 @@ def range_sums(ranges: Sequence[tuple[torch.Tensor, int]]) -> torch.Tensor:
     outs = iter(row_sums.split(layout.runs))  # one op for every slice written below
     if layout.blocks:
         scratch = torch.empty(layout.scratch_rows, COLUMNS, dtype=torch.int32, device=device)
-        heights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # a few heights: their views made once
-        for slot, offset, rows in layout.blocks:
-            if rows not in heights:
-                products = scratch[:rows]
-                heights[rows] = products, products.view(torch.int64)
-            products, lanes = heights[rows]
+        lanes = scratch.view(torch.int64)
+        views: dict[tuple[int, int], torch.Tensor] = {}  # tensors of equal sizes: their views made once
+        for slot, offset, rows, at, flush in layout.blocks:
+            if (at, rows) not in views:
+                views[at, rows] = scratch[at:at + rows]
             words = ranges[slot][0]
             torch.mul(words.as_strided((rows, COLUMNS), (COLUMNS, 1), words.storage_offset() + offset), keys,
-                      out=products)  # int32: wraps modulo 2**32 (a narrow word sign-extended first)
-            torch.sum(lanes, dim=1, out=next(outs))
+                      out=views[at, rows])  # int32: wraps modulo 2**32 (a narrow word sign-extended first)
+            if flush:
+                torch.sum(lanes[:flush], dim=1, out=next(outs))
     for width, partial in layout.partials:
         pieces = []
         for slot, offset, length, before, after in partial.pieces:
@@ -210,10 +226,10 @@ def queue_sums(tensors: Sequence[torch.Tensor], rank: int) -> tuple[list[LocalWo
     for slot, part in enumerate(held):
         if part.words is None or not part.words.numel():
             continue
-        if part.index is None:
+        if part.word_index is None:
             ranged.setdefault(part.words.device, []).append((slot, part.words, part.start))
         else:  # a block of a sharded tensor that is not one flat range: its own path
-            indexed.setdefault(part.words.device, []).append((slot, _indexed_sum(widen(part.words), part.index)))
+            indexed.setdefault(part.words.device, []).append((slot, _indexed_sum(widen(part.words), part.word_index)))
     queued: list[tuple[list[int], torch.Tensor]] = []
     for device in {**ranged, **indexed}:
         sums = []

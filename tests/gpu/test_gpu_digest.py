@@ -71,11 +71,11 @@ def test_a_digest_of_100m_parameters_on_the_gpu_against_a_sum(capsys):
     assert digest / summed < 10  # a device kernel: within a small factor of a reduction, never a host copy
 
 
-def test_a_digest_of_many_tensors_launches_two_kernels_per_tensor_and_a_fixed_few_more(capsys):
-    # 25 tensors of 61 full key rows and a partial one: a multiply and a row sum each; the 25 partial
-    # rows in one cat, one multiply and one sum; a zeros, the row-key multiply and an index_add_ (then
-    # one copy of the sums to the host; memsets and copies are not counted). One tensor at a time
-    # launched about 12 kernels per tensor.
+def test_a_digest_of_many_tensors_launches_about_one_kernel_per_tensor(capsys):
+    # 25 tensors of 61 full key rows and a partial one: a multiply each, and a row sum per 4 tensors
+    # (a scratch matrix of 256 rows): 7; the 25 partial rows in one cat, one multiply and one sum; a
+    # zeros, the row-key multiply and an index_add_: about 38 (memsets and the one copy to the host
+    # not counted). One tensor at a time launched about 12 kernels per tensor (300).
     from torch.profiler import ProfilerActivity, profile
 
     tensors = [torch.randn(4_000_000, device="cuda:0") for _ in range(25)]
@@ -88,4 +88,4 @@ def test_a_digest_of_many_tensors_launches_two_kernels_per_tensor_and_a_fixed_fe
                and not e.name.startswith(("Memset", "Memcpy"))]
     with capsys.disabled():
         print(f"\nGPU digest of 25 tensors: {len(kernels)} kernels ({len(kernels) / 25:.2f} per tensor)")
-    assert len(kernels) <= 2 * 25 + 12, kernels
+    assert len(kernels) <= 2 * 25, kernels
