@@ -5,6 +5,7 @@ from meshfit.distribute._buffers import agree_buffers as agree_buffers  # a seam
 from meshfit.distribute._collective import CollectiveStrategy
 from meshfit.distribute._digest import combine_digests as combine_digests
 from meshfit.distribute._digest import finish_digest as finish_digest
+from meshfit.distribute._digest_batch import local_parts as local_parts
 from meshfit.distribute._distributed_dataset import DistributedDataset
 from meshfit.distribute._failure import FailureState as FailureState
 from meshfit.distribute._gradient_sync import DataParallelSync as DataParallelSync
@@ -51,7 +52,6 @@ from meshfit.distribute._values import (
 )
 from meshfit.distribute._verify import ReplicaDivergenceError, StateDigest
 from meshfit.distribute._verify import compare_replicas as compare_replicas
-from meshfit.distribute._verify import local_parts as local_parts
 from meshfit.distribute._verify import named_state as named_state
 from meshfit.distribute._verify import reduce_parts as reduce_parts
 from meshfit.distribute._verify import resolve_state as resolve_state

@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import hashlib
 import sys
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -86,13 +86,30 @@ def _row_key_range(first: int, count: int, device: torch.device) -> torch.Tensor
     return _row_key_table(device, size)[first:first + count]
 
 
-def words_of(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The tensor's bits as a flat int32 tensor, and how many words each element has (1, 2 or 4)."""
-    flat = tensor.detach().contiguous().reshape(-1)
+def raw_words(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The tensor's bits as a flat integer view, and how many words each element has (1, 2 or 4):
+    int32 for elements of 4 bytes or more; int16 or int8 for narrower ones, one word per element
+    (sign-extended to 32 bits where a word is multiplied: int32 arithmetic widens them)."""
+    flat = tensor.detach()
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    if flat.dim() != 1:
+        flat = flat.view(-1)
     size = flat.element_size()
     if size >= 4:
         return flat.view(torch.int32), size // 4
-    return flat.view(torch.int16 if size == 2 else torch.int8).to(torch.int32), 1
+    return flat.view(torch.int16 if size == 2 else torch.int8), 1
+
+
+def words_of(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The tensor's bits as a flat int32 tensor, and how many words each element has (1, 2 or 4)."""
+    words, per_element = raw_words(tensor)
+    return widen(words), per_element
+
+
+def widen(words: torch.Tensor) -> torch.Tensor:
+    """Raw words as int32 (a narrow dtype's words sign-extended)."""
+    return words if words.dtype == torch.int32 else words.to(torch.int32)
 
 
 def _indexed_sum(words: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -142,12 +159,10 @@ def _partial_row(words: torch.Tensor, start: int) -> torch.Tensor:
     return (row * keys).view(torch.int64).sum() * row_key
 
 
-@dataclasses.dataclass(frozen=True)
-class LocalDigest:
-    """This process's part of one tensor's digest.
+class LocalPart(Protocol):
+    """Where this process's part of one tensor's digest counts.
 
     Attributes:
-        value: the int64 sum over the elements this process holds (0-d, on the tensor's device).
         canonical: whether this process's part counts in the tensor's digest (one copy of each
             shard: replicas along a mesh axis the tensor is replicated on do not add theirs).
         shard: which part of the tensor this process holds (mesh coordinates along the axes it is
@@ -155,29 +170,78 @@ class LocalDigest:
         meta: a hash of the logical shape and dtype, mixed into the final digest.
     """
 
+    @property
+    def canonical(self) -> bool: ...
+
+    @property
+    def shard(self) -> tuple[int, ...]: ...
+
+    @property
+    def meta(self) -> int: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalDigest:
+    """This process's part of one tensor's digest (a `LocalPart`): ``value``, the int64 sum over the
+    elements this process holds (0-d, on the tensor's device)."""
+
     value: torch.Tensor
     canonical: bool
     shard: tuple[int, ...]
     meta: int
 
 
+class LocalWords(NamedTuple):
+    """The words this process holds of one tensor, and where they are in the logical tensor (a
+    `LocalPart`; a tuple: made per tensor and call, where a frozen dataclass's ``__init__`` costs
+    microseconds a launch-bound GPU would wait for).
+
+    Attributes:
+        words: a flat tensor of words (see `raw_words`), or ``None`` where this process holds
+            nothing of the tensor (not on its mesh).
+        start: the global index of ``words[0]`` when the words are one flat range of the tensor.
+        word_index: else the global index of each word (int64, on the words' device).
+    """
+
+    canonical: bool
+    shard: tuple[int, ...]
+    meta: int
+    words: torch.Tensor | None
+    start: int = 0
+    word_index: torch.Tensor | None = None
+
+
+@functools.lru_cache(maxsize=4096)  # a blake2b per tensor and call is measurable on a launch-bound GPU
 def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return text_hash(f"{tuple(shape)}|{dtype}")
 
 
-def local_digest(tensor: torch.Tensor, rank: int = 0) -> LocalDigest:
-    """This process's part of the digest of ``tensor`` (a plain tensor, or a DTensor's shard).
+def local_words(tensor: torch.Tensor, rank: int = 0) -> LocalWords:
+    """The words of ``tensor`` (a plain tensor, or a DTensor's shard) this process holds.
 
     A plain tensor is whole on every process of a job: rank ``0``'s copy is the one that counts.
     """
     dtensor = _dtensor_module()
     if dtensor is not None and isinstance(tensor, dtensor.DTensor):
-        return _sharded_digest(tensor, dtensor)
-    words, _ = words_of(tensor)
-    return LocalDigest(range_sum(words, 0), rank == 0, (), _meta(tuple(tensor.shape), tensor.dtype))
+        return _sharded_words(tensor, dtensor)
+    words, _ = raw_words(tensor)
+    return LocalWords(rank == 0, (), _meta(tuple(tensor.shape), tensor.dtype), words)
 
 
-def _sharded_digest(tensor: Any, dtensor: Any) -> LocalDigest:
+def local_digest(tensor: torch.Tensor, rank: int = 0) -> LocalDigest:
+    """This process's part of the digest of ``tensor`` (a plain tensor, or a DTensor's shard), one
+    tensor at a time (`meshfit.distribute._digest_batch.local_parts` sums many at once)."""
+    held = local_words(tensor, rank)
+    if held.words is None:
+        value = torch.zeros((), dtype=torch.int64)
+    elif held.word_index is not None:
+        value = _indexed_sum(widen(held.words), held.word_index)
+    else:
+        value = range_sum(widen(held.words), held.start)
+    return LocalDigest(value, held.canonical, held.shard, held.meta)
+
+
+def _sharded_words(tensor: Any, dtensor: Any) -> LocalWords:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     from torch.distributed.tensor.placement_types import Partial, Replicate
 
@@ -189,7 +253,7 @@ def _sharded_digest(tensor: Any, dtensor: Any) -> LocalDigest:
     meta = _meta(global_shape, tensor.dtype)
     coordinate = mesh.get_coordinate()
     if coordinate is None:  # not on this tensor's mesh: holds nothing of it
-        return LocalDigest(torch.zeros((), dtype=torch.int64), False, (), meta)
+        return LocalWords(False, (), meta, None)
     # Sharded along an axis: Shard, and fully_shard's _StridedShard over tensor parallelism (not a Shard
     # subclass in torch 2.13); each process's piece there is its own. Replicated along the others.
     # A sub-mesh (fully_shard's `batch` of a 2-D mesh) has one instance per coordinate of the other axes,
@@ -199,20 +263,20 @@ def _sharded_digest(tensor: Any, dtensor: Any) -> LocalDigest:
     shard = tuple(c for c, p in zip(coordinate, placements, strict=True) if not isinstance(p, Replicate))
     local = tensor.to_local()
     local_shape, offset = compute_local_shape_and_global_offset(global_shape, mesh, placements)
-    words, per_element = words_of(local)
+    words, per_element = raw_words(local)
     if local.numel() == 0:
-        return LocalDigest(torch.zeros((), dtype=torch.int64, device=local.device), canonical, shard, meta)
+        return LocalWords(canonical, shard, meta, words)
     strides = _row_major_strides(global_shape)
     first = sum(o * s for o, s in zip(offset, strides, strict=True))
     if _is_flat_range(local_shape, global_shape):
-        return LocalDigest(range_sum(words, first * per_element), canonical, shard, meta)
+        return LocalWords(canonical, shard, meta, words, first * per_element)
     index = torch.zeros(local_shape, dtype=torch.int64, device=local.device)
     for dim, (size, start, stride) in enumerate(zip(local_shape, offset, strides, strict=True)):
         view = [1] * len(local_shape)
         view[dim] = size
         index += ((torch.arange(size, device=local.device) + start) * stride).view(view)
     word_index = (index.reshape(-1, 1) * per_element + torch.arange(per_element, device=local.device)).reshape(-1)
-    return LocalDigest(_indexed_sum(words, word_index), canonical, shard, meta)
+    return LocalWords(canonical, shard, meta, words, word_index=word_index)
 
 
 def _row_major_strides(shape: tuple[int, ...]) -> list[int]:

@@ -19,7 +19,8 @@ from torch.nn.parameter import is_lazy
 
 from meshfit._protocols import DistributionStrategy
 from meshfit.distribute._buffers import agree_buffers
-from meshfit.distribute._digest import LocalDigest, combine_digests, finish_digest, local_digest
+from meshfit.distribute._digest import LocalPart, combine_digests, finish_digest
+from meshfit.distribute._digest_batch import local_parts
 
 
 class ReplicaDivergenceError(ValueError):
@@ -154,16 +155,7 @@ def _optimizer_state(module: torch.nn.Module, optimizer: Any) -> list[tuple[str,
     return state
 
 
-def local_parts(tensors: Sequence[torch.Tensor], rank: int) -> tuple[list[int], list[LocalDigest]]:
-    """Each tensor's local part on ``rank`` (one host read for all: the int64 sums copied together)."""
-    parts = [local_digest(t, rank) for t in tensors]
-    if not parts:
-        return [], parts
-    values = torch.stack([p.value.to("cpu") if p.value.device.type != "cpu" else p.value for p in parts])
-    return [int(v) for v in values.tolist()], parts
-
-
-def reduce_parts(paths: Sequence[str], values: Sequence[int], parts: Sequence[LocalDigest],
+def reduce_parts(paths: Sequence[str], values: Sequence[int], parts: Sequence[LocalPart],
                  world: Any) -> dict[str, int]:
     """Every tensor's digest, equal on every process: one copy of each shard summed (control plane)."""
     masked = torch.tensor([v if p.canonical else 0 for v, p in zip(values, parts, strict=True)], dtype=torch.int64)
