@@ -306,6 +306,9 @@ class Trainable(Protocol):
 
     def reset_metrics(self) -> None: ...
 
+    def finish_training(self) -> None:
+        """Called once training ends, before ``on_train_end`` (e.g. swap in moving averages)."""
+
     def saveable_parts(self) -> Mapping[str, Stateful]: ...
 
     def logged_metrics(self) -> Sequence[MetricLike]: ...

@@ -198,9 +198,7 @@ class TrainingLoop:
                 if ended and epochs is None:
                     break  # the Estimator trains until its input ends
             # Keras's fit: the optimizer's moving averages (use_ema) replace the weights before on_train_end.
-            finalize = getattr(getattr(trainable, "optimizer", None), "finalize_variable_values", None)
-            if callable(finalize):
-                finalize()
+            trainable.finish_training()
             self.agree_buffers()
             logs = as_logs(epoch_logs or logs)
             cbs.on_train_end(logs)

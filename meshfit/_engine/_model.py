@@ -190,6 +190,12 @@ class Model(StepsMixin, WeightsMixin):
         for metric in self.metrics:
             metric.reset_state()
 
+    def finish_training(self) -> None:
+        """Keras's fit: the optimizer's moving averages (``use_ema``) replace the weights before
+        ``on_train_end``."""
+        if self.optimizer is not None:
+            self.optimizer.finalize_variable_values()
+
     # ---- fit / evaluate / predict ---------------------------------------------------------
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
             verbose: str | int = "auto", callbacks: list[Any] | None = None, validation_split: float = 0.0,

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshfit._protocols import DistributionStrategy
 from meshfit.estimator._model_fn import ModelFnCaller
 from meshfit.estimator._sharding import is_fully_sharded, shard_modules
 from meshfit.estimator._spec import ModeKeys
@@ -124,7 +125,7 @@ class EstimatorModel:
         strategy: where it runs.
     """
 
-    def __init__(self, caller: ModelFnCaller, mode: str, strategy: Any) -> None:
+    def __init__(self, caller: ModelFnCaller, mode: str, strategy: DistributionStrategy) -> None:
         self.caller, self.mode, self.strategy = caller, mode, strategy
         self.stop_training = False
         self.steps_per_execution = 1  # the loop runs one step between two hook calls
@@ -154,6 +155,9 @@ class EstimatorModel:
     def reset_metrics(self) -> None:
         for metric in self.metrics:
             metric.reset_state()
+
+    def finish_training(self) -> None:
+        """Nothing to finish: an Estimator's optimizer keeps no moving averages to swap in."""
 
     def build(self, sample: Any) -> None:
         """Call ``model_fn`` on the first batch: builds (or finds) its modules and optimizer, then places them."""
