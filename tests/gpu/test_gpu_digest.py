@@ -68,7 +68,7 @@ def test_a_digest_of_100m_parameters_on_the_gpu_against_a_sum(capsys):
     with capsys.disabled():
         print(f"\nGPU {torch.cuda.get_device_name()}: 100 M float32, sum {summed * 1e3:.2f} ms, digest "
               f"{digest * 1e3:.2f} ms, ratio {digest / summed:.2f}")
-    assert digest / summed < 10  # a device kernel: within a small factor of a reduction, never a host copy
+    assert digest / summed < 5  # H200, torch 2.11: 2.15 (goal <= 3); a device kernel, never a host copy
 
 
 def test_a_digest_of_many_tensors_launches_about_one_kernel_per_tensor(capsys):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 from _gpu import MARKS, compiled_model, data, in_fresh_process, mlp
@@ -33,6 +34,7 @@ def _one_process_gloo_and_nccl(store_file: str):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # a fresh process (tests/gpu/_gpu.py in_fresh_process)
 def test_a_one_process_group_with_gloo_for_cpu_and_nccl_for_cuda(tmp_path):
     store = str(tmp_path / "store")
     on_gpu, on_cpu, device, parameters, loss = in_fresh_process(functools.partial(_one_process_gloo_and_nccl, store))
@@ -75,6 +77,7 @@ def _layout_on_a_cuda_mesh():
             dist.destroy_process_group()
 
 
+@pytest.mark.slow  # a fresh process (tests/gpu/_gpu.py in_fresh_process)
 def test_a_dtensor_layout_on_a_one_device_cuda_mesh():
     is_dtensor, device, mesh_device, loss = in_fresh_process(_layout_on_a_cuda_mesh)
     assert is_dtensor and device == "cuda" and mesh_device == "cuda"
