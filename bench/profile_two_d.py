@@ -39,6 +39,7 @@ class _Probe:
         self.counts: collections.Counter[str] = collections.Counter()
         self.cpu: list[float] = []
         self.thread: list[float] = []
+        self.wall: list[float] = []
         self.profiler = None
         self.result: dict = {}
         self._patch()
@@ -71,12 +72,13 @@ class _Probe:
     def after_step(self, index: int) -> None:
         """Called after step ``index`` (0-based) ends."""
         a = self.args
-        now = (time.process_time(), time.thread_time())
+        now = (time.process_time(), time.thread_time(), time.perf_counter())
         if a.warmup - 1 <= index < a.warmup + a.steps - 1:
             self._last = now
         if a.warmup <= index < a.warmup + a.steps:
             self.cpu.append(now[0] - self._prev[0])
             self.thread.append(now[1] - self._prev[1])
+            self.wall.append(now[2] - self._prev[2])
         self._prev = now
         if index == a.warmup + a.steps - 1:
             import torch
@@ -94,6 +96,7 @@ class _Probe:
         a = self.args
         if a.stacks:
             self.result = {"cpu_ms": [1000 * c for c in self.cpu], "thread_ms": [1000 * c for c in self.thread],
+                           "wall_ms": [1000 * c for c in self.wall],
                            "ops": {}, "stacks": {k: [(c / a.profile_steps, list(f)) for f, c in v.items()]
                                                  for k, v in self.profiler.seen.items()}}
             return self.result
@@ -101,6 +104,7 @@ class _Probe:
             ops = {e.key: e.count / a.profile_steps for e in self.profiler.key_averages()}
             py = {k: v / a.profile_steps for k, v in self.counts.items()}
             self.result = {"cpu_ms": [1000 * c for c in self.cpu], "thread_ms": [1000 * c for c in self.thread],
+                           "wall_ms": [1000 * c for c in self.wall],
                            "ops": {**ops, **py}, "stacks": {}}
         return self.result
 
@@ -280,8 +284,9 @@ def main() -> None:
     for v in variants:
         cpu = [statistics.median(r["cpu_ms"]) for r in results[v]]
         thread = [statistics.median(r["thread_ms"]) for r in results[v]]
+        wall = statistics.median(results[v][0]["wall_ms"])
         print(f"  {v}: process CPU ms/step per rank {[round(c, 1) for c in cpu]}; main thread "
-              f"{[round(c, 1) for c in thread]}")
+              f"{[round(c, 1) for c in thread]}; rank 0 wall {wall:.1f} ms/step (noisy)")
     if len(variants) == 2:
         a, b = (results[v][0]["ops"] for v in variants)
         keys = sorted(set(a) | set(b), key=lambda k: -abs(a.get(k, 0) - b.get(k, 0)))
