@@ -95,3 +95,45 @@ def test_two_workers_read_only_their_control_plane_flags():
         # One read of the summed flags per step, of a CPU tensor: no device tensor round trip.
         assert len(calls) == steps + 1 and {device for _, _, device in calls} == {"cpu"}
     assert results[0][3] == results[1][3]
+
+
+def _worker_with_a_log_reader(rank: int, world: int):
+    import torch.distributed as dist
+
+    strategy = mf.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = _model()
+    counts = [0]  # before the first step, then one count per step (from its on_train_batch_begin)
+    original = dist.all_reduce
+
+    def counted(*args, **kwargs):
+        counts[-1] += 1
+        return original(*args, **kwargs)
+
+    class ReadsLogsAndStops(mf.callbacks.Callback):
+        """Reads the batch logs (so the steps reduce the metrics); worker 1 alone asks to stop at batch 2."""
+
+        def on_train_batch_begin(self, batch, logs=None):
+            counts.append(0)
+
+        def on_train_batch_end(self, batch, logs=None):
+            assert "loss" in logs  # noqa: S101 (test code)
+            if rank == 1 and batch == 2:
+                self.model.stop_training = True
+
+    dist.all_reduce = counted
+    try:
+        x, y = _data()
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[ReadsLogsAndStops()])
+    finally:
+        dist.all_reduce = original
+    return counts
+
+
+def test_a_step_with_a_log_reader_reduces_metrics_and_flags_in_one_collective():
+    results = run_distributed(_worker_with_a_log_reader, world_size=2, timeout=180)
+    # Worker 1's stop reaches worker 0 with the next step's reduction: both end after batch 3.
+    assert results[0] == results[1] and len(results[0]) == 1 + 4
+    # The metrics' all-reduce carries the stop/preemption flags: no second collective for them
+    # (the second step's one-time probe for unused parameters, and the last one's train-end, add theirs).
+    assert results[0][1] == 1 and results[0][3] == 1

@@ -1,8 +1,9 @@
 """Logs of a step: the metrics' additive states summed over the data-parallel axis, plus agreed flags.
 
 Two planes: the metric states stay on the model's device and are summed by the device backend, only
-when logs are read; the flags (stop, preemption) are CPU numbers summed over the control plane
-(gloo), so a step with no log reader queues its device work and returns without waiting for it.
+when logs are read (the flags then ride in the same all-reduce: one collective a step); without a log
+reader the flags (stop, preemption) are CPU numbers summed over the control plane (gloo), so such a
+step queues its device work and returns without waiting for it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ def reduce_logs(trainable: Trainable, flags: Sequence[float] = (), *,
             results): the loop does that when no callback reads per-batch logs.
 
     Returns:
-        ``(logs, flags)``: ``{name: value}`` (empty without metrics) and the summed flags.
+        ``(logs, flags)``: ``{name: value}`` (empty without metrics) and the flags over every process:
+        each is positive where any process's is (summed over processes; on a mesh, summed over
+        ``batch`` and the largest along the other axes).
     """
     strategy = trainable.strategy
     if not with_metrics:  # the loop's usual step: the flags alone
@@ -36,8 +39,14 @@ def reduce_logs(trainable: Trainable, flags: Sequence[float] = (), *,
     # Every process takes part, also along a mesh's ``model`` axis: a stop or preemption flag raised
     # on any process must reach all of them.
     if strategy.num_processes > 1 and any(states):
-        states = _sum_states(strategy, states)
-    summed = sum_flags(strategy, flags)
+        # The flags ride in the metrics' all-reduce (logs read: the host waits for it anyway), instead
+        # of a second collective on the control plane; each comes back positive where any process's was.
+        flag_group = tuple(torch.tensor([float(f)], dtype=torch.float64) for f in flags)
+        reduced = _sum_states(strategy, [*states, flag_group])
+        states = reduced[:-1]
+        summed = torch.cat(reduced[-1]).tolist() if flags else []
+    else:
+        summed = sum_flags(strategy, flags)
     logs = {metric.name: float(metric.result_from(state)) for metric, state in zip(metrics, states, strict=True)}
     return logs, summed
 

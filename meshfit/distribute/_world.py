@@ -78,6 +78,9 @@ class World:
     owns_group: bool = False
     hosts_store: bool = False
     _async_group: Any = dataclasses.field(default=None, repr=False)
+    # ``device_mesh[axis]`` builds a new sub-mesh at every call (index tensors, host reads): each is
+    # built once per mesh, and `group` reads the group without one.
+    _sub_meshes: dict[str, tuple[Any, Any]] = dataclasses.field(default_factory=dict, repr=False)
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> World:
@@ -159,7 +162,13 @@ class World:
             names = [] if self.device_mesh is None else list(self.device_mesh.mesh_dim_names or ())
             raise ValueError(f"Invalid mesh axis {axis!r}: this world's mesh has axes {names}. Form the mesh "
                              "with that axis first (mf.dtensor.create_mesh).")
-        return self.device_mesh if self.device_mesh.ndim == 1 else self.device_mesh[axis]
+        if self.device_mesh.ndim == 1:
+            return self.device_mesh
+        mesh, sub = self._sub_meshes.get(axis, (None, None))
+        if mesh is not self.device_mesh:
+            mesh, sub = self.device_mesh, self.device_mesh[axis]
+            self._sub_meshes[axis] = (mesh, sub)
+        return sub
 
     def group(self, axis: str | None = None) -> Any:
         """The process group of ``axis`` (this process's peers along it), or of the whole world (None)."""

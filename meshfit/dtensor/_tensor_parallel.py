@@ -62,7 +62,9 @@ class TensorParallel:
             else:
                 plan[path] = ColwiseParallel() if style == _COLUMN else RowwiseParallel()
                 if style == _ROW:
-                    _check_row_inputs(module.get_submodule(path), path, self.axis)
+                    layer = module.get_submodule(path)
+                    if isinstance(layer, nn.Linear):  # what tensor_parallel_styles keyed
+                        _check_row_inputs(layer, path, self.axis, self.sub_mesh.size())
         parallelize_module(module, self.sub_mesh, plan)
         return module
 
@@ -126,15 +128,17 @@ def _style_of(owner: nn.Module, attribute: str, layout: Layout, path: str, axis:
                      "sharded over 'batch' only), or key the weight of a Linear or Embedding.")
 
 
-def _check_row_inputs(layer: nn.Module, path: str, axis: str) -> None:
-    """A row-wise layer must receive a column-wise layer's slice: say so, rather than a shape error."""
-    expected = layer.in_features
+def _check_row_inputs(layer: nn.Linear, path: str, axis: str, size: int) -> None:
+    """A row-wise layer must receive a column-wise layer's slice: say so, rather than a shape error.
+
+    The slice's width is the weight's local columns, ``in_features / size`` (the split divides them:
+    `Layout.check_shape`), known here once rather than read from the sharded weight at every forward.
+    """
+    local = layer.in_features // size
 
     def pre_hook(module: nn.Module, args: tuple) -> None:
         if args and isinstance(args[0], torch.Tensor) and args[0].dim() > 0:
             width = args[0].shape[-1]
-            weight: Any = module.weight
-            local = weight.to_local().shape[-1] if hasattr(weight, "to_local") else expected
             if width != local:
                 raise ValueError(f"Invalid input to {path!r} (row-wise over {axis!r}): expected this process's "
                                  f"slice of {local} features from a column-wise layer, received {width}. Split the "
