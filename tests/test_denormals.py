@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import meshfit as mf
-from meshfit._runtime import FLUSH_DENORMALS_ENV, flushing_denormals
+from meshfit._runtime import FLUSH_DENORMALS_ENV, flush_denormals, flushing_denormals
 
 # 1e-20 squared is 1e-40, a float32 denormal: 0 when flushed. Big enough that torch splits the
 # multiply over its intra-op threads, so each thread's own setting shows in its share of the result.
@@ -112,3 +112,13 @@ def test_opt_out_by_environment(two_threads, monkeypatch):
     model.fit(x, y, batch_size=8, verbose=0, callbacks=[probe])
     assert probe.seen and all(seen == (False, _BIG.numel()) for seen in probe.seen)
 
+
+
+def test_restored_on_the_whole_team_when_the_thread_count_dropped_inside(two_threads):
+    """A region that lowers torch's thread count (a strategy sharing the cores) still restores every
+    thread of the team it flushed: libgomp keeps those threads for the next, larger team."""
+    with flush_denormals():
+        torch.set_num_threads(1)
+    torch.set_num_threads(2)
+    assert not flushing_denormals()
+    assert denormal_products() == _BIG.numel()

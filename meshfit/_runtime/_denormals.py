@@ -56,21 +56,23 @@ def flush_denormals() -> Iterator[None]:
             _depth.value = depth
         return
     before = flushing_denormals()
-    _set_everywhere(True)
+    team = torch.get_num_threads()
+    _set_everywhere(True, team)
     _depth.value = 1
     try:
         yield
     finally:
         _depth.value = 0
-        _set_everywhere(before)
+        # The team flushed at entry, even if the thread count dropped inside (a strategy sharing the
+        # cores): libgomp keeps its threads for the next team, which would otherwise still flush.
+        _set_everywhere(before, max(team, torch.get_num_threads()))
 
 
-def _set_everywhere(flag: bool) -> None:
+def _set_everywhere(flag: bool, threads: int) -> None:
     """``torch.set_flush_denormal(flag)`` on this thread, then this thread's floating-point
-    environment copied to each thread of its OpenMP team."""
+    environment copied to each of ``threads`` threads of its OpenMP team."""
     if not torch.set_flush_denormal(flag):  # this CPU cannot (no SSE3 / not x86 or arm64)
         return
-    threads = torch.get_num_threads()
     copy_to_team = _environment_copier()
     if threads > 1 and copy_to_team is not None:
         copy_to_team(threads)
