@@ -20,7 +20,7 @@ measured ratio verify / plain (noisy: a 1 % effect under a loaded machine), and 
 check time / (100 x step time).
 
 Part C: backups with the digest included (every save compares the replicas' digests and records
-the sum), one process: ``bench/_cnn_fit.py`` (the seed CNN, batch 64, 1 thread, epoch 1 a warm-up,
+the sum), one process: ``bench/_cnn_fit.py`` (the seed CNN, batch 64, ``--threads`` (2), epoch 1 a warm-up,
 then 2 x ``--steps`` timed steps) without and with ``--backup-freq 30`` (``BackupAndRestore``'s
 defaults: asynchronous saves), one fresh process per variant per round. Target <= 1.05. The 2-worker
 figure comes from ``bench/bench_backup.py --part A`` (target there <= 1.02 with the digest).
@@ -150,10 +150,11 @@ def part_b(rounds: int, steps: int, timeout: float) -> None:
 
 
 # ---- part C ------------------------------------------------------------------------------------
-def part_c(rounds: int, steps: int, timeout: float) -> None:
+def part_c(rounds: int, steps: int, timeout: float, threads: int = 2) -> None:
     import subprocess
 
-    print(f"\n== part C: BackupAndRestore(save_freq=30) with the digest, 1 process x 1 thread, seed CNN batch 64; "
+    print(f"\n== part C: BackupAndRestore(save_freq=30) with the digest, 1 process x {threads} thread(s), seed CNN "
+          "batch 64; "
           f"{rounds} rounds of fresh processes, 2 x {steps} timed steps each ==", flush=True)
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_cnn_fit.py")
     wall: dict[str, list[float]] = {"plain": [], "backup": []}
@@ -163,7 +164,8 @@ def part_c(rounds: int, steps: int, timeout: float) -> None:
             for name in order:
                 out = os.path.join(tmp, f"{name}-{r}.json")
                 extra = ["--backup-freq", "30", "--backup-dir", os.path.join(tmp, f"b{r}")] if name == "backup" else []
-                subprocess.run([C.python(), script, "--steps", str(steps), "--out", out, *extra], check=True,
+                subprocess.run([C.python(), script, "--steps", str(steps), "--threads", str(threads), "--out", out,
+                                *extra], check=True,
                                timeout=timeout, env=C.clean_env())
                 wall[name].append(C.read_json(out)["ms_per_step"])
     C.print_rounds("wall time per step", wall, ratio_of=("backup", "plain"))
@@ -179,6 +181,7 @@ def main() -> None:
     parser.add_argument("--parameters", type=int, default=100_000_000)
     parser.add_argument("--quick", action="store_true", help="1 round, 10 M parameters, 100 steps")
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--threads", type=int, default=2, help="part C: torch threads of the one process")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.parameters, args.steps = 1, 10_000_000, 100
@@ -188,7 +191,7 @@ def main() -> None:
     if "B" in args.part:
         part_b(args.rounds, args.steps, args.timeout)
     if "C" in args.part:
-        part_c(args.rounds, 60 if not args.quick else 30, args.timeout)
+        part_c(args.rounds, 60 if not args.quick else 30, args.timeout, args.threads)
     load = os.getloadavg()[0]
     print(f"load average {load:.1f} at end" + (" -- MEASURED UNDER LOAD" if load > (os.cpu_count() or 1) else ""))
 
