@@ -38,6 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
@@ -175,15 +176,13 @@ def _meshfit_worker(args: argparse.Namespace) -> tuple[int, dict]:
     return (dist.get_rank() if dist.is_initialized() else 0), {"steps": steps, **memory}
 
 
-def _hand_worker(args: argparse.Namespace) -> tuple[int, dict]:
-    import torch
-    import torch.distributed as dist
+def hand_parallelized(args: argparse.Namespace, world: int) -> tuple[Any, Any]:
+    """The hand loop's model and mesh: ``parallelize_module`` on each block's four layers over ``model``,
+    then ``fully_shard`` per block and on the root over ``batch`` (also used by profile_two_d.py)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     module = _module(args)
     mesh = init_device_mesh("cpu", (world // args.model, args.model), mesh_dim_names=("batch", "model"))
     styles = {"attn.qkv": ColwiseParallel(), "attn.out": RowwiseParallel(), "mlp.fc1": ColwiseParallel(),
@@ -192,6 +191,16 @@ def _hand_worker(args: argparse.Namespace) -> tuple[int, dict]:
         parallelize_module(block, mesh["model"], styles)
         fully_shard(block, mesh=mesh["batch"])
     fully_shard(module, mesh=mesh["batch"])
+    return module, mesh
+
+
+def _hand_worker(args: argparse.Namespace) -> tuple[int, dict]:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module, mesh = hand_parallelized(args, world)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.004)
     loss_fn = torch.nn.CrossEntropyLoss()
     x, y = (torch.from_numpy(a) for a in _data(args))

@@ -184,21 +184,11 @@ def _meshfit_worker(args: argparse.Namespace) -> tuple[int, dict]:
 def _hand_worker(args: argparse.Namespace) -> tuple[int, dict]:
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     probe = _Probe(args)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    module = B._module(args)
-    mesh = init_device_mesh("cpu", (world // args.model, args.model), mesh_dim_names=("batch", "model"))
-    styles = {"attn.qkv": ColwiseParallel(), "attn.out": RowwiseParallel(), "mlp.fc1": ColwiseParallel(),
-              "mlp.fc2": RowwiseParallel()}
-    for block in module.layers:
-        parallelize_module(block, mesh["model"], styles)
-        fully_shard(block, mesh=mesh["batch"])
-    fully_shard(module, mesh=mesh["batch"])
+    module, mesh = B.hand_parallelized(args, world)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.004)
     loss_fn = torch.nn.CrossEntropyLoss()
     x, y = (torch.from_numpy(a) for a in _data(args))
