@@ -26,10 +26,19 @@ def denormal_products() -> int:
 def two_threads():
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
-    torch.set_flush_denormal(False)
+    _not_flushing_anywhere()
     yield
-    torch.set_flush_denormal(False)
+    _not_flushing_anywhere()
     torch.set_num_threads(threads)
+
+
+def _not_flushing_anywhere():
+    """No thread of the 2-thread team flushes: a test that set the calling thread's flag and ran a
+    region (which restores that flag on the whole team) leaves nothing for the next test, in any order."""
+    torch.set_flush_denormal(False)
+    with flush_denormals():
+        pass
+    assert denormal_products() == _BIG.numel()
 
 
 class Probe(mf.callbacks.Callback):
