@@ -13,12 +13,10 @@ at the end of each epoch (before validation), before every checkpoint save and a
 
 from __future__ import annotations
 
-import sys
-from typing import Any
-
 import torch
 from torch.nn.parameter import is_lazy
 
+from meshfit._lazy_dtensor import is_dtensor
 from meshfit._protocols import DistributionStrategy
 
 
@@ -29,7 +27,7 @@ def agree_buffers(module: torch.nn.Module, strategy: DistributionStrategy) -> No
     """
     if strategy.num_replicas_in_sync <= 1:
         return
-    buffers = [b for b in module.buffers() if not is_lazy(b) and not _is_dtensor(b) and b.numel()]
+    buffers = [b for b in module.buffers() if not is_lazy(b) and not is_dtensor(b) and b.numel()]
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for buffer in buffers:
         groups.setdefault((buffer.dtype, buffer.device), []).append(buffer)
@@ -42,7 +40,3 @@ def agree_buffers(module: torch.nn.Module, strategy: DistributionStrategy) -> No
                 buffer.copy_(flat[offset:offset + buffer.numel()].view_as(buffer))
                 offset += buffer.numel()
 
-
-def _is_dtensor(tensor: Any) -> bool:
-    dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor exists
-    return dtensor is not None and isinstance(tensor, dtensor.DTensor)

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.nn.parameter import is_lazy
 from torch.utils.weak import WeakIdKeyDictionary
 
+from meshfit._lazy_dtensor import is_dtensor
 from meshfit._protocols import DistributionStrategy
 from meshfit.distribute._model_agreement import agree_on_tensors, describe
 from meshfit.distribute._placement import take_reduced
@@ -112,7 +113,7 @@ def broadcast_initial_values(tensors: Iterable[torch.Tensor], strategy: Distribu
     if strategy.num_replicas_in_sync <= 1:
         return
     pending = [t for t in tensors if not is_lazy(t) and not getattr(t, _BROADCAST, False)
-               and not _is_dtensor(t)]
+               and not is_dtensor(t)]
     if not pending:
         return
     # Tensors of other sizes on another worker would abort gloo: name the first difference instead.
@@ -149,7 +150,7 @@ def synchronize_gradients(params: Iterable[torch.Tensor]) -> None:
         if take_reduced(p):
             continue
         strategy = owner_of(p)
-        if _is_dtensor(p):  # its layout says how its gradient is reduced
+        if is_dtensor(p):  # its layout says how its gradient is reduced
             _synchronize_dtensor_gradient(p, replicated_batch=strategy is not None)
             continue
         if strategy is None:
@@ -183,14 +184,6 @@ def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def _is_dtensor(tensor: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without DTensor
-        return False
-    return isinstance(tensor, DTensor)
-
-
 def _synchronize_dtensor_gradient(param: Any, replicated_batch: bool) -> None:
     """Make a DTensor gradient follow its parameter's layout (the seam for sharded parameters).
 
@@ -204,7 +197,7 @@ def _synchronize_dtensor_gradient(param: Any, replicated_batch: bool) -> None:
     from torch.distributed.tensor import Partial, Replicate
 
     grad = param.grad
-    if not _is_dtensor(grad):
+    if not is_dtensor(grad):
         return
     if any(isinstance(p, Partial) for p in grad.placements):
         param.grad = grad.redistribute(grad.device_mesh, param.placements)
