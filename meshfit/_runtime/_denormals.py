@@ -24,8 +24,6 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 
-import torch
-
 __all__ = ["FLUSH_DENORMALS_ENV", "flush_denormals", "flushing_denormals"]
 
 FLUSH_DENORMALS_ENV = "MESHFIT_FLUSH_DENORMALS"
@@ -55,6 +53,8 @@ def flush_denormals() -> Iterator[None]:
         finally:
             _depth.value = depth
         return
+    import torch  # here, not at import: the launcher imports this package and never needs torch
+
     before = flushing_denormals()
     team = torch.get_num_threads()
     _set_everywhere(True, team)
@@ -71,6 +71,8 @@ def flush_denormals() -> Iterator[None]:
 def _set_everywhere(flag: bool, threads: int) -> None:
     """``torch.set_flush_denormal(flag)`` on this thread, then this thread's floating-point
     environment copied to each of ``threads`` threads of its OpenMP team."""
+    import torch
+
     if not torch.set_flush_denormal(flag):  # this CPU cannot (no SSE3 / not x86 or arm64)
         return
     copy_to_team = _environment_copier()
@@ -89,6 +91,8 @@ def _environment_copier() -> Callable[[int], None] | None:
     (POSIX). No Python runs on the team's threads (no GIL handoff): a copy costs microseconds.
     None where torch's parallel backend is not OpenMP or a library is missing (then only the calling
     thread is set)."""
+    import torch
+
     if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
         return None
     openmp = _loaded_library(("libgomp", "libomp.", "libiomp5"))
