@@ -28,7 +28,9 @@ from typing import Any
 # Imported once in the fork server (single-threaded: importing them starts no thread, so forking is
 # safe); anything else a test module imports, each rank imports for itself.
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint",
-            "torch.distributed.fsdp", "torch._dynamo", "numpy", "pytest", "meshfit", "meshfit.estimator",
+            "torch.distributed.fsdp", "torch._dynamo", "numpy", "pytest", "meshfit._engine", "meshfit.callbacks",
+            "meshfit.data", "meshfit.distribute", "meshfit.dtensor", "meshfit.losses", "meshfit.metrics",
+            "meshfit.optimizers", "meshfit.estimator",
             "meshfit.train"]
 
 

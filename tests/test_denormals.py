@@ -67,7 +67,7 @@ def _data():
 
 
 def test_not_flushing_at_import_in_a_fresh_process():
-    code = ("import torch, meshfit; from meshfit._runtime import flushing_denormals; "
+    code = ("import torch, meshfit; meshfit.Model; from meshfit._runtime import flushing_denormals; "
             "print(flushing_denormals())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"

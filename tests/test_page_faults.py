@@ -48,7 +48,7 @@ def test_fit_takes_almost_no_page_faults_per_step_after_warmup():
 
 
 def test_the_allocator_setting_is_applied_by_training_not_import_and_can_be_turned_off():
-    code = ("import meshfit._runtime._allocator as a, meshfit; assert not a._applied; "
+    code = ("import meshfit._runtime._allocator as a, meshfit; meshfit.Model; assert not a._applied; "
             "print(a.keep_freed_memory(), a.keep_freed_memory())")
     for value, expected in (("1", "True True"), ("0", "False False")):
         proc = start(["-c", code], {**_default_env(), "MESHFIT_KEEP_FREED_MEMORY": value})

@@ -58,7 +58,7 @@ def test_spec_names_exist():
 
 
 def test_import_has_no_side_effects():
-    code = ("import os, logging; before = dict(os.environ); import meshfit, torch.distributed as d; "
+    code = ("import os, logging; before = dict(os.environ); import meshfit, torch.distributed as d; meshfit.Model; "
             "assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items()); "
             "assert not d.is_initialized(); assert not logging.getLogger().handlers; import sys; "
             # heavy imports stay lazy (torchmetrics alone pulls in matplotlib.pyplot)

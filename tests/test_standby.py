@@ -15,7 +15,7 @@ from meshfit._runtime._launch import main
 # Runs before anything imports torch: whether this process had torch before the script started.
 PRELUDE = """\
 import sys
-PRELOADED = "torch" in sys.modules
+PRELOADED = all(m in sys.modules for m in ("torch", "torch._dynamo", "meshfit.callbacks", "meshfit.distribute"))
 import json, os, signal, time
 TASK = json.loads(os.environ["TF_CONFIG"])["task"]
 INDEX, ROUND = TASK["index"], int(os.environ["MESHFIT_RESTART_COUNT"])
@@ -116,7 +116,7 @@ def test_a_restarted_group_runs_in_warm_standbys_as_the_cold_script_would(tmp_pa
     assert "[worker 0] round 1 done" in stdout and "[worker 1] round 1 done" in stdout
     for index in (0, 1):
         cold, warm = _seen(out, index, 0), _seen(out, index, 1)
-        assert not cold["preloaded"] and warm["preloaded"]  # the standby had imported torch
+        assert not cold["preloaded"] and warm["preloaded"]  # the standby had imported torch and meshfit
         for seen in (cold, warm):  # what `python job.py out --lr 0.1` gives a script
             assert seen["argv"] == ["--lr", "0.1"] and seen["name"] == "__main__"
             assert seen["path0"] == os.path.dirname(script)

@@ -31,8 +31,8 @@ __all__ = ["ROUND_KEYS", "StandbyPool", "main"]
 ROUND_KEYS = ("TF_CONFIG", "MESHFIT_RESTART_COUNT")  # what changes between rounds: sent at activation
 # The standby's program. ``-c``, not ``-m``: this module must not run as ``__main__`` beside its
 # imported self. The imports are the point: torch, torch._dynamo (DistributedDataParallel's
-# constructor imports it, ~1 s) and the whole meshfit package.
-_ENTRY = ("import sys, torch, torch._dynamo, torch.distributed, meshfit; "
+# constructor imports it, ~1 s) and the whole meshfit package (loaded at its first public name).
+_ENTRY = ("import sys, torch, torch._dynamo, torch.distributed, meshfit; meshfit.Model; "
           "from meshfit._runtime._standby import main; sys.exit(main())")
 
 
