@@ -14,6 +14,7 @@ On a loaded machine compare the counts and the CPU time per process, not the wal
 Run:
   .venv/bin/python bench/profile_two_d.py                 # 2d and hand, a table of the differences
   .venv/bin/python bench/profile_two_d.py --top 60        # more rows
+  .venv/bin/python bench/profile_two_d.py --layer-blocks 0  # 2d on meshfit's default fully_shard units
 """
 
 from __future__ import annotations
@@ -243,9 +244,10 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--top", type=int, default=40, help="rows of the op table")
     parser.add_argument("--variants", default="2d,hand")
-    parser.add_argument("--layer-blocks", type=int, default=0,
-                        help="1: 2d names the layers as its fully_shard blocks, as the hand loop shards them "
-                             "(default: meshfit's blocks, every direct child holding weights)")
+    parser.add_argument("--layer-blocks", type=int, default=1,
+                        help="1 (default, as bench_two_d.py's --units hand): 2d names the layers as its fully_shard "
+                             "blocks, as the hand loop shards them; 0: meshfit's default blocks (every direct child "
+                             "holding weights)")
     parser.add_argument("--stacks", default="", help="comma-separated ops whose callers to print (rank 0)")
     parser.add_argument("--json", default=None, help="also write the per-rank results here")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)

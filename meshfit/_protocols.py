@@ -177,6 +177,8 @@ class DistributionStrategy(Protocol):
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
+    def all_reduce_states(self, tensor: torch.Tensor, flags: int = 0) -> torch.Tensor: ...  # logs: one collective
+
     def all_reduce_control(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
     def broadcast_tensor(self, tensor: torch.Tensor) -> torch.Tensor: ...  # rank 0's values, in place

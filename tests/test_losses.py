@@ -64,6 +64,27 @@ def test_sparse_categorical_crossentropy_axis_1_for_torch_layout():
     assert torch.allclose(loss, F.cross_entropy(logits, labels))
 
 
+def test_sparse_categorical_crossentropy_on_sequence_logits_is_per_position_and_weights_each_sequence():
+    # (batch, seq, classes) with classes last, as a language model outputs them: read as rows, the same
+    # per-position losses and gradients as torch's cross_entropy with the classes moved to dim 1
+    logits = torch.randn(3, 5, 7, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    labels = torch.randint(0, 7, (3, 5), generator=torch.Generator().manual_seed(2))
+    want = F.cross_entropy(logits.movedim(-1, 1), labels, reduction="none")
+    per_position = SparseCategoricalCrossentropy(from_logits=True, reduction="none")(labels, logits)
+    assert per_position.shape == (3, 5)
+    torch.testing.assert_close(per_position, want)
+    weight = torch.tensor([1.0, 0.0, 2.0])  # one weight per sequence: broadcast over its positions
+    loss = SparseCategoricalCrossentropy(from_logits=True)(labels[..., None], logits, sample_weight=weight)
+    torch.testing.assert_close(loss, (want * weight[:, None]).sum() / 15)
+    (grad,) = torch.autograd.grad(loss, logits)
+    (expected,) = torch.autograd.grad((want * weight[:, None]).sum() / 15, logits)
+    torch.testing.assert_close(grad, expected)
+    probs = logits.detach().softmax(-1)
+    torch.testing.assert_close(SparseCategoricalCrossentropy(reduction="none")(labels, probs), want.detach())
+    with pytest.raises(ValueError, match="batch_size"):  # labels of another shape are not flattened into rows
+        SparseCategoricalCrossentropy(from_logits=True)(labels.T.contiguous(), logits)
+
+
 def test_categorical_crossentropy_with_label_smoothing():
     one_hot = torch.tensor([[1.0, 0.0]])
     pred = torch.tensor([[0.7, 0.3]])

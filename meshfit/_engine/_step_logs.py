@@ -28,8 +28,8 @@ def reduce_logs(trainable: Trainable, flags: Sequence[float] = (), *,
 
     Returns:
         ``(logs, flags)``: ``{name: value}`` (empty without metrics) and the flags over every process:
-        each is positive where any process's is (summed over processes; on a mesh, summed over
-        ``batch`` and the largest along the other axes).
+        each is positive where any process's is (summed over every process, also along a mesh's
+        other axes).
     """
     strategy = trainable.strategy
     if not with_metrics:  # the loop's usual step: the flags alone
@@ -41,20 +41,22 @@ def reduce_logs(trainable: Trainable, flags: Sequence[float] = (), *,
     if strategy.num_processes > 1 and any(states):
         # The flags ride in the metrics' all-reduce (logs read: the host waits for it anyway), instead
         # of a second collective on the control plane; each comes back positive where any process's was.
-        flag_group = tuple(torch.tensor([float(f)], dtype=torch.float64) for f in flags)
-        reduced = _sum_states(strategy, [*states, flag_group])
-        states = reduced[:-1]
-        summed = torch.cat(reduced[-1]).tolist() if flags else []
+        states, summed = _sum_states(strategy, states, flags)
     else:
         summed = sum_flags(strategy, flags)
     logs = {metric.name: float(metric.result_from(state)) for metric, state in zip(metrics, states, strict=True)}
     return logs, summed
 
 
-def _sum_states(strategy: DistributionStrategy, states: list[tuple[torch.Tensor, ...]]) -> list[tuple[torch.Tensor, ...]]:
-    """The metric states summed over replicas, in one all-reduce on the device backend."""
-    flat = torch.cat([t.reshape(-1).to(strategy.device, torch.float64) for group in states for t in group])
-    strategy.all_reduce_sum(flat)
+def _sum_states(strategy: DistributionStrategy, states: list[tuple[torch.Tensor, ...]],
+                flags: Sequence[float]) -> tuple[list[tuple[torch.Tensor, ...]], list[float]]:
+    """The metric states summed over replicas and the flags over every process, in one all-reduce
+    on the device backend (`DistributionStrategy.all_reduce_states`)."""
+    parts = [t.reshape(-1).to(strategy.device, torch.float64) for group in states for t in group]
+    if flags:
+        parts.append(torch.tensor([float(f) for f in flags], dtype=torch.float64, device=strategy.device))
+    flat = torch.cat(parts)
+    strategy.all_reduce_states(flat, flags=len(flags))
     offset, reduced = 0, []
     for group in states:
         tensors = []
@@ -62,7 +64,7 @@ def _sum_states(strategy: DistributionStrategy, states: list[tuple[torch.Tensor,
             tensors.append(flat[offset:offset + t.numel()].reshape(t.shape).to(t.dtype))
             offset += t.numel()
         reduced.append(tuple(tensors))
-    return reduced
+    return reduced, (flat[offset:].tolist() if flags else [])
 
 
 def sum_flags(strategy: DistributionStrategy, flags: Sequence[float]) -> list[float]:

@@ -165,6 +165,18 @@ class Strategy:
         """Sum ``tensor`` over replicas, in place; returns it."""
         return tensor
 
+    def all_reduce_states(self, tensor: torch.Tensor, flags: int = 0) -> torch.Tensor:
+        """Sum metric states over replicas in one collective, in place; returns ``tensor``.
+
+        Args:
+            tensor: the states (values every process of a replica holds alike), then ``flags`` flags.
+            flags: how many of the last entries are flags: each is summed over every process, so it
+                comes back positive where any process's was.
+
+        Every process here is a replica of its own: the sum over replicas is the sum over processes.
+        """
+        return self.all_reduce_sum(tensor)
+
     def all_reduce_control(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum a CPU ``tensor`` of flags over every process on the control plane (gloo), in place.
 

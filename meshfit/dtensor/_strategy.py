@@ -75,6 +75,9 @@ class MeshStrategy(CollectiveStrategy):
         self.mesh = Mesh(mesh.axis_names, mesh.shape, mesh.device_type, self._device_mesh, self)
         self.layout_map: LayoutMap | None = None
         self._batch = BATCH_AXIS if BATCH_AXIS in mesh.axis_names else None
+        # at coordinate 0 of every axis but ``batch``: the process that sends its replica's metric states
+        self._leads_replica = all(self._device_mesh.get_local_rank(axis) == 0
+                                  for axis in mesh.axis_names if axis != self._batch)
         self._gradient_weight = GradientWeight(process_group=self._group_of(self._batch))
         self._grad_factor = 1.0 / self.num_replicas_in_sync
         self._sharded = False
@@ -129,6 +132,25 @@ class MeshStrategy(CollectiveStrategy):
         for axis, size in zip(self.mesh.axis_names, self.mesh.shape, strict=True):
             if axis != self._batch and size > 1:
                 self.world.all_reduce(moved, op=dist.ReduceOp.MAX, axis=axis)
+        if moved is not tensor:
+            tensor.copy_(moved)
+        return tensor
+
+    def all_reduce_states(self, tensor: torch.Tensor, flags: int = 0) -> torch.Tensor:
+        """Metric states summed over ``batch`` and every process's flags, in one all-reduce over the world.
+
+        ``tensor`` is 1-D: the states, then ``flags`` flags. A replica's processes (those that differ
+        only along the other axes) hold the same states, so only its first one (coordinate 0 of every
+        other axis) sends them and the others send zeros there (adding a zero is exact); every process
+        sends its flags. One collective where `all_reduce_sum` takes one per axis: ``fit`` reads its
+        logs this way at every step. See `meshfit.distribute.Strategy.all_reduce_states`.
+        """
+        if self._world == 1:
+            return tensor
+        moved = tensor.to(self._device) if tensor.device != self._device else tensor
+        if not self._leads_replica and moved.numel() > flags:
+            moved[:moved.numel() - flags].zero_()
+        self.world.all_reduce(moved)
         if moved is not tensor:
             tensor.copy_(moved)
         return tensor

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from meshfit._lazy_dtensor import is_dtensor
 from meshfit._validation import check_bool, invalid_argument
 
 EPSILON = 1e-7
@@ -179,12 +180,22 @@ class SparseCategoricalCrossentropy(Loss):
         """Per-sample cross-entropy."""
         if y_true.ndim == y_pred.ndim and y_true.shape[-1] == 1:
             y_true = y_true.squeeze(-1)
+        target = y_true.long()
+        _warn_if_logits(self, y_pred)
+        if y_pred.ndim > 2 and self.axis in (-1, y_pred.ndim - 1) and target.shape == y_pred.shape[:-1] \
+                and not is_dtensor(y_pred):
+            # (..., classes), e.g. a language model's (batch, seq, vocab): one row per position, classes
+            # contiguous. Moved to dim 1 they would be strided: (8, 64, 1024) logits took 6.3 ms forward
+            # and backward that way, 2.2 ms as (512, 1024) rows. (A DTensor keeps its layout: moved.)
+            rows = self._per_sample(target.reshape(-1), y_pred.reshape(-1, y_pred.shape[-1]))
+            return rows.reshape(target.shape)
         # Classes on dim 1, as torch's cross_entropy takes them (no permute kernel, forward and
         # backward, where they are there already: a (batch, classes) output with axis -1).
         moved = y_pred.ndim > 1 and self.axis not in (1, 1 - y_pred.ndim)
-        scores = torch.movedim(y_pred, self.axis, 1) if moved else y_pred
-        target = y_true.long()
-        _warn_if_logits(self, y_pred)
+        return self._per_sample(target, torch.movedim(y_pred, self.axis, 1) if moved else y_pred)
+
+    def _per_sample(self, target: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """The cross-entropy of each sample, classes on dim 1 of ``scores``."""
         if self.from_logits:
             return F.cross_entropy(scores, target, reduction="none")
         probs = scores / scores.sum(dim=1, keepdim=True)
