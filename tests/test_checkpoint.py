@@ -6,7 +6,6 @@ import json
 import multiprocessing as mp
 import os
 import pickle
-import sys
 
 import pytest
 import torch
@@ -459,17 +458,6 @@ def test_async_saves_reuse_one_writer_thread_and_write_each_snapshot(tmp_path):
         restored = torch.zeros(6)
         Checkpoint(w=restored).restore(path)
         assert torch.equal(restored, snapshot)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread has its own nice value on Linux")
-def test_the_async_writer_runs_below_the_training_threads_priority(tmp_path):
-    """Where training keeps every core busy, the writer takes the gaps, not a core from training."""
-    import threading
-
-    Checkpoint(w=torch.arange(6.0)).save(tmp_path / "ckpt", async_save=True).result(timeout=60)
-    [writer] = [t for t in threading.enumerate() if t.name.startswith("meshfit-checkpoint")]
-    training = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    assert os.getpriority(os.PRIO_PROCESS, writer.native_id) == min(19, training + 10)
 
 
 def test_async_saves_without_dcps_stager_stage_plain_copies(tmp_path, monkeypatch):

@@ -8,19 +8,14 @@ made a saving step about 8 ms slower; staged this way it is 3-7 ms (``make bench
 
 `Staging` keeps DCP's staging cache (``StateDictStager``) alive for a `Checkpoint`, so every save
 copies into the same CPU buffers (pinned, with non-blocking copies, when an accelerator is present);
-`submit` runs the write on one writer thread per process, started once, at a lower scheduling priority
-than training (Linux: nice +10 for that thread only): where training keeps every core busy, the writer
-runs mostly in the gaps between steps instead of taking a core from training's thread team, and it still
-gets a tenth of a core's share when there is no gap. Saves never overlap (the
+`submit` runs the write on one writer thread per process, started once. Saves never overlap (the
 next save waits for the one in flight, `meshfit.train._checkpoint._wait_for_pending_save`), so a buffer is
 never re-staged while the writer still reads it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,8 +24,6 @@ from typing import Any, TypeVar
 import torch
 
 T = TypeVar("T")
-
-WRITER_NICENESS = 10  # added to the writer thread's nice value (CFS weight 110 against training's 1024)
 
 _lock = threading.Lock()
 _writer: tuple[int, ThreadPoolExecutor] | None = None  # (pid that made it, executor)
@@ -41,19 +34,8 @@ def submit(work: Callable[[], T]) -> Future[T]:
     global _writer
     with _lock:
         if _writer is None or _writer[0] != os.getpid():  # a forked child inherits no running thread
-            _writer = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshfit-checkpoint",
-                                                       initializer=_lower_priority))
+            _writer = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshfit-checkpoint"))
         return _writer[1].submit(work)
-
-
-def _lower_priority() -> None:
-    """On the writer thread, first: raise this thread's nice value by `WRITER_NICENESS` (Linux, where a
-    thread has its own; elsewhere the id would name a process, so nothing is changed)."""
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(OSError):
-        thread = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + WRITER_NICENESS))
 
 
 class Staging:
