@@ -12,7 +12,10 @@ first spending a second or more importing torch itself.
 
 from typing import TYPE_CHECKING
 
+from meshfit._runtime import note_threads_at_import as _note_threads_at_import
 from meshfit._version import __version__ as __version__
+
+_note_threads_at_import()  # the baseline for "the user chose torch's threads" (distribute)
 
 if TYPE_CHECKING:  # what type checkers and the reference read; `__getattr__` imports the same at run time
     from meshfit import (

@@ -18,6 +18,7 @@ from meshfit._runtime._supervisor import (
     spawn_local_replicas,
     watch_parent,
 )
+from meshfit._runtime._threads_at_import import note_threads_at_import, threads_at_import
 
 __all__ = [
     "FLUSH_DENORMALS_ENV",
@@ -30,7 +31,9 @@ __all__ = [
     "free_ports",
     "keep_freed_memory",
     "main",
+    "note_threads_at_import",
     "replica_identity",
     "spawn_local_replicas",
+    "threads_at_import",
     "watch_parent",
 ]

@@ -23,7 +23,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-THREADS_AT_IMPORT = torch.get_num_threads()  # torch's default unless set before meshfit was imported
+from meshfit._runtime import threads_at_import
+
+# torch's count when `import meshfit` ran (torch imported first), else at the package's first use
+THREADS_AT_IMPORT = threads_at_import() or torch.get_num_threads()
 
 _NOISE = re.compile(rb"^(\[[EWI]\d{4} [^\]]*\] \[c10d\]|Exception raised from |frame #\d+: |<omitting python frames>)")
 
