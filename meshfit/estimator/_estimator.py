@@ -28,7 +28,7 @@ from meshfit.estimator._run_config import RunConfig
 from meshfit.estimator._run_hooks import HookCallback, RunState
 from meshfit.estimator._saver_hook import CHECKPOINT_NAME, CheckpointSaverHook
 from meshfit.estimator._spec import ModeKeys
-from meshfit.estimator._summaries import SummaryHook, write_eval_summary
+from meshfit.estimator._summaries import EventWriters, SummaryHook, write_eval_summary
 from meshfit.estimator._trainable import EstimatorModel
 from meshfit.estimator._variables import variable_names, variable_value
 
@@ -111,6 +111,7 @@ class Estimator:
             else config
         self._model_fn, self._params = model_fn, params
         self._caller = ModelFnCaller(model_fn, args, params, self._config)
+        self._event_writers = EventWriters()  # one event file per directory (see EventWriters)
 
     # ---- properties -------------------------------------------------------------------------
     @property
@@ -248,7 +249,7 @@ class Estimator:
         if every:
             hooks += [LoggingTensorHook({"loss": "loss", "step": "step"}, every_n_iter=every), StepCounterHook(every)]
         if self._config.save_summary_steps:
-            hooks.append(SummaryHook(self.model_dir, self._config.save_summary_steps))
+            hooks.append(SummaryHook(self._event_writers, self.model_dir, self._config.save_summary_steps))
         return hooks
 
     def _saver_hook(self, listeners: list[Any] | None) -> CheckpointSaverHook | None:
@@ -322,7 +323,7 @@ class Estimator:
         if writes:
             text = ", ".join(f"{k} = {v:.7g}" if isinstance(v, float) else f"{k} = {v}" for k, v in sorted(results.items()))
             log(f"Saving dict for global step {global_step}: {text}")
-            write_eval_summary(self.model_dir, name, results, path)
+            write_eval_summary(self._event_writers, self.model_dir, name, results, path)
         return results
 
     # ---- predict --------------------------------------------------------------------------------

@@ -220,6 +220,10 @@ def test_train_and_evaluate_locally_evaluates_at_each_checkpoint(tmp_path):
     events.Reload()
     assert [e.step for e in events.Scalars("loss")] == [4, 8, 12]
     assert events.Scalars("loss")[-1].value == pytest.approx(result["loss"], rel=1e-6)
+    # One event file per directory: torch numbers new files without zero-padding, so files made within
+    # a second by a process that had made 10 before sorted later steps first (TensorBoard reads by name).
+    assert len([f for f in os.listdir(tmp_path / "eval") if f.startswith("events.out.tfevents")]) == 1
+    assert len([f for f in os.listdir(tmp_path) if f.startswith("events.out.tfevents")]) == 1
 
 
 def test_train_and_evaluate_needs_checkpoints_locally(tmp_path):
