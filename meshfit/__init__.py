@@ -88,6 +88,15 @@ _SUBPACKAGES = ("callbacks", "cluster", "data", "datasets", "distribute", "distr
 _ON_FIRST_USE = ("estimator", "train")
 
 
+# Where each public name of the root is defined (the `TYPE_CHECKING` imports above, for run time).
+_HOMES = {
+    **dict.fromkeys(("Model", "SidecarEvaluator", "load_model"), "meshfit._engine"),
+    **dict.fromkeys(("CommunicationImplementation", "CommunicationOptions", "InputContext", "MirroredStrategy",
+                     "MultiWorkerMirroredStrategy", "OneDeviceStrategy", "PeerFailureError", "ReduceOp",
+                     "ReplicaDivergenceError", "get_strategy"), "meshfit.distribute"),
+}
+
+
 def _load() -> None:
     """Import every public subpackage and name, as an eager ``__init__`` would, then give the names
     defined in private modules their home here (`publish`)."""
@@ -95,28 +104,10 @@ def _load() -> None:
 
     for package in _SUBPACKAGES:
         importlib.import_module(f"meshfit.{package}")
-    from meshfit._engine import Model, SidecarEvaluator, load_model
+    for name, home in _HOMES.items():
+        globals()[name] = getattr(importlib.import_module(home), name)
     from meshfit._export import publish
-    from meshfit.distribute import (
-        CommunicationImplementation,
-        CommunicationOptions,
-        InputContext,
-        MirroredStrategy,
-        MultiWorkerMirroredStrategy,
-        OneDeviceStrategy,
-        PeerFailureError,
-        ReduceOp,
-        ReplicaDivergenceError,
-        get_strategy,
-    )
 
-    globals().update({
-        "CommunicationImplementation": CommunicationImplementation, "CommunicationOptions": CommunicationOptions,
-        "InputContext": InputContext, "MirroredStrategy": MirroredStrategy, "Model": Model,
-        "MultiWorkerMirroredStrategy": MultiWorkerMirroredStrategy, "OneDeviceStrategy": OneDeviceStrategy,
-        "PeerFailureError": PeerFailureError, "ReduceOp": ReduceOp, "ReplicaDivergenceError": ReplicaDivergenceError,
-        "SidecarEvaluator": SidecarEvaluator, "get_strategy": get_strategy, "load_model": load_model,
-    })
     publish(__name__)
 
 
