@@ -202,7 +202,7 @@ class Checkpoint:
         group = world.control()
         rank = world.rank
         self._save_counter += 1  # before writing, as TF: the checkpoint records the save that wrote it
-        tensors, document, own_paths = self._collect(rank, distributed, group, path)
+        tensors, document, own_paths = self._collect(rank, distributed, group, path, lambda: store.prepare(path))
         document["save_counter"] = self._save_counter
         if own_paths is not None:  # TF's write_filepath dance: each rank writes a whole copy (_own_copies.py)
             def write() -> None:
@@ -216,7 +216,6 @@ class Checkpoint:
             done: Future[str] = Future()  # written before returning, also with async_save
             done.set_result(path)
             return SaveFuture(path, done) if async_save else path
-        _rank0_step(lambda: store.prepare(path), distributed, rank, group, f"prepare {path!r}")
         if not async_save:
             store.write(tensors, path, group, distributed, rank)
             _rank0_step(lambda: store.commit(path, document), distributed, rank, group, f"publish {path!r}")
@@ -244,11 +243,13 @@ class Checkpoint:
             _pending_save = future
         return future
 
-    def _collect(self, rank: int, distributed: bool, group: Any,
-                 path: str) -> tuple[dict[str, torch.Tensor], dict, list[str] | None]:
+    def _collect(self, rank: int, distributed: bool, group: Any, path: str,
+                 prepare: Callable[[], None]) -> tuple[dict[str, torch.Tensor], dict, list[str] | None]:
         """This rank's tensors for DCP, the JSON document rank 0 writes (per-rank trees gathered), and
         every rank's path when they differ (then the tensors are this rank's whole copy).
 
+        Rank 0 runs ``prepare`` (the scratch directory the ranks write into) before the one gather of
+        the ranks' digests, which also carries its outcome: every rank raises if it failed.
         Sharded state must be saved to one path: a checkpoint whose shards went to different folders
         would look complete and fail to restore, so differing paths are an error on every rank.
         """
@@ -278,11 +279,21 @@ class Checkpoint:
         world = dist.get_world_size(group) if distributed else 1
         # each shared tensor's digest part (on its device): the ranks' copies are compared, the sum recorded
         digests = local_record(tensors, list(owners), rank)
-        mine = json.dumps({"path": path, "trees": own_per_rank, "digests": digests, "sharded": is_sharded(tensors)})
-        gathered = [json.loads(t) for t in (_storage.all_gather_text(mine, group) if distributed else [mine])]
+        gathered: list[dict[str, Any]] = []
+
+        def gather(prepared: str) -> list[str]:  # rank 0's outcome of `prepare` travels with the digests
+            mine = json.dumps({"path": path, "trees": own_per_rank, "digests": digests,
+                               "sharded": is_sharded(tensors), "prepared": prepared})
+            gathered.extend(json.loads(t) for t in (_storage.all_gather_text(mine, group) if distributed else [mine]))
+            return [g["prepared"] for g in gathered]
+
+        chief_writes(prepare, is_chief=rank == 0, gather=gather,
+                     what=f"save the checkpoint: rank 0 could not prepare {path!r}")
         paths = [g["path"] for g in gathered]
         own_copies = len(set(paths)) > 1
         if own_copies and any(g["sharded"] for g in gathered):
+            if rank == 0:
+                shutil.rmtree(scratch(path), ignore_errors=True)
             refuse_different_paths(paths)
         if own_copies:
             tensors = whole_tensors(tensors, per_rank_keys, group)

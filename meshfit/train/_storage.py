@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -9,6 +10,8 @@ import pathlib
 import pickle
 import re
 import shutil
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -177,11 +180,40 @@ class DiagnosingWriter(FileSystemWriter):
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         try:
-            future = super().write_data(plan, planner)
-            future.wait()
+            with _zip_crc_skipped():
+                future = super().write_data(plan, planner)
+                future.wait()
         except Exception as error:
             raise disk_error(os.fspath(self.path), error, _planned_bytes(plan)) from error
         return future
+
+
+_crc_lock = threading.Lock()
+_crc_writers = 0  # meshfit writes running now (a backup in its writer thread beside a save in the loop)
+_crc_before = True  # torch's setting when the first of them began
+
+
+@contextlib.contextmanager
+def _zip_crc_skipped() -> Iterator[None]:
+    """DCP stores each tensor as a ``torch.save`` zip, which computes a CRC-32 of every byte (4 of 5 ms
+    for 11 MB here). A meshfit checkpoint already records a CRC-32C of each data file and checks it at
+    every restore, so the zip's own is skipped while meshfit writes (torch's process-wide switch, as
+    ``torch.serialization.set_crc32_options``; ``torch.load`` reads such zips). The user's setting is
+    put back when the last concurrent write ends (unless it was turned back on meanwhile).
+    """
+    global _crc_writers, _crc_before
+    with _crc_lock:
+        if _crc_writers == 0:
+            _crc_before = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)
+        _crc_writers += 1
+    try:
+        yield
+    finally:
+        with _crc_lock:
+            _crc_writers -= 1
+            if _crc_writers == 0 and not torch.serialization.get_crc32_options():
+                torch.serialization.set_crc32_options(_crc_before)
 
 
 def _planned_bytes(plan: Any) -> int:
@@ -273,16 +305,35 @@ class SafeFileSystemReader(FileSystemReader):
 
 # --- process groups ------------------------------------------------------------------------------
 
+_TEXT_CAPACITY = 16384  # bytes a rank's text may take for the one-collective path (a save's digests fit)
+
+
 def all_gather_text(text: str, group: Any) -> list[str]:
-    """Every rank's ``text``, by rank, moved as bytes tensors (no pickling)."""
+    """Every rank's ``text``, by rank, moved as bytes tensors (no pickling).
+
+    One all-gather of each rank's length and first ``_TEXT_CAPACITY`` bytes; a second one only when a
+    text is longer (a save makes three of these gathers, so on a loaded machine each collective counts).
+    """
     world = dist.get_world_size(group)
-    data = torch.frombuffer(bytearray(text.encode("utf-8")) or bytearray(b" "), dtype=torch.uint8)
-    size = torch.tensor([len(text.encode("utf-8"))], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    longest = max(max(int(s.item()) for s in sizes), 1)
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: data.numel()] = data
-    gathered = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(gathered, padded, group=group)
-    return [bytes(g[: int(s.item())].tolist()).decode("utf-8") for g, s in zip(gathered, sizes, strict=True)]
+    data = text.encode("utf-8")
+    head = torch.zeros(8 + _TEXT_CAPACITY, dtype=torch.uint8)
+    head[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+    first = data[:_TEXT_CAPACITY]
+    if first:
+        head[8: 8 + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+    heads = [torch.empty_like(head) for _ in range(world)]
+    dist.all_gather(heads, head, group=group)
+    sizes = [int.from_bytes(h[:8].numpy().tobytes(), "little") for h in heads]
+    texts = [h[8: 8 + min(size, _TEXT_CAPACITY)].numpy().tobytes() for h, size in zip(heads, sizes, strict=True)]
+    longest = max(sizes)
+    if longest > _TEXT_CAPACITY:  # the rest of the long ones, padded to the longest rest
+        rest = longest - _TEXT_CAPACITY
+        tail = torch.zeros(rest, dtype=torch.uint8)
+        mine = data[_TEXT_CAPACITY:]
+        if mine:
+            tail[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+        tails = [torch.empty_like(tail) for _ in range(world)]
+        dist.all_gather(tails, tail, group=group)
+        texts = [t + tl[: max(size - _TEXT_CAPACITY, 0)].numpy().tobytes()
+                 for t, tl, size in zip(texts, tails, sizes, strict=True)]
+    return [t.decode("utf-8") for t in texts]
