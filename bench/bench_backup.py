@@ -1,7 +1,7 @@
 """What fault tolerance costs: BackupAndRestore's step-time overhead, and kill-to-resume time.
 
 Issue targets:
-  A. step time with ``BackupAndRestore(save_freq=30)`` / without <= 1.03 (seed CNN, 2 workers);
+  A. step time with ``BackupAndRestore(save_freq=30)`` / without <= 1.02, its digest included (seed CNN, 2 workers);
   B. time from a worker's SIGKILL to the first resumed step under ``meshfit launch``.
 
 Part A starts 2 workers of ``bench/_mw_worker.py --mode backup`` under ``TF_CONFIG`` (as

@@ -2,17 +2,66 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 
-from meshfit._runtime._supervisor import free_ports  # noqa: F401  (re-exported for the tests)
+from meshfit._runtime import _supervisor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_BLOCK = 1500  # ports per pytest-xdist worker
+_FIRST = 20000
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _worker_index() -> int:
+    match = re.fullmatch(r"gw(\d+)", os.environ.get("PYTEST_XDIST_WORKER", ""))
+    return int(match.group(1)) if match else 0
+
+
+_cursor = itertools.count()
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Distinct ports free on ``host`` now, for workers the test starts.
+
+    Taken in turn from a block of ports below the kernel's ephemeral range, one block per pytest-xdist
+    worker: an outgoing connection of any process (gloo's among them) is never given one, and two
+    tests running side by side never pick the same. Where that range leaves no room, the OS picks
+    (`meshfit._runtime._supervisor.free_ports`).
+    """
+    start = _FIRST + _worker_index() * _BLOCK
+    if start + _BLOCK > _ephemeral_low():
+        return _supervisor.free_ports(count, host)
+    ports: list[int] = []
+    for _ in range(_BLOCK):
+        if len(ports) == count:
+            return ports
+        port = start + next(_cursor) % _BLOCK
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        if port not in ports:
+            ports.append(port)
+    if len(ports) == count:
+        return ports
+    raise RuntimeError(f"free_ports: fewer than {count} free ports in {start}..{start + _BLOCK - 1} on {host}")
 
 
 def tf_config(ports: Sequence[int], index: int, task_type: str = "worker") -> str:

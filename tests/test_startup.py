@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import subprocess
 import sys
 import time
@@ -21,15 +22,33 @@ def _default_threads() -> int:
     return int(out)
 
 
-def _workers(extra_args: list[str], env: dict[str, str], delay: float = 0.0) -> list[str]:
+def _read_until(proc, text: str, timeout: float) -> str:
+    """``proc``'s output up to the first line holding ``text`` (or all it wrote within ``timeout``)."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        line = proc.stdout.readline() if ready else ""
+        if not line:
+            break
+        seen.append(line)
+        if text in line:
+            break
+    return "".join(seen)
+
+
+def _workers(extra_args: list[str], env: dict[str, str], chief_after: str | None = None) -> list[str]:
+    """Worker 1's and worker 0's output; with ``chief_after``, worker 0 starts once worker 1 printed it."""
     ports = free_ports(2)
-    procs = []
+    procs, early = [], ""
     for index in (1, 0):  # worker 1 first: it waits for the chief, the case whose output drowned
         procs.append(start([SCRIPT, *extra_args], {**env, "TF_CONFIG": tf_config(ports, index)}))
-        time.sleep(delay)
+        if index == 1 and chief_after is not None:
+            early = _read_until(procs[0], chief_after, timeout=150)
     outputs = []
     for proc in procs:
         code, out = finish(proc, timeout=180)
+        out = (early + out) if proc is procs[0] else out
         assert code == 0, out
         outputs.append(out)
     return outputs  # worker 1's, worker 0's
@@ -65,8 +84,8 @@ def test_threads_the_user_chose_are_kept():
 
 def test_waiting_for_peers_hides_torchs_connection_retries():
     env = child_env()
-    outputs = _workers([], env, delay=12.0)
-    waiting = outputs[0]  # worker 1 waited for the chief's store for 12 s
+    outputs = _workers([], env, chief_after="is waiting for")
+    waiting = outputs[0]  # worker 1 waited for the chief's store until it said so
     assert "is waiting for" in waiting, waiting
     assert "[c10d]" not in waiting and "frame #" not in waiting, waiting
     assert "THREADS" in waiting  # stderr and stdout are back afterwards
