@@ -167,3 +167,23 @@ def test_a_writer_stalled_mid_swap_retries_after_a_reader_put_the_old_copy_back(
     monkeypatch.undo()
     assert stalled and (target / "v").read_text() == "2"
     assert sorted(os.listdir(tmp_path)) == ["m"]
+
+
+def test_an_atomic_files_scratch_name_appears_with_its_writer_already_recorded(tmp_path, monkeypatch):
+    """A kill between creating ``<name>.tmp-<pid>`` and recording its writer would leave a file no clean-up
+    may remove (a name alone proves nothing): the name appears only once the file is marked."""
+    from meshfit._storage import _io
+    from meshfit._storage._atomic import _WRITER_ATTRIBUTE
+
+    seen: list[bytes] = []
+    original = os.link
+
+    def link(source, destination, *args, **kwargs):
+        seen.append(os.getxattr(source, _WRITER_ATTRIBUTE))  # the unnamed file, before it gets its name
+        return original(source, destination, *args, **kwargs)
+
+    monkeypatch.setattr(os, "link", link)
+    target = tmp_path / "checkpoint"
+    _io.atomic_write_text(target, "model_checkpoint_path: ckpt-1\n")
+    assert target.read_text() == "model_checkpoint_path: ckpt-1\n" and os.listdir(tmp_path) == ["checkpoint"]
+    assert len(seen) == 1 and f'"pid": {os.getpid()}' in seen[0].decode()

@@ -123,6 +123,9 @@ def test_max_restarts_restarts_the_group_with_fresh_ports(tmp_path, capfd):
     argv = _script(tmp_path, """
         record(f"tf-{INDEX}-r{ROUND}", os.environ["TF_CONFIG"])
         if ROUND == 0 and INDEX == 1:
+            deadline = time.monotonic() + 60  # fail once worker 0 has started (on a loaded machine it may lag)
+            while not os.path.exists(os.path.join(OUT, "tf-0-r0")) and time.monotonic() < deadline:
+                time.sleep(0.05)
             sys.exit(1)
         if ROUND == 0:
             time.sleep(60)

@@ -84,9 +84,10 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def mark_writer(scratch: str) -> None:
-    """Records this process as ``scratch``'s writer (a scratch file or directory), so that a later
-    `clean_siblings` can tell a dead writer's leftover from a live one's work in progress."""
+def mark_writer(scratch: str | int) -> None:
+    """Records this process as ``scratch``'s writer (a scratch file or directory, by path or open file
+    descriptor), so that a later `clean_siblings` can tell a dead writer's leftover from a live one's
+    work in progress."""
     owner = json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode()
     with contextlib.suppress(AttributeError, OSError):  # no xattrs here: the scratch stays unowned
         os.setxattr(scratch, _WRITER_ATTRIBUTE, owner)

@@ -3,7 +3,7 @@
 A reader never sees a half-written file or directory: data goes to a temporary sibling
 (``<name>.tmp-<pid>``), is flushed and fsynced, then renamed over the target with ``os.replace``,
 and the parent directory is fsynced so the rename itself survives a power loss. The temporary file
-records its writer (see `meshfit._storage._atomic.mark_writer`), and each successful write removes the
+records its writer before its name appears (see `meshfit._storage._atomic.mark_writer`), and each successful write removes the
 temporary files that dead writers of the same target left behind.
 """
 
@@ -41,6 +41,33 @@ def _remove(path: str) -> None:
             os.remove(path)
 
 
+def _create_marked(tmp: str, parent: str) -> int:
+    """A new empty file at ``tmp`` open for writing, whose name appears with its writer already recorded.
+
+    The file is made unnamed (``O_TMPFILE``), marked (`mark_writer`), then linked as ``tmp``: a kill at
+    any moment leaves either no file or one a later clean-up can tell is a dead writer's. Where the
+    file system has no ``O_TMPFILE`` (or no ``/proc``), it is created by name and marked just after.
+    """
+    flag = getattr(os, "O_TMPFILE", 0)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(tmp)  # our own name: left by a crashed earlier process with this pid
+    if flag:
+        try:
+            fd = os.open(parent, flag | os.O_WRONLY, 0o666)
+        except OSError:
+            pass
+        else:
+            try:
+                mark_writer(fd)
+                os.link(f"/proc/self/fd/{fd}", tmp, follow_symlinks=True)
+                return fd
+            except OSError:
+                os.close(fd)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    mark_writer(fd)
+    return fd
+
+
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     """Writes ``data`` to ``path`` atomically: the file holds either its old or its new content.
 
@@ -65,8 +92,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
         )
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "wb") as f:
-            mark_writer(tmp)
+        with os.fdopen(_create_marked(tmp, parent), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
