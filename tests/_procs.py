@@ -48,19 +48,16 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     if start + _BLOCK > _ephemeral_low():
         return _supervisor.free_ports(count, host)
     ports: list[int] = []
-    for _ in range(_BLOCK):
-        if len(ports) == count:
-            return ports
+    for _ in range(_BLOCK):  # each port of the block at most once a call: distinct
         port = start + next(_cursor) % _BLOCK
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
-        if port not in ports:
-            ports.append(port)
-    if len(ports) == count:
-        return ports
+        ports.append(port)
+        if len(ports) == count:
+            return ports
     raise RuntimeError(f"free_ports: fewer than {count} free ports in {start}..{start + _BLOCK - 1} on {host}")
 
 

@@ -10,7 +10,14 @@ import sys
 import torch
 
 import meshfit as mf
-from meshfit._storage._atomic import AtomicDirectory, clean_directory, is_scratch_name, recover
+from meshfit._storage import _io
+from meshfit._storage._atomic import (
+    _WRITER_ATTRIBUTE,
+    AtomicDirectory,
+    clean_directory,
+    is_scratch_name,
+    recover,
+)
 from meshfit.train import Checkpoint, CheckpointManager, latest_checkpoint
 from tests._trackables import Position
 
@@ -172,9 +179,6 @@ def test_a_writer_stalled_mid_swap_retries_after_a_reader_put_the_old_copy_back(
 def test_an_atomic_files_scratch_name_appears_with_its_writer_already_recorded(tmp_path, monkeypatch):
     """A kill between creating ``<name>.tmp-<pid>`` and recording its writer would leave a file no clean-up
     may remove (a name alone proves nothing): the name appears only once the file is marked."""
-    from meshfit._storage import _io
-    from meshfit._storage._atomic import _WRITER_ATTRIBUTE
-
     seen: list[bytes] = []
     original = os.link
 
