@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import textwrap
 import time
@@ -121,7 +122,8 @@ def _kill_during_saves(tmp_path, mode: str, seed: int) -> None:
         rest, _ = proc.communicate(timeout=30)
     finally:
         _procs.kill_group(proc)
-    acknowledged = max([acknowledged] + [int(x.split()[1]) for x in rest.splitlines() if x.startswith("saved")])
+    # whole lines only: unbuffered, a print cut by the kill may have written "saved" without its number
+    acknowledged = max([acknowledged] + [int(m) for m in re.findall(r"^saved (\d+)\n", rest, re.M)])
 
     step, weights = Position(), torch.zeros(20_000)
     manager = CheckpointManager(Checkpoint(s=step, w=weights), directory, max_to_keep=3)
