@@ -172,8 +172,8 @@ def main() -> None:
 
         variants = {name: make_timed(make_run(name, a)) for name, a in specs.items()}
         for model in run_models.values():
-            if offset:
-                model.fit(dataset, steps_per_epoch=offset, epochs=1, verbose=0)
+            if offset:  # a fresh wrapper each (a re-iterated dataset reshuffles: the models would differ)
+                model.fit(dataset.skip(0), steps_per_epoch=offset, epochs=1, verbose=0)
         models = {name: m.module for name, m in run_models.items()}
 
     ready = time.time()

@@ -58,8 +58,9 @@ def part_a(rounds: int, steps: int, extra: list[str], timeout: float) -> None:
     print(f"{saves} save(s) per block; extra wall time per save (median over rounds): "
           + ", ".join(f"{v} {C.median([(a - b) * steps / max(saves, 1) for a, b in zip(wall[v], wall['plain'], strict=True)]):.0f} ms"
                       for v in ("sync", "async")))
+    same = all(d == 0.0 for r in (r0, r1) for d in r["weight_diff_vs_plain"].values())
     print(f"same work check (max weight difference vs plain): rank 0 {r0['weight_diff_vs_plain']}, "
-          f"rank 1 {r1['weight_diff_vs_plain']}")
+          f"rank 1 {r1['weight_diff_vs_plain']}: {'PASS (bitwise equal)' if same else 'FAIL: the variants trained on different data'}")
     print(f"backups restored by mistake: {r0['restored'] + r1['restored'] or 'none'}; backup dirs left after "
           f"fit (delete_checkpoint=True): {r0['leftover_backup_dirs'] or 'none'}")
     for variant in ("sync", "async"):
