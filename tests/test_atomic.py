@@ -6,6 +6,7 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -141,6 +142,33 @@ def test_dead_writers_leftovers_are_removed_and_a_live_writers_scratch_is_kept(t
     assert sorted(os.listdir(tmp_path)) == ["a", f"b.tmp-{os.getpid()}", "d.tmp", "user.old", "user.tmp"]
     live.finalize()
     assert os.path.isdir(tmp_path / "b") and not os.path.exists(live_scratch)
+
+
+def test_a_writer_that_exited_but_was_not_yet_reaped_counts_as_dead(tmp_path):
+    # A zombie (its parent has not waited for it yet, as a launcher between a worker's death and its
+    # wait) can write nothing: its scratch copy is a leftover like any dead writer's.
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        assert _wait_until_zombie(child.pid)
+        zombie = AtomicDirectory(tmp_path / "z", scratch=tmp_path / "z.tmp")
+        scratch = zombie.create()
+        os.setxattr(scratch, "user.meshfit.writer", f'{{"host": "{os.uname().nodename}", "pid": {child.pid}}}'
+                    .encode())
+        clean_directory(tmp_path)
+        assert os.listdir(tmp_path) == []
+    finally:
+        child.wait(timeout=30)
+
+
+def _wait_until_zombie(pid: int, timeout: float = 30.0) -> bool:
+    """Wait until ``pid`` has exited but is not reaped (state Z in /proc)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        time.sleep(0.02)
+    return False
 
 
 def test_recover_waits_for_a_live_swap_and_names_are_recognised(tmp_path):

@@ -9,6 +9,7 @@ number of a complete checkpoint: ``ckpt-N`` always holds what the save numbered 
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -135,7 +136,20 @@ def _kill_during_saves(tmp_path, mode: str, seed: int) -> None:
     assert manager.restore_or_initialize() == manager.checkpoints[-1]
     manager.save()  # the next save cleans what the dead writer left
     leftovers = [n for n in os.listdir(directory) if ".tmp" in n or ".old" in n or ".deleting" in n]
-    assert leftovers == [], leftovers
+    assert leftovers == [], (leftovers, _writers(directory, leftovers), f"the saver was pid {proc.pid}, "
+                             f"this process is pid {os.getpid()}")
+
+
+def _writers(directory, names: list[str]) -> dict[str, str]:
+    """Each leftover's recorded writer and whether that pid runs now: what the clean-up decided on."""
+    found = {}
+    for name in names:
+        try:
+            owner = os.getxattr(os.path.join(directory, name), "user.meshfit.writer").decode()
+            found[name] = f"{owner}, pid alive now: {_procs.pid_alive(int(json.loads(owner)['pid']))}"
+        except (OSError, ValueError, KeyError) as error:
+            found[name] = f"no writer recorded ({error})"
+    return found
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

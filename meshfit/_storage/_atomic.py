@@ -73,6 +73,7 @@ def _fsync_tree(root: str) -> None:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` can still write: running, and not a zombie (exited, not yet reaped by its parent)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -81,7 +82,11 @@ def _pid_alive(pid: int) -> bool:
         return True
     except OSError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):  # no /proc (or it vanished just now): trust kill()
+        return True
 
 
 def mark_writer(scratch: str | int) -> None:
