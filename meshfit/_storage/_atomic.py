@@ -13,7 +13,7 @@ complete, so a reader sees either the previous complete copy or the new one::
 
 Replacing an existing directory takes two renames (``path -> path.old-<pid>``, ``scratch -> path``).
 A crash between them leaves no ``path``: `recover` (run by every reader and writer of ``path``)
-renames the moved-aside copy back. Leftovers of a *dead* writer (same host, pid gone) are removed;
+renames the moved-aside copy back. Leftovers of a *dead* writer (same host, pid gone or a zombie) are removed;
 a scratch directory whose writer is alive, on another host, or unknown (a file system without
 extended attributes) is never touched. The writer is recorded in an extended attribute rather than
 a file so that the scratch directory holds exactly what the caller writes.
