@@ -6,7 +6,6 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
-import time
 
 import torch
 
@@ -20,6 +19,7 @@ from meshfit._storage._atomic import (
     recover,
 )
 from meshfit.train import Checkpoint, CheckpointManager, latest_checkpoint
+from tests import _procs
 from tests._trackables import Position
 
 
@@ -149,26 +149,14 @@ def test_a_writer_that_exited_but_was_not_yet_reaped_counts_as_dead(tmp_path):
     # wait) can write nothing: its scratch copy is a leftover like any dead writer's.
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     try:
-        assert _wait_until_zombie(child.pid)
+        assert _procs.wait_until(lambda: not _procs.pid_alive(child.pid), timeout=30)  # exited, not reaped
         zombie = AtomicDirectory(tmp_path / "z", scratch=tmp_path / "z.tmp")
         scratch = zombie.create()
-        os.setxattr(scratch, "user.meshfit.writer", f'{{"host": "{os.uname().nodename}", "pid": {child.pid}}}'
-                    .encode())
+        os.setxattr(scratch, _WRITER_ATTRIBUTE, f'{{"host": "{os.uname().nodename}", "pid": {child.pid}}}'.encode())
         clean_directory(tmp_path)
         assert os.listdir(tmp_path) == []
     finally:
         child.wait(timeout=30)
-
-
-def _wait_until_zombie(pid: int, timeout: float = 30.0) -> bool:
-    """Wait until ``pid`` has exited but is not reaped (state Z in /proc)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                return True
-        time.sleep(0.02)
-    return False
 
 
 def test_recover_waits_for_a_live_swap_and_names_are_recognised(tmp_path):

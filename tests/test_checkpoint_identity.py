@@ -20,6 +20,7 @@ import time
 import pytest
 import torch
 
+from meshfit._storage._atomic import _WRITER_ATTRIBUTE
 from meshfit.train import Checkpoint, CheckpointManager
 from tests import _procs
 from tests._trackables import Position
@@ -145,7 +146,7 @@ def _writers(directory, names: list[str]) -> dict[str, str]:
     found = {}
     for name in names:
         try:
-            owner = os.getxattr(os.path.join(directory, name), "user.meshfit.writer").decode()
+            owner = os.getxattr(os.path.join(directory, name), _WRITER_ATTRIBUTE).decode()
             found[name] = f"{owner}, pid alive now: {_procs.pid_alive(int(json.loads(owner)['pid']))}"
         except (OSError, ValueError, KeyError) as error:
             found[name] = f"no writer recorded ({error})"
