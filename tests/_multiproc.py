@@ -50,6 +50,9 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, init_file: str, a
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=60))
         try:
+            # Every rank has joined before any runs `fn`: a rank whose `fn` returns at once would
+            # otherwise close its connections while a slower peer is still handshaking in gloo.
+            dist.barrier()
             value = fn(rank, world_size, *args)
         finally:
             if dist.is_initialized():

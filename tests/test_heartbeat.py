@@ -228,3 +228,71 @@ def test_watchdog_store_requests_are_bounded_even_when_the_server_is_frozen():
         bounded.call(lambda store: store.check(["k"]))
     assert time.monotonic() - started < 2
     release.set()
+
+
+class _MutableStore:
+    """An in-process store whose writes can be cut off, as a frozen or cut-off worker's are."""
+
+    def __init__(self, store) -> None:
+        self.store, self.muted = store, False
+
+    def set(self, key, value):
+        if self.muted:
+            raise RuntimeError("cut off")
+        return self.store.set(key, value)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def _heartbeats(world_size: int, timeout: float):
+    """Heartbeats of ranks sharing one in-process store (no process group: the watchdog alone)."""
+    import torch.distributed as dist
+
+    from meshfit.distribute._failure import FailureState
+    from meshfit.distribute._heartbeat import Heartbeat
+
+    shared = dist.HashStore()
+
+    def start(rank: int, store=None):
+        store = store or shared
+        return Heartbeat(lambda: store, rank, world_size, timeout, FailureState(), b"k" * 16, interval=0.1)
+
+    return shared, start
+
+
+def _wait_for_failure(watcher, seconds: float) -> float:
+    started = time.monotonic()
+    while watcher.failure is None and time.monotonic() - started < seconds:
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
+def test_a_peer_never_heard_from_gets_twice_the_timeout_one_that_fell_silent_the_timeout():
+    """A starting worker's beat thread can wait seconds for the interpreter lock on a loaded host: its
+    first beat gets twice the timeout. A peer that beat and then fell silent is named after the timeout."""
+    timeout = 1.0
+    _, start = _heartbeats(2, timeout)
+    watcher = start(0)  # rank 1 never starts
+    try:
+        waited = _wait_for_failure(watcher, 10)
+        assert watcher.failure is not None, "a peer that never beat was not named"
+        assert 2 * timeout <= waited < 2 * timeout + 1.5, waited
+        assert "Worker 1 stopped" in str(watcher.failure) and "since it joined" in str(watcher.failure)
+    finally:
+        watcher.stop()
+
+    shared, start = _heartbeats(2, timeout)
+    muted = _MutableStore(shared)
+    watcher, peer = start(0), start(1, muted)
+    try:
+        time.sleep(0.5)
+        assert watcher.failure is None
+        muted.muted = True  # rank 1's beats stop without a goodbye
+        waited = _wait_for_failure(watcher, 10)
+        assert watcher.failure is not None, "a peer that fell silent was not named"
+        assert timeout - 0.2 <= waited < timeout + 1.5, waited
+        assert "Worker 1 stopped" in str(watcher.failure) and "since it joined" not in str(watcher.failure)
+    finally:
+        watcher.stop()
+        peer.stop()

@@ -3,7 +3,11 @@
 Each process publishes a beat every ``interval`` seconds from a daemon thread (so a long step does
 not look like death) and watches the others'. A peer whose beats stop for ``timeout`` seconds is
 dead, frozen or cut off; a store that stops answering for ``timeout`` seconds means its host, rank 0,
-is (the store runs inside rank 0, so a frozen chief freezes it too). The watchdog talks to the store
+is (the store runs inside rank 0, so a frozen chief freezes it too). A peer's first beat may take
+``_FIRST_BEAT_FACTOR`` times as long: a starting process competes for the cores with every other
+worker's imports and first steps (on a loaded host its beat thread can wait seconds for the
+interpreter lock), and a starting peer that is killed is still named at once by its liveness
+connection, so only a peer frozen before its first beat is found later. The watchdog talks to the store
 over its own connection, with its own short timeout, so neither a frozen store nor a rendezvous
 blocked in another thread can block it.
 
@@ -40,6 +44,7 @@ from meshfit.distribute._failure import FailureState
 __all__ = ["PEER_FAILURE_EXIT_CODE", "Heartbeat", "PeerFailureError"]
 
 _GRACE_SECONDS = 1.5
+_FIRST_BEAT_FACTOR = 2.0  # a peer never heard from gets this many timeouts (see the module docstring)
 _KEPT_BEATS = 64  # beats kept in the store per rank, so a lagging watcher still finds the next one
 _PREFIX = "meshfit/hb"
 
@@ -197,8 +202,10 @@ class Heartbeat:
                     continue
                 for rank, peer in self._peers.items():
                     silent = now - peer.seen
-                    if not peer.left and silent > self._timeout and now - started > self._timeout:
-                        self._declare(rank, peer.step, f"sent no heartbeat for {silent:.1f} s: it is "
+                    limit = self._timeout if peer.count else self._timeout * _FIRST_BEAT_FACTOR
+                    if not peer.left and silent > limit and now - started > limit:
+                        since = "" if peer.count else " since it joined"
+                        self._declare(rank, peer.step, f"sent no heartbeat for {silent:.1f} s{since}: it is "
                                                        "dead, frozen or unreachable")
                         declared_at = now
                         break
