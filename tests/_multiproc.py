@@ -80,13 +80,16 @@ def _forkserver_context() -> Any:
 
 
 def helper_pids() -> set[int]:
-    """The session-long helper processes of multiprocessing (fork server, resource tracker), if started.
+    """The session-long helper processes (multiprocessing's fork server and resource tracker, the warm
+    interpreter of tests/_warm.py), if started.
 
     They are no test's leak: the conftest guard leaves them alone. Their own children (the ranks) are
     still the test's to end.
     """
+    import _warm
+
     pids = {getattr(forkserver._forkserver, "_forkserver_pid", None),
-            getattr(resource_tracker._resource_tracker, "_pid", None)}
+            getattr(resource_tracker._resource_tracker, "_pid", None), _warm.server_pid()}
     return {pid for pid in pids if pid is not None}
 
 

@@ -13,6 +13,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+import _warm
+
 from meshfit._runtime import _supervisor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -76,13 +78,21 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def start(args: Sequence[str], env: dict[str, str], cwd: str | None = None) -> subprocess.Popen:
-    """Start ``python args...`` in its own session (so the whole group can be ended)."""
+def start(args: Sequence[str], env: dict[str, str], cwd: str | None = None,
+          fresh: bool = False) -> subprocess.Popen | _warm.WarmProcess:
+    """Start ``python args...`` in its own session (so the whole group can be ended), output on a pipe.
+
+    A script runs in a process forked from this pytest worker's warm interpreter (tests/_warm.py: torch
+    and meshfit already imported, 4-5 s of CPU less a process); ``fresh=True``, a ``-m``/``-c`` command
+    or an environment that changes what those imports read starts a new interpreter.
+    """
+    if not fresh and _warm.can_start(args, env):
+        return _warm.start(args, env, cwd)
     return subprocess.Popen([sys.executable, *args], env=env, cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+def finish(proc: subprocess.Popen | _warm.WarmProcess, timeout: float) -> tuple[int, str]:
     """Wait for ``proc`` (killing its group after ``timeout``); its exit code and output."""
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -94,7 +104,7 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
     return proc.returncode, out
 
 
-def kill_group(proc: subprocess.Popen) -> None:
+def kill_group(proc: subprocess.Popen | _warm.WarmProcess) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

@@ -115,11 +115,19 @@ def test_frozen_peer_in_a_custom_loop_is_named(tmp_path, victim):
 
 
 _SPOOFER = r"""
-import sys, time, datetime, torch.distributed as dist
+import socket, sys, time, datetime, torch.distributed as dist
+print("ready", flush=True)
 
 def connect(seconds):
     return dist.TCPStore("127.0.0.1", int(sys.argv[1]), None, False, datetime.timedelta(seconds=seconds))
 
+# Connect as soon as the store listens (the store client's own retries back off for seconds at a time).
+for _ in range(3000):
+    try:
+        socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=1).close()
+        break
+    except OSError:
+        time.sleep(0.01)
 store = connect(30)
 deadline = time.monotonic() + float(sys.argv[2])
 writes = 0
@@ -150,11 +158,15 @@ def test_a_spoofed_heartbeat_cannot_kill_a_healthy_job(tmp_path, loop):
     args = ([CUSTOM, "--out", out, "--steps", "150", "--heartbeat", "2"] if loop == "custom" else
             [FIT, "--out", out, "--examples", "256", "--global-batch", "32", "--epochs", "12", "--sleep", "0.02",
              "--heartbeat", "2"])
-    procs = [start(args, child_env(TF_CONFIG=tf_config(ports, rank))) for rank in (0, 1)]
     spoofer = start(["-c", _SPOOFER, str(ports[0]), "25"], child_env())
+    procs = []
     try:
+        assert spoofer.stdout.readline().strip() == "ready"  # torch imported: it connects while the job runs
+        procs = [start(args, child_env(TF_CONFIG=tf_config(ports, rank))) for rank in (0, 1)]
         results = [finish(p, timeout=180) for p in procs]
     finally:
+        for p in procs:
+            kill_group(p)
         spoof_code, spoof_out = finish(spoofer, timeout=60)
     for code, output in results:
         assert code == 0, output

@@ -34,7 +34,7 @@ def _default_env() -> dict[str, str]:
 
 def test_fit_takes_almost_no_page_faults_per_step_after_warmup():
     script = os.path.join(ROOT, "tests", "scripts", "fit_page_faults.py")
-    procs = [start([script, "--steps", "20", "--epochs", "3"], _default_env()) for _ in range(RUNS)]
+    procs = [start([script, "--steps", "20", "--epochs", "3"], _default_env(), fresh=True) for _ in range(RUNS)]
     results = []
     for proc in procs:
         code, out = finish(proc, timeout=300)

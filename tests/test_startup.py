@@ -42,7 +42,7 @@ def _workers(extra_args: list[str], env: dict[str, str], chief_after: str | None
     ports = free_ports(2)
     procs, early = [], ""
     for index in (1, 0):  # worker 1 first: it waits for the chief, the case whose output drowned
-        procs.append(start([SCRIPT, *extra_args], {**env, "TF_CONFIG": tf_config(ports, index)}))
+        procs.append(start([SCRIPT, *extra_args], {**env, "TF_CONFIG": tf_config(ports, index)}, fresh=True))
         if index == 1 and chief_after is not None:
             early = _read_until(procs[0], chief_after, timeout=150)
     outputs = []
