@@ -255,12 +255,19 @@ def _serve(path: str) -> None:
                     connection.close()
         if listener in ready:
             connection, _ = listener.accept()
-            message, fds, _, _ = socket.recv_fds(connection, 65536, 1)
-            size = _HEADER.unpack(message[:4])[0]
-            body = message[4:]
-            while len(body) < size:
-                body += _recv_exact(connection, size - len(body))
-            request = json.loads(body)
+            connection.settimeout(30)  # a client that died mid-request must not stall the server
+            try:
+                message, fds, _, _ = socket.recv_fds(connection, 65536, 1)
+                size = _HEADER.unpack(message[:4])[0]
+                body = message[4:]
+                while len(body) < size:
+                    body += _recv_exact(connection, size - len(body))
+                request = json.loads(body)
+            except (OSError, ValueError, struct.error) as error:
+                print(f"warm interpreter: a bad request ({error!r}) was dropped", file=sys.stderr, flush=True)
+                connection.close()
+                continue
+            connection.settimeout(None)
             pid = os.fork()
             if pid == 0:
                 listener.close()
@@ -314,7 +321,12 @@ def _become(request: dict, out_fd: int) -> int:
 
 
 if __name__ == "__main__":
+    job: _Become | None = None
     try:
         _serve(sys.argv[1])
     except _Become as become:
-        sys.exit(_become(become.request, become.out_fd))
+        job = become
+    if job is not None:  # outside the handler: the script's own exceptions carry no server context
+        request, out_fd = job.request, job.out_fd
+        del job
+        sys.exit(_become(request, out_fd))

@@ -76,6 +76,7 @@ def test_a_warm_script_exits_as_python_does(tmp_path, mode, expected, text):
     assert code == expected, output
     assert text in output, output
     assert "atexit ran" in output, output  # an uncaught exception still runs the exit handlers
+    assert "_Become" not in output and "During handling" not in output, output  # no server context
 
 
 def test_a_warm_script_killed_by_a_signal_reports_it_and_its_group_ends(tmp_path):
