@@ -33,7 +33,9 @@ class CommunicationOptions:
         implementation: the collective backend (see `CommunicationImplementation`).
         timeout_seconds: how long one collective may wait for the other workers before it fails.
         heartbeat_timeout_seconds: how long a worker may stay silent before the others declare it dead
-            and stop with an error that names it (``None`` turns the watchdog off).
+            and stop with an error that names it (``None`` turns the watchdog off). A worker not yet
+            heard from gets twice as long (starting workers compete for the cores); a worker whose
+            process ends is named at once, whatever this value.
         bytes_per_pack: the size of the gradient packs all-reduced as one message (DDP's buckets; a
             tensor larger than a pack is its own pack). 0, the default, is DDP's 25 MiB. Smaller packs
             start all-reducing earlier in the backward pass; the sums, and so the weights, are the same.
