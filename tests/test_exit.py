@@ -33,7 +33,7 @@ def test_no_meshfit_thread_outlives_the_exit_handlers(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # 30 jobs of 2 processes on a loaded machine: 5-10 minutes
+@pytest.mark.timeout(1800)  # 30 jobs of 2 processes on a loaded machine: 1-5 minutes (warm workers)
 def test_thirty_short_two_worker_jobs_under_load_all_exit_0(tmp_path):
     failures = []
     for batch in range(0, JOBS, AT_ONCE):  # a few jobs at once: the load under which the abort was seen
