@@ -165,3 +165,27 @@ def test_group_creation_is_bounded_by_the_configured_timeout(tmp_path):
 def test_communication_options_timeout_reaches_the_group():
     strategy = mf.MultiWorkerMirroredStrategy(communication_options=mf.CommunicationOptions(timeout_seconds=12))
     assert strategy.world.timeout.total_seconds() == 12
+
+
+def test_a_store_that_goes_away_while_settings_are_compared_is_named_not_a_raw_network_error():
+    """The store's host may find the mismatch first and end, taking the store along: the other worker says
+    another worker stopped the start, instead of torch's "Failed to recv" traceback."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from meshfit.distribute._rendezvous import ClusterMismatchError, agree_at_start
+
+    class Gone:
+        def add(self, key, value):
+            return 1
+
+        def set(self, key, value):
+            pass
+
+        def check(self, keys):
+            raise dist.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
+
+    with pytest.raises(ClusterMismatchError, match=r"another worker stopped the start: the rendezvous store "
+                                                   r"\(worker 0 hosts it\) went away while worker 1"):
+        agree_at_start(Gone(), 1, 2, {"world_size": 2}, ["worker 0", "worker 1"], timedelta(seconds=5))

@@ -280,9 +280,21 @@ def agree_at_start(store: Any, rank: int, world_size: int, settings: Mapping[str
         timeout: how long to wait for the others.
 
     Raises:
-        ClusterMismatchError: a setting differs, or two workers claim the same rank.
+        ClusterMismatchError: a setting differs, two workers claim the same rank, or the store went away
+            (its host stopped the start).
         TimeoutError: a worker did not join within ``timeout``.
     """
+    try:
+        _agree(store, rank, world_size, settings, names, timeout)
+    except dist.DistNetworkError as error:  # the store's host ended (it names why in its own output)
+        raise ClusterMismatchError(f"meshfit: another worker stopped the start: the rendezvous store ({names[0]} "
+                                   f"hosts it) went away while {names[rank]} compared settings with the "
+                                   f"others ({type(error).__name__}). The first worker to stop names the "
+                                   "reason in its output.") from None
+
+
+def _agree(store: Any, rank: int, world_size: int, settings: Mapping[str, Any], names: list[str],
+           timeout: timedelta) -> None:
     mine = json.dumps(dict(settings), sort_keys=True, default=str)
     if store.add(f"{_KEY}/claims/{rank}", 1) > 1:
         _abort(store, f"two workers were started as rank {rank} ({names[rank]}): each task needs its own "
@@ -300,6 +312,8 @@ def agree_at_start(store: Any, rank: int, world_size: int, settings: Mapping[str
             try:
                 store.wait([key], timedelta(seconds=0.5))
                 break
+            except dist.DistNetworkError:
+                raise
             except (dist.DistError, RuntimeError):
                 waited = time.monotonic() - started
                 if waited >= total:
