@@ -287,10 +287,10 @@ def agree_at_start(store: Any, rank: int, world_size: int, settings: Mapping[str
     try:
         _agree(store, rank, world_size, settings, names, timeout)
     except dist.DistNetworkError as error:  # the store's host ended (it names why in its own output)
-        raise ClusterMismatchError(f"meshfit: another worker stopped the start: the rendezvous store ({names[0]} "
-                                   f"hosts it) went away while {names[rank]} compared settings with the "
-                                   f"others ({type(error).__name__}). The first worker to stop names the "
-                                   "reason in its output.") from None
+        raise ClusterMismatchError(f"meshfit: another worker stopped the start: the rendezvous store went away "
+                                   f"while {names[rank]} compared settings with the others "
+                                   f"({type(error).__name__}). The worker that stopped first names the reason "
+                                   "in its output.") from None
 
 
 def _agree(store: Any, rank: int, world_size: int, settings: Mapping[str, Any], names: list[str],
