@@ -25,13 +25,11 @@ from datetime import timedelta
 from multiprocessing import forkserver, resource_tracker
 from typing import Any
 
+import _warm
+
 # Imported once in the fork server (single-threaded: importing them starts no thread, so forking is
 # safe); anything else a test module imports, each rank imports for itself.
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint",
-            "torch.distributed.fsdp", "torch._dynamo", "numpy", "pytest", "meshfit._engine", "meshfit.callbacks",
-            "meshfit.data", "meshfit.distribute", "meshfit.dtensor", "meshfit.losses", "meshfit.metrics",
-            "meshfit.optimizers", "meshfit.estimator",
-            "meshfit.train"]
+_PRELOAD = [*_warm.PRELOAD, "pytest"]
 
 
 class ChildProcessError_(RuntimeError):
@@ -86,8 +84,6 @@ def helper_pids() -> set[int]:
     They are no test's leak: the conftest guard leaves them alone. Their own children (the ranks) are
     still the test's to end.
     """
-    import _warm
-
     pids = {getattr(forkserver._forkserver, "_forkserver_pid", None),
             getattr(resource_tracker._resource_tracker, "_pid", None), _warm.server_pid()}
     return {pid for pid in pids if pid is not None}

@@ -44,7 +44,7 @@ PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.ten
            "meshfit.losses", "meshfit.metrics", "meshfit.optimizers", "meshfit.estimator", "meshfit.train",
            "meshfit.datasets"]
 # Environment variables read while those modules import: a request must match the server's.
-_IMPORT_TIME_PREFIXES = ("PYTHON", "TORCH", "OMP_", "MKL_", "KMP_", "CUDA", "LD_", "MESHFIT_PRELOAD")
+_IMPORT_TIME_PREFIXES = ("PYTHON", "TORCH", "OMP_", "MKL_", "KMP_", "CUDA", "LD_")
 _HEADER = struct.Struct("!I")
 
 
@@ -263,6 +263,8 @@ def _serve(path: str) -> None:
                 while len(body) < size:
                     body += _recv_exact(connection, size - len(body))
                 request = json.loads(body)
+                if len(fds) != 1:
+                    raise ValueError(f"{len(fds)} file descriptors sent with the request; expected 1")
             except (OSError, ValueError, struct.error) as error:
                 print(f"warm interpreter: a bad request ({error!r}) was dropped", file=sys.stderr, flush=True)
                 connection.close()
