@@ -42,22 +42,40 @@ class EpochClock(mf.callbacks.Callback):
 
 
 class StepClock(mf.callbacks.Callback):
-    """The start time of every step (and the wall-clock end of the first one).
+    """The start and batch-end time of every step (and the wall-clock end of the first one).
 
     Step ``k`` lasts from its start to the start of step ``k + 1``: that holds its batch-end
-    callbacks too, among them a save that `BackupAndRestore` makes after every other callback.
+    callbacks too, among them a save that `BackupAndRestore` makes after every other callback, so
+    the time from this clock's batch end to the next step's start holds the save.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.begins, self.first_end = [], None
+        self.begins, self.ends, self.first_end = [], [], None
 
     def on_train_batch_begin(self, batch, logs=None):
         self.begins.append(time.perf_counter())
 
     def on_train_batch_end(self, batch, logs=None):
+        self.ends.append(time.perf_counter())
         if self.first_end is None:
             self.first_end = time.time()
+
+
+def writer_cpu_ms() -> float:
+    """CPU time of meshfit's checkpoint writer thread so far (Linux: /proc/self/task/<tid>/stat), 0 without one."""
+    import threading
+
+    total = 0.0
+    for thread in threading.enumerate():
+        if thread.name.startswith("meshfit-checkpoint") and thread.native_id is not None:
+            try:
+                with open(f"/proc/self/task/{thread.native_id}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += (int(fields[11]) + int(fields[12])) * 1e3 / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def main() -> None:
@@ -118,6 +136,9 @@ def main() -> None:
     if args.step_times:
         begins = step_clock.begins
         result["step_ms"] = [(b - a) * 1e3 for a, b in zip(begins, begins[1:], strict=False)]
+        # from each step's batch end (this clock's callback) to the next step's start: the save, if any
+        result["after_end_ms"] = [(b - e) * 1e3 for e, b in zip(step_clock.ends, begins[1:], strict=False)]
+        result["writer_cpu_ms"] = writer_cpu_ms()
     if strategy.cluster_resolver.is_chief:
         with open(args.out, "w") as f:
             json.dump(result, f)
