@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
 EVERY = 100
+SAVE_FREQ = 30  # part C: BackupAndRestore(save_freq=30)
 
 
 # ---- part A ------------------------------------------------------------------------------------
@@ -185,9 +186,6 @@ def part_c(rounds: int, steps: int, timeout: float, threads: int = 2) -> None:
           + f"; median {C.median(accounted):.3f} {C.verdict(C.median(accounted), 1.05)}", flush=True)
 
 
-SAVE_FREQ = 30
-
-
 def accounted_ratio(result: dict) -> float:
     """The backup's cost measured inside one process, free of the spread between processes.
 
@@ -198,8 +196,7 @@ def accounted_ratio(result: dict) -> float:
     """
     after_end, steps = result["after_end_ms"], result["step_ms"]
     saving = {k for k in range(len(after_end)) if (k + 1) % SAVE_FREQ == 0}
-    quiet = sorted(v for k, v in enumerate(after_end) if k not in saving)
-    baseline = quiet[len(quiet) // 2]
+    baseline = C.median([v for k, v in enumerate(after_end) if k not in saving])
     extra = [after_end[k] - baseline for k in sorted(saving)]
     saves = (len(steps) + 1) // SAVE_FREQ  # every save of the run, the last step's included
     per_save = C.median(extra) + result["writer_cpu_ms"] / max(saves, 1)
