@@ -157,7 +157,7 @@ def part_b(rounds: int, steps: int, timeout: float) -> None:
 def part_c(rounds: int, steps: int, timeout: float, threads: int = 2) -> None:
     import subprocess
 
-    print(f"\n== part C: BackupAndRestore(save_freq=30) with the digest, 1 process x {threads} thread(s), seed CNN "
+    print(f"\n== part C: BackupAndRestore(save_freq={SAVE_FREQ}) with the digest, 1 process x {threads} thread(s), seed CNN "
           "batch 64; "
           f"{rounds} rounds of fresh processes, 2 x {steps} timed steps each ==", flush=True)
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_cnn_fit.py")
@@ -181,7 +181,7 @@ def part_c(rounds: int, steps: int, timeout: float, threads: int = 2) -> None:
     ratio = C.median(C.ratios(wall["backup"], wall["plain"]))
     print(f"backup / plain: {ratio:.3f} (target <= 1.05) {C.verdict(ratio, 1.05)}", flush=True)
     print("accounted in the backup process itself, per round: 1 + (the saving step's extra time + the "
-          "writer thread's CPU per save) / (30 x its median step): "
+          f"writer thread's CPU per save) / ({SAVE_FREQ} x its median step): "
           + " ".join(f"{a:.3f}" for a in accounted)
           + f"; median {C.median(accounted):.3f} {C.verdict(C.median(accounted), 1.05)}", flush=True)
 

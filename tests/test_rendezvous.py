@@ -167,14 +167,19 @@ def test_communication_options_timeout_reaches_the_group():
     assert strategy.world.timeout.total_seconds() == 12
 
 
-def test_a_store_that_goes_away_while_settings_are_compared_is_named_not_a_raw_network_error():
+@pytest.mark.parametrize("failing", ["check", "wait"])
+def test_a_store_that_goes_away_while_settings_are_compared_is_named_not_a_raw_network_error(failing):
     """The store's host may find the mismatch first and end, taking the store along: the other worker says
-    another worker stopped the start, instead of torch's "Failed to recv" traceback."""
+    another worker stopped the start, instead of torch's "Failed to recv" traceback (whether the store went
+    away at the abort check or while waiting for a peer's settings, which is not a peer still starting)."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
     from meshfit.distribute._rendezvous import ClusterMismatchError, agree_at_start
+
+    def gone(*args):
+        raise dist.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
 
     class Gone:
         def add(self, key, value):
@@ -184,7 +189,10 @@ def test_a_store_that_goes_away_while_settings_are_compared_is_named_not_a_raw_n
             pass
 
         def check(self, keys):
-            raise dist.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
+            return gone() if failing == "check" else False
+
+        def wait(self, keys, timeout):
+            gone()
 
     with pytest.raises(ClusterMismatchError, match=r"another worker stopped the start: the rendezvous store "
                                                    r"went away while worker 1 compared settings"):
