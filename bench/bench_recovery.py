@@ -6,7 +6,9 @@ under a launcher that restarts the group:
 
 - ``meshfit launch --workers 2 --max-restarts 1`` (``--launcher meshfit``), and the same with
   ``--standby`` (``--launcher meshfit-standby``: the restarted workers are warm standbys that have
-  imported torch, ``torch._dynamo`` and meshfit, so the import phase is ~0);
+  imported torch, ``torch._dynamo`` and meshfit, so the import phase is ~0), and with ``--preload``
+  (``--launcher meshfit-preload``: every task, restarted ones included, is a fork of one process that
+  imported them once);
 - torchrun's elastic agent (``--launcher torchrun``): ``--nnodes=1:2 --nproc-per-node=2
   --max-restarts=1 --rdzv-backend=c10d --rdzv-conf=join_timeout=60,last_call_timeout=1``, with
   ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (the recipe in the README and ``deploy/``). One host here,
@@ -20,7 +22,7 @@ The phases, in seconds (each worker logs timestamped events; launcher lines are 
 - import (torch, meshfit), rendezvous (``MultiWorkerMirroredStrategy()``), model, fit setup, restore
   (``BackupAndRestore.on_train_begin``), first step: each gated by the slowest worker.
 
-Run:  .venv/bin/python bench/bench_recovery.py [--launcher meshfit|meshfit-standby|torchrun|all] [--trials N] [--quick]
+Run:  .venv/bin/python bench/bench_recovery.py [--launcher meshfit|meshfit-standby|meshfit-preload|torchrun|all] [--trials N] [--quick]
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def command(launcher: str, events_dir: str, backup_dir: str, steps: int) -> list
     script = [os.path.join(C.BENCH, "_resume_worker.py"), "--events", events_dir, "--backup-dir", backup_dir,
               "--steps", str(steps), "--save-freq", "10", "--kill-rank", "1", "--kill-at", "25"]
     if launcher.startswith("meshfit"):
-        standby = ["--standby"] if launcher == "meshfit-standby" else []
+        standby = {"meshfit-standby": ["--standby"], "meshfit-preload": ["--preload"]}.get(launcher, [])
         return [C.python(), "-m", "meshfit._cli", "launch", "--workers", "2", "--max-restarts", "1", *standby,
                 *script]
     port = _free_port()
@@ -129,12 +131,14 @@ def median_phases(results: list[dict[str, float | None]]) -> dict[str, float | N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--launcher", default="all", choices=("meshfit", "meshfit-standby", "torchrun", "all"))
+    parser.add_argument("--launcher", default="all",
+                        choices=("meshfit", "meshfit-standby", "meshfit-preload", "torchrun", "all"))
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="one trial each")
     args = parser.parse_args()
     trials = 1 if args.quick else args.trials
-    launchers = ("meshfit", "meshfit-standby", "torchrun") if args.launcher == "all" else (args.launcher,)
+    launchers = (("meshfit", "meshfit-standby", "meshfit-preload", "torchrun") if args.launcher == "all"
+                 else (args.launcher,))
     for launcher in launchers:
         results = [trial(launcher, steps=30, timeout=180) for _ in range(trials)]
         print(f"\n{launcher}: medians of {trials} trial(s), seconds after the kill (target: total <= 5 s "

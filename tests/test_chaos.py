@@ -1,7 +1,9 @@
 """Chaos: real workers killed (SIGKILL), preempted (SIGTERM) and resumed; dead peers detected.
 
 The quick subset runs in `make test`; the trials marked ``slow`` add kill points inside epochs and on
-their boundaries, on either rank.
+their boundaries, on either rank. The uninterrupted references start new interpreters (``meshfit
+launch``'s default); most killed runs start theirs with ``--preload`` (forks of one process that imported
+torch), so they also show the forked tasks computing bitwise what new interpreters compute.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ def _weights(out: str, rank: int) -> list[np.ndarray]:
         return [f[f"w{i}"] for i in range(len(f.files))]
 
 
-def _launch(out: str, *extra: str, restarts: int = 3, workers: int = 2, timeout: float = 240) -> tuple[int, str]:
+def _launch(out: str, *extra: str, restarts: int = 3, workers: int = 2, timeout: float = 240,
+            preload: bool = False) -> tuple[int, str]:
     proc = start(["-m", "meshfit._cli", "launch", "--workers", str(workers), "--max-restarts", str(restarts),
-                  SCRIPT, "--out", out, *COMMON, *extra], child_env())
+                  *(["--preload"] if preload else []), SCRIPT, "--out", out, *COMMON, *extra], child_env())
     return finish(proc, timeout=timeout)
 
 
@@ -41,10 +44,11 @@ def uninterrupted(tmp_path_factory) -> list[np.ndarray]:
     return w0
 
 
-def _kill_and_resume(tmp_path, uninterrupted, rank: int, step: int, save_freq: str = "5", *extra: str) -> str:
+def _kill_and_resume(tmp_path, uninterrupted, rank: int, step: int, save_freq: str = "5", *extra: str,
+                     preload: bool = True) -> str:
     out = str(tmp_path / "out")
     code, output = _launch(out, "--backup-dir", str(tmp_path / "backup"), "--save-freq", save_freq,
-                           "--kill-rank", str(rank), "--kill-at", str(step), *extra)
+                           "--kill-rank", str(rank), "--kill-at", str(step), *extra, preload=preload)
     assert code == 0, output
     assert "restarting the group" in output and "resuming from" in output, output
     for a, b in zip(_weights(out, rank), uninterrupted, strict=True):
@@ -53,7 +57,7 @@ def _kill_and_resume(tmp_path, uninterrupted, rank: int, step: int, save_freq: s
 
 
 def test_sigkill_a_worker_and_the_relaunched_job_is_bitwise_equal(tmp_path, uninterrupted):
-    _kill_and_resume(tmp_path, uninterrupted, rank=1, step=12)
+    _kill_and_resume(tmp_path, uninterrupted, rank=1, step=12, preload=False)  # new interpreters each round
 
 
 @pytest.mark.slow
@@ -103,7 +107,7 @@ def uninterrupted_batchnorm(tmp_path_factory) -> list[np.ndarray]:
 def test_a_batchnorm_model_killed_and_resumed_ends_bitwise_equal_buffers_included(tmp_path, uninterrupted_batchnorm):
     out = str(tmp_path / "out")
     code, output = _launch(out, "--batchnorm", "--backup-dir", str(tmp_path / "backup"), "--save-freq", "5",
-                           "--kill-rank", "1", "--kill-at", "13")
+                           "--kill-rank", "1", "--kill-at", "13", preload=True)
     assert code == 0, output
     assert "restarting the group" in output and "resuming from" in output, output
     for rank in (0, 1):
@@ -116,7 +120,7 @@ def test_a_batchnorm_model_killed_and_resumed_ends_bitwise_equal_buffers_include
 def test_sigterm_preemption_saves_at_one_step_and_restarts(tmp_path, uninterrupted):
     out = str(tmp_path / "out")
     code, output = _launch(out, "--backup-dir", str(tmp_path / "backup"), "--save-freq", "100",
-                           "--term-rank", "1", "--term-at", "11", restarts=0)
+                           "--term-rank", "1", "--term-at", "11", restarts=0, preload=True)
     assert code == 0, output  # a preemption restart does not use up --max-restarts 0
     assert re.search(r"exited with code 75", output), output
     # Both workers saved at the step where the signal was seen, and the relaunch continued there.

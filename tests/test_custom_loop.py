@@ -25,9 +25,9 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "cu
 COMMON = ["--epochs", "3", "--steps-per-epoch", "7", "--learning-rate", "0.01"]
 
 
-def _launch(out: str, workers: int, *extra: str, restarts: int = 0) -> str:
+def _launch(out: str, workers: int, *extra: str, restarts: int = 0, preload: bool = False) -> str:
     proc = start(["-m", "meshfit._cli", "launch", "--workers", str(workers), "--max-restarts", str(restarts),
-                  SCRIPT, "--out", out, *COMMON, *extra], child_env())
+                  *(["--preload"] if preload else []), SCRIPT, "--out", out, *COMMON, *extra], child_env())
     code, output = finish(proc, timeout=240)
     assert code == 0, output
     return output
@@ -90,7 +90,7 @@ def test_seed_custom_loop_runs_as_a_plain_process_like_one_launched_worker(one_w
 def test_seed_custom_loop_killed_at_a_random_step_resumes_bitwise(two_workers, tmp_path):
     step = random.Random().randint(2, 20)
     out = str(tmp_path / "killed")
-    output = _launch(out, 2, "--kill-at", str(step), "--kill-rank", str(step % 2), restarts=1)
+    output = _launch(out, 2, "--kill-at", str(step), "--kill-rank", str(step % 2), restarts=1, preload=True)
     assert "restarting the group" in output, output
     assert ("resuming from" in output) == (step > 7), (step, output)  # a checkpoint after each epoch
     for rank in (0, 1):

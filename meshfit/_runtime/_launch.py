@@ -23,8 +23,16 @@ from types import FrameType
 from typing import Any
 
 from meshfit._runtime._exit_codes import PEER_FAILURE_EXIT_CODE, PREEMPTED_EXIT_CODE
+from meshfit._runtime._preload import PreloadServer
 from meshfit._runtime._standby import StandbyPool
-from meshfit._runtime._supervisor import TERMINATE_TIMEOUT_S, Child, ChildGroup, Output, free_ports
+from meshfit._runtime._supervisor import (
+    TERMINATE_TIMEOUT_S,
+    Child,
+    ChildGroup,
+    Output,
+    TaskStarter,
+    free_ports,
+)
 
 __all__ = ["build_parser", "free_ports", "main"]
 
@@ -155,19 +163,21 @@ def _restart_message(failed: Child, counts: dict[str, int], max_restarts: int) -
 
 def _run(command: list[str], args: argparse.Namespace, output: Output) -> int:
     standbys = StandbyPool(command[0], _task_env(args)) if args.standby else None
+    starter = PreloadServer(_task_env(args)) if args.preload else None
     try:
-        return _rounds(command, args, output, standbys)
+        return _rounds(command, args, output, standbys, starter)
     finally:
         if standbys is not None:
             standbys.close()
 
 
-def _rounds(command: list[str], args: argparse.Namespace, output: Output, standbys: StandbyPool | None) -> int:
+def _rounds(command: list[str], args: argparse.Namespace, output: Output, standbys: StandbyPool | None,
+            starter: TaskStarter | None = None) -> int:
     counts = {"restarts": 0, "preemptions": 0}
     round_ = 0
     with _Signals() as signals:
         while signals.received is None:
-            group = ChildGroup(output)
+            group = ChildGroup(output, starter)
             signals.group = group
             grace, kill = 0.0, False
             try:
@@ -183,7 +193,7 @@ def _rounds(command: list[str], args: argparse.Namespace, output: Output, standb
                     return 0
                 message = _restart_message(failed, counts, args.max_restarts)
                 if message is None:
-                    code = failed.proc.returncode
+                    code = failed.proc.wait()  # it has ended: its code
                     output.message(f"{failed.name} exited with code {code}; no restarts left "
                                    f"(--max-restarts {args.max_restarts}); stopping the other processes")
                     return _exit_status(code)
@@ -252,6 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--standby", action="store_true",
                         help="keep one warm process per task that has imported torch and meshfit, so "
                              "that a restart skips the imports (~2.4 s here); costs ~300 MB of memory each")
+    parser.add_argument("--preload", action="store_true",
+                        help="start every task (and every restarted one) as a fork of one process that has "
+                             "imported torch and meshfit once: no import per task; the script cannot change "
+                             "what torch reads at import (use --threads)")
     parser.add_argument("-m", "--module", action="store_true",
                         help="run `script` as a module (python -m script)")
     parser.add_argument("script", help="the training script (or module with -m)")
@@ -280,6 +294,9 @@ def main(argv: list[str]) -> int:
         if not args.module and not os.path.isfile(args.script):
             parser.error(f"script {args.script!r} not found. Pass the path of a Python file, "
                          "or use -m for a module.")
+        if args.preload and args.standby:
+            parser.error("--preload and --standby both make a restart skip the imports; pass one of them "
+                         "(--preload also makes the first round skip them).")
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
     command = [sys.executable] + (["-m"] if args.module else []) + [args.script, *args.script_args]

@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import IO
+from typing import IO, Protocol
 
 TERMINATE_TIMEOUT_S = 10.0
 REPLICA_RANK_ENV = "MESHFIT_MIRRORED_RANK"
@@ -85,13 +85,34 @@ class Output:
         self.write(True, f"{self._who}: {text}\n".encode())
 
 
+class ProcessHandle(Protocol):
+    """A started child process: what `subprocess.Popen` offers and the supervisor uses."""
+
+    pid: int
+    returncode: int | None
+    stdout: IO[bytes] | None
+    stderr: IO[bytes] | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+
+class TaskStarter(Protocol):
+    """Starts a captured child another way than ``subprocess.Popen`` (`meshfit launch --preload`)."""
+
+    def start(self, command: Sequence[str], env: Mapping[str, str]) -> ProcessHandle: ...
+
+
 @dataclass
 class Child:
     """One supervised child process."""
 
     task_type: str
     index: int
-    proc: subprocess.Popen
+    proc: ProcessHandle
     readers: list[threading.Thread] = field(default_factory=list)
     signalled: bool = False
     own_session: bool = True
@@ -143,9 +164,10 @@ def _stdout_is_terminal() -> bool:
 class ChildGroup:
     """Processes started together: start, watch, signal and stop them."""
 
-    def __init__(self, output: Output) -> None:
+    def __init__(self, output: Output, starter: TaskStarter | None = None) -> None:
         self.output = output
         self.children: list[Child] = []
+        self._starter = starter
 
     def start(self, task_type: str, index: int, command: Sequence[str], env: Mapping[str, str],
               capture: bool = True, own_session: bool | None = None) -> Child:
@@ -154,13 +176,16 @@ class ChildGroup:
         With ``capture``, the child reads no stdin and its output lines are prefixed with its name;
         without, it shares our terminal. ``own_session`` (default: ``capture``): the child leads its
         own session (the launcher's workers); self-spawned replicas share our session and signals,
-        as the script they are copies of, while their output is prefixed as the launcher's is.
+        as the script they are copies of, while their output is prefixed as the launcher's is. A group
+        made with a ``starter`` starts its captured own-session children with it.
         """
         own_session = capture if own_session is None else own_session
+        if self._starter is not None and capture and own_session:
+            return self.adopt(task_type, index, self._starter.start(command, self.environment(env)))
         pipe = subprocess.PIPE if capture else None
-        proc = subprocess.Popen(list(command), env=self.environment(env, capture),
-                                stdin=subprocess.DEVNULL if capture else None,
-                                stdout=pipe, stderr=pipe, start_new_session=own_session)
+        proc: ProcessHandle = subprocess.Popen(list(command), env=self.environment(env, capture),
+                                               stdin=subprocess.DEVNULL if capture else None,
+                                               stdout=pipe, stderr=pipe, start_new_session=own_session)
         return self.adopt(task_type, index, proc, capture=capture, own_session=own_session)
 
     @staticmethod
@@ -169,9 +194,9 @@ class ChildGroup:
         captured output goes on to a terminal."""
         return {**env, FORWARDED_TERMINAL_ENV: "1"} if capture and _stdout_is_terminal() else dict(env)
 
-    def adopt(self, task_type: str, index: int, proc: subprocess.Popen[bytes], capture: bool = True,
+    def adopt(self, task_type: str, index: int, proc: ProcessHandle, capture: bool = True,
               own_session: bool = True) -> Child:
-        """Supervise ``proc`` (started by `start`, or a warm standby) as task ``task_type index``."""
+        """Supervise ``proc`` (started by `start`, a starter or a warm standby) as task ``task_type index``."""
         child = Child(task_type, index, proc, own_session=own_session)
         if capture:
             live = _stdout_is_terminal()

@@ -15,8 +15,9 @@ SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 STEPS = 16  # 256 examples, global batch 32, 2 epochs
 
 
-def _run(out: str, *extra: str, restarts: int) -> str:
-    proc = start(["-m", "meshfit._cli", "launch", "--workers", "2", "--max-restarts", str(restarts), SCRIPT,
+def _run(out: str, *extra: str, restarts: int, preload: bool = False) -> str:
+    proc = start(["-m", "meshfit._cli", "launch", "--workers", "2", "--max-restarts", str(restarts),
+                  *(["--preload"] if preload else []), SCRIPT,
                   "--out", out, "--mesh", "batch=2", "--fully-sharded", *extra], child_env())
     code, output = finish(proc, timeout=400)
     assert code == 0, output
@@ -45,7 +46,7 @@ def test_sigkill_a_fully_sharded_worker_at_a_random_step_resumes_bitwise(tmp_pat
     rank, step = chance.choice([0, 1]), chance.randrange(7, STEPS + 1)  # after the step-5 backup
     out = str(tmp_path / "out")
     output = _run(out, "--backup-dir", str(tmp_path / "backup"), "--save-freq", "5", "--kill-rank", str(rank),
-                  "--kill-at", str(step), restarts=2)
+                  "--kill-at", str(step), restarts=2, preload=True)  # forks of one preloaded process
     assert "restarting the group" in output and "resuming from" in output, (rank, step, output)
     for r in (0, 1):
         for a, b in zip(_weights(out, r), uninterrupted, strict=True):

@@ -40,8 +40,9 @@ def test_plain_script_starts_four_processes_for_a_2x2_mesh(plain_script_run):
 
 def test_sigkill_on_a_2x2_mesh_under_launch_resumes_bitwise(plain_script_run, tmp_path):
     out = str(tmp_path / "out")
-    proc = start(["-m", "meshfit._cli", "launch", "--workers", "4", "--max-restarts", "2", SCRIPT, "--out", out,
-                  "--backup-dir", str(tmp_path / "backup"), "--save-freq", "5", "--kill-rank", "1",
+    # forks of one preloaded process; the reference ran as a plain script (new interpreters)
+    proc = start(["-m", "meshfit._cli", "launch", "--workers", "4", "--max-restarts", "2", "--preload", SCRIPT,
+                  "--out", out, "--backup-dir", str(tmp_path / "backup"), "--save-freq", "5", "--kill-rank", "1",
                   "--kill-at", "9"], child_env())
     code, output = finish(proc, timeout=500)
     assert code == 0, output

@@ -186,8 +186,8 @@ def test_seed_001_program_under_meshfit_launch_with_an_evaluator(tmp_path):
 @pytest.mark.slow
 def test_a_worker_killed_during_train_and_evaluate_restarts_and_the_evaluator_reads_only_whole_checkpoints(tmp_path):
     model_dir, prefix = str(tmp_path / "multiworker"), str(tmp_path / "results")
-    proc = start(["-m", "meshfit._cli", "launch", "--workers", "2", "--evaluator", "--max-restarts", "1", SCRIPT,
-                  "--model-dir", model_dir, "--results", prefix, "--save-checkpoints-steps", "1",
+    proc = start(["-m", "meshfit._cli", "launch", "--workers", "2", "--evaluator", "--max-restarts", "1", "--preload",
+                  SCRIPT, "--model-dir", model_dir, "--results", prefix, "--save-checkpoints-steps", "1",
                   "--keep-checkpoint-max", "2", "--kill-worker-at-step", "5", *QUICK], child_env())
     code, out = finish(proc, timeout=600)
     assert code == 0, out
