@@ -6,11 +6,15 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import textwrap
 import uuid
 
 import pytest
 from _procs import child_env, finish, start, wait_until
+
+from meshfit._runtime._supervisor import Child
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -208,3 +212,15 @@ def test_a_launcher_killed_by_sigterm_ends_its_preloaded_tasks(tmp_path):
         assert wait_until(lambda: _with_token(token) == [], 10), _with_token(token)
     finally:
         _end_leftovers(token)
+
+
+def test_a_task_signalled_before_it_leads_its_own_session_still_gets_the_signal():
+    # A forked task calls setsid() a moment after the fork server reports its pid; until then there
+    # is no process group of that id, and the supervisor signals the process itself.
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # in our session
+    try:
+        Child("worker", 0, proc, own_session=True).send(signal.SIGTERM)
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        proc.kill()
+        proc.wait()

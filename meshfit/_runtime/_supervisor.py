@@ -122,11 +122,19 @@ class Child:
         return f"{self.task_type} {self.index}"
 
     def send(self, sig: int) -> None:
-        """Signal the child's whole process group when it leads its own session, else the child."""
+        """Signal the child's whole process group when it leads its own session, else the child.
+
+        A forked task (``--preload``) makes its own session a moment after the fork server reports it:
+        a signal sent before then goes to the process itself.
+        """
         try:
             if self.own_session:
-                os.killpg(self.proc.pid, sig)
-            elif self.proc.poll() is None:
+                try:
+                    os.killpg(self.proc.pid, sig)
+                    return
+                except ProcessLookupError:  # no such group: gone, or not its own session yet
+                    pass
+            if self.proc.poll() is None:
                 self.proc.send_signal(sig)
         except OSError:
             pass  # already gone
