@@ -191,7 +191,8 @@ def collect(runs: list[dict[str, dict]], args: argparse.Namespace) -> dict[str, 
         pairs = zip(r["imports"]["meshfit_s"], r["imports"]["torch_s"], strict=True)
         add("import meshfit/torch", statistics.median(m / t for m, t in pairs))
         add("import torch s", statistics.median(r["imports"]["torch_s"]))
-        for key, label in (("recovery", "recovery"), ("recovery_standby", "standby recovery")):
+        for key, label in (("recovery", "recovery"), ("recovery_standby", "standby recovery"),
+                           ("recovery_preload", "preload recovery")):
             for phase, value in r.get(key, {}).items():
                 if value is not None:
                     add(f"{label} {phase}", value)
@@ -284,6 +285,12 @@ def table(rows: dict[str, list[float]], cores: int, load: tuple[float, float], s
             f"{m['standby recovery total']:.2f} s [{rng('standby recovery total', '.2f')}] | – | ≤ 5 s | "
             + ", ".join(f"{p} {m[f'standby recovery {p}']:.2f}" for p in phases
                         if f"standby recovery {p}" in rows) + " s |")
+    if "preload recovery total" in rows:
+        lines.append(
+            f"| the same with `meshfit launch --preload` (every task a fork of one preloaded process) | "
+            f"{m['preload recovery total']:.2f} s [{rng('preload recovery total', '.2f')}] | – | ≤ 5 s | "
+            + ", ".join(f"{p} {m[f'preload recovery {p}']:.2f}" for p in phases
+                        if f"preload recovery {p}" in rows) + " s |")
     lines.append(
         "| `kill -9` → the surviving worker names the dead peer | "
         + (f"{statistics.median(survivor):.2f} s [{min(survivor):.2f}–{max(survivor):.2f}]" if survivor else
@@ -342,6 +349,7 @@ def main() -> None:
                 results[name] = run_one(name, argv, env, tmp, args.timeout)
             results["recovery"] = bench_recovery.trial("meshfit", steps=30, timeout=args.timeout)
             results["recovery_standby"] = bench_recovery.trial("meshfit-standby", steps=30, timeout=args.timeout)
+            results["recovery_preload"] = bench_recovery.trial("meshfit-preload", steps=30, timeout=args.timeout)
             runs.append(results)
             print(f"round {r + 1}/{args.rounds} done", flush=True)
     for t in (1, 2):

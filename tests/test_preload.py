@@ -118,6 +118,7 @@ def test_every_task_is_a_fork_of_one_preloaded_process_and_sees_what_a_new_inter
         assert s["env"] == {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MESHFIT_TEST_PRELOAD": token}, s
         assert _seen(out, f"atexit-{seen.index(s)}-r0") is True  # atexit ran, after the thread was joined
     assert seen[0]["numpy"] != seen[1]["numpy"], seen  # NumPy's global state drawn again in each task
+    assert "round 0: starting 2 worker(s), forked from the preloaded process:" in output, output
     for i in range(2):
         assert f"[worker {i}] worker {i} round 0 out" in output and f"[worker {i}] worker {i} round 0 err" in output
 

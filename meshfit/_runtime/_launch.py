@@ -60,7 +60,8 @@ def _start_round(group: ChildGroup, command: list[str], args: argparse.Namespace
         cluster["evaluator"] = [f"127.0.0.1:{ports[-1]}"]
     roles = [("worker", i) for i in range(args.workers)] + [("evaluator", 0)] * args.evaluator
     group.output.message(f"round {round_}: starting {args.workers} worker(s)"
-                         f"{' and 1 evaluator' if args.evaluator else ''}: "
+                         f"{' and 1 evaluator' if args.evaluator else ''}"
+                         f"{', forked from the preloaded process' if args.preload else ''}: "
                          f"{' '.join(command[1:])} (cluster {json.dumps(cluster)})")
     warm, base = 0, _task_env(args)
     for task_type, index in roles:
