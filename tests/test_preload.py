@@ -225,3 +225,26 @@ def test_a_task_signalled_before_it_leads_its_own_session_still_gets_the_signal(
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_preloaded_task_runs_a_torch_dataloader_with_worker_processes_of_each_start_method(tmp_path):
+    script = tmp_path / "loader.py"
+    script.write_text(textwrap.dedent("""\
+        import torch
+        from torch.utils.data import DataLoader, TensorDataset
+
+        def main():
+            data = TensorDataset(torch.arange(16.0))
+            for method in ("fork", "spawn", "forkserver"):
+                loader = DataLoader(data, batch_size=4, shuffle=True, num_workers=2, multiprocessing_context=method,
+                                    generator=torch.Generator().manual_seed(7))
+                print(method, sorted(int(x) for batch in loader for x in batch[0]), flush=True)
+
+        if __name__ == "__main__":
+            main()
+        """))
+    token = uuid.uuid4().hex
+    code, output = _launch("--workers", "1", "--preload", str(script), token=token)
+    assert code == 0, output
+    for method in ("fork", "spawn", "forkserver"):
+        assert f"[worker 0] {method} {list(range(16))}" in output, output
