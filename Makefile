@@ -10,14 +10,15 @@ STAMP := $(VENV)/.installed
 
 # uv installs the same versions as pip here in about a third of the time (33 s against 97 s or more,
 # bytecode compiled as pip does: with PYTHONDONTWRITEBYTECODE=1 nothing would ever compile it later).
-# It reads neither pip's configuration nor its wheel directory: PIP_FIND_LINKS (where this machine's
-# torch build lies) is passed on. If uv cannot be installed or fails, pip does the install.
-UV_FIND := $(foreach d,$(PIP_FIND_LINKS),--find-links $(d))
-
+# uv reads neither pip's configuration nor its environment: pip's find-links (where this machine's torch
+# build lies; without them uv would fetch a CUDA build of several GB) are passed on. If uv cannot be
+# installed or fails, pip does the install.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	( $(BIN)/pip install -q --disable-pip-version-check uv && \
-	  $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python $(UV_FIND) "$(TORCH_PIN)" -e ".[test,docs]" ) || \
+	  links=$$(for d in $$PIP_FIND_LINKS $$($(BIN)/pip config get global.find-links 2>/dev/null); do \
+	           echo "--find-links $$d"; done | sort -u) && \
+	  $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python $$links "$(TORCH_PIN)" -e ".[test,docs]" ) || \
 	( $(BIN)/pip install -q --disable-pip-version-check "$(TORCH_PIN)" && \
 	  $(BIN)/pip install -q --disable-pip-version-check -e ".[test,docs]" "$(TORCH_PIN)" )
 	touch $(STAMP)

@@ -49,6 +49,7 @@ def _source(function: object) -> str:
     return _SOURCES[key]
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist turns the xdist_group marks added here into groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     starters: dict[str, set[str]] = {}
 
@@ -77,7 +78,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # a module-scoped fixture that starts processes run in one worker, which starts them once.
         shared = [d for d in definitions if d.scope in ("module", "class", "package", "session")
                   and starts_processes(d.func)]
-        if shared:
+        if item.get_closest_marker("crowded") is not None:
+            # Four processes of a 2x2 mesh wait on each other at every collective: beside another such
+            # test on 2 cores one ran 15x slower than alone (96-111 s against 6 s). The crowded tests
+            # take turns in one worker (a whole module when it is marked, so its shared fixtures too).
+            item.add_marker(pytest.mark.xdist_group("crowded"))
+        elif shared:
             item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else item.nodeid))
     # The longest first (a declared timeout above the default, then the process-starting ones), so that the
     # workers end together on short tests instead of waiting for one long test started last. Stable: a

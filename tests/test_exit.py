@@ -37,6 +37,7 @@ def test_no_meshfit_thread_outlives_the_exit_handlers(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.crowded
 @pytest.mark.timeout(1800)  # 30 jobs of 2 processes on a loaded machine: 1-5 minutes (warm workers)
 def test_thirty_short_two_worker_jobs_under_load_all_exit_0(tmp_path):
     failures = []

@@ -26,6 +26,7 @@ import atexit
 import multiprocessing
 import os
 import runpy
+import signal
 import subprocess
 import sys
 import tempfile
@@ -78,7 +79,7 @@ class PreloadedProcess:
 
     def kill(self) -> None:
         """SIGKILL the task."""
-        self.send_signal(9)
+        self.send_signal(signal.SIGKILL)
 
 
 class PreloadServer:
@@ -102,6 +103,10 @@ class PreloadServer:
         os.environ.update(self._env)  # what the server sees at its start, when torch imports
         try:
             process.start()
+        except (OSError, EOFError) as error:
+            raise RuntimeError(
+                f"meshfit launch --preload: the fork server did not start {' '.join(argv)!r} ({error!r}). "
+                "Run without --preload to start each task as a new interpreter.") from error
         finally:
             os.environ.clear()
             os.environ.update(saved)

@@ -29,7 +29,7 @@ from _two_d_model import (
 from tests._multiproc import run_distributed
 
 # 4 gloo processes a run, several runs a test, on a shared 2-core machine
-pytestmark = pytest.mark.timeout(1200)
+pytestmark = [pytest.mark.timeout(1200), pytest.mark.crowded]
 
 
 def _fit(rank, world, shape, name, backup_dir=None, epochs=1, clip=None):

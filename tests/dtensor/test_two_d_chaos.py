@@ -15,7 +15,7 @@ SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 STEPS = 40
 
 # 4 processes a run, two runs, on a shared 2-core machine
-pytestmark = pytest.mark.timeout(1500)
+pytestmark = [pytest.mark.timeout(1500), pytest.mark.crowded]
 
 
 def _run(out: str, *extra: str, restarts: int, preload: bool = False) -> str:
