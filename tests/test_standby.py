@@ -51,7 +51,9 @@ KILL_WORKER_1_IN_ROUND_0 = """
 if ROUND == 0:
     if INDEX == 1:
         deadline = time.monotonic() + 60  # fail once the standbys are up (they import torch: seconds)
-        while len(standby_pids()) < 2 and time.monotonic() < deadline:
+        # and worker 0 has recorded its cold start (on a loaded machine it may not have run a line yet)
+        while ((len(standby_pids()) < 2 or not os.path.exists(os.path.join(OUT, "seen-0-r0")))
+               and time.monotonic() < deadline):
             time.sleep(0.1)
         {before_failing}
         sys.exit(1)
