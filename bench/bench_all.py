@@ -279,18 +279,14 @@ def table(rows: dict[str, list[float]], cores: int, load: tuple[float, float], s
         f"after {m.get('recovery detection by the launcher', float('nan')):.2f} s; then "
         + ", ".join(f"{p} {m[f'recovery {p}']:.2f}" for p in phases) + " s (medians; bench/bench_recovery.py "
         "also runs torchrun's elastic agent) |")
-    if "standby recovery total" in rows:
-        lines.append(
-            f"| the same with `meshfit launch --standby` (warm processes: no import on restart) | "
-            f"{m['standby recovery total']:.2f} s [{rng('standby recovery total', '.2f')}] | – | ≤ 5 s | "
-            + ", ".join(f"{p} {m[f'standby recovery {p}']:.2f}" for p in phases
-                        if f"standby recovery {p}" in rows) + " s |")
-    if "preload recovery total" in rows:
-        lines.append(
-            f"| the same with `meshfit launch --preload` (every task a fork of one preloaded process) | "
-            f"{m['preload recovery total']:.2f} s [{rng('preload recovery total', '.2f')}] | – | ≤ 5 s | "
-            + ", ".join(f"{p} {m[f'preload recovery {p}']:.2f}" for p in phases
-                        if f"preload recovery {p}" in rows) + " s |")
+    for variant, what in (("standby", "warm processes: no import on restart"),
+                          ("preload", "every task a fork of one preloaded process")):
+        if f"{variant} recovery total" in rows:
+            lines.append(
+                f"| the same with `meshfit launch --{variant}` ({what}) | "
+                f"{m[f'{variant} recovery total']:.2f} s [{rng(f'{variant} recovery total', '.2f')}] | – | ≤ 5 s | "
+                + ", ".join(f"{p} {m[f'{variant} recovery {p}']:.2f}" for p in phases
+                            if f"{variant} recovery {p}" in rows) + " s |")
     lines.append(
         "| `kill -9` → the surviving worker names the dead peer | "
         + (f"{statistics.median(survivor):.2f} s [{min(survivor):.2f}–{max(survivor):.2f}]" if survivor else

@@ -301,25 +301,10 @@ def _become(request: dict, out_fd: int) -> int:
     os.environ.update(request["env"])
     tempfile.tempdir = None  # cached from the server's environment by an import: read TMPDIR again
     os.chdir(request["cwd"])
-    script = request["argv"][0]
     sys.argv = list(request["argv"])
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
-    import runpy
+    from meshfit._runtime._preload import run_as_main  # meshfit's launcher runs its forked tasks so
 
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as exit_:
-        code = exit_.code
-        if code is None:
-            return 0
-        if isinstance(code, int):
-            return code
-        print(code, file=sys.stderr)
-        return 1
-    except BaseException:  # as the interpreter does with an uncaught exception
-        sys.excepthook(*sys.exc_info())
-        return 1
-    return 0
+    return run_as_main(sys.argv, module=False)
 
 
 if __name__ == "__main__":

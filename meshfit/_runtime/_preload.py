@@ -37,7 +37,7 @@ from multiprocessing.process import BaseProcess
 from types import TracebackType
 from typing import IO
 
-__all__ = ["PRELOAD", "PreloadServer", "PreloadedProcess"]
+__all__ = ["PRELOAD", "PreloadServer", "PreloadedProcess", "run_as_main", "run_task"]
 
 # What a training script imports before its first step, imported once by the fork server. torch's own
 # modules first: ``import meshfit`` notes torch's thread count (meshfit._runtime._threads_at_import).
@@ -136,7 +136,7 @@ def run_task(argv: list[str], module: bool, env: dict[str, str], out: Connection
     if numpy is not None:
         numpy.random.seed()  # a new interpreter draws its own; a fork would share the server's
     sys.argv = list(argv)
-    code = _run(argv, module)
+    code = run_as_main(argv, module)
     for stream in (sys.stdout, sys.stderr):
         if stream is not None:
             stream.flush()
@@ -147,7 +147,10 @@ def run_task(argv: list[str], module: bool, env: dict[str, str], out: Connection
     sys.exit(code)
 
 
-def _run(argv: list[str], module: bool) -> int:
+def run_as_main(argv: list[str], module: bool) -> int:
+    """Run ``argv[0]`` (a script, or a module with ``module``) as ``__main__`` in this process, as
+    ``python argv...`` would; its exit code (1 after an uncaught exception, printed by `sys.excepthook`
+    from the script's own frame)."""
     try:
         if module:
             sys.path[0] = os.getcwd()  # python -m puts the working directory first
