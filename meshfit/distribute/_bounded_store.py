@@ -49,13 +49,15 @@ class BoundedStore:
                 box.append((False, error))
             done.set()
 
-    def call(self, job: Callable[[Any], Any]) -> Any:
-        """``job(store)``'s result within the bound; raises what it raised, or `TimeoutError`."""
+    def call(self, job: Callable[[Any], Any], seconds: float | None = None) -> Any:
+        """``job(store)``'s result within the bound (``seconds``, at most this store's own);
+        raises what it raised, or `TimeoutError`."""
+        bound = self._seconds if seconds is None else min(seconds, self._seconds)
         box: list[tuple[bool, Any]] = []
         done = threading.Event()
         self._jobs.put((job, box, done))
-        if not done.wait(self._seconds):
-            raise TimeoutError(f"no answer within {self._seconds:g} s")
+        if not done.wait(bound):
+            raise TimeoutError(f"no answer within {bound:.3g} s")
         ok, value = box[0]
         if ok:
             return value

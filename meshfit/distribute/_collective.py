@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from meshfit._runtime import freeze_heap_at_exit
 from meshfit.cluster import (
     ClusterResolver,
     SimpleClusterResolver,
@@ -117,6 +118,7 @@ def join_world(options: CommunicationOptions, rank: int, world_size: int, master
         def shutdown() -> None:
             world.shutdown(wait_for_peers=float(options.timeout_seconds))
             clear_process_world(world)
+            freeze_heap_at_exit()  # after the world's own shutdown: Python's then skips torch's objects
 
         atexit.register(shutdown)
     return world

@@ -44,6 +44,8 @@ from meshfit.distribute._failure import FailureState
 __all__ = ["PEER_FAILURE_EXIT_CODE", "Heartbeat", "PeerFailureError"]
 
 _GRACE_SECONDS = 1.5
+_SHORTEST_REQUEST = 0.2  # the least time a store request is given (an answer takes a millisecond)
+_PAST_DUE = 0.05  # a request bounded by a deadline ends this much after it, so the silence has reached it
 _FIRST_BEAT_FACTOR = 2.0  # a peer never heard from gets this many timeouts (see the module docstring)
 _KEPT_BEATS = 64  # beats kept in the store per rank, so a lagging watcher still finds the next one
 _PREFIX = "meshfit/hb"
@@ -188,15 +190,24 @@ class Heartbeat:
         started = time.monotonic()
         last_answer = started
         declared_at: float | None = None
-        while not self._stop.wait(self._interval):
+
+        def pause() -> float:  # until the next round, or until the grace after a declaration ends
+            remaining = -1.0 if declared_at is None else declared_at + _GRACE_SECONDS - time.monotonic()
+            return min(self._interval, remaining) if remaining > 0 else self._interval
+
+        while not self._stop.wait(pause()):
             now = time.monotonic()
             if declared_at is None and self.failure is not None:  # `peer_ended` declared it
                 declared_at = now
-            if declared_at is not None and now - declared_at > _GRACE_SECONDS:
+            if declared_at is not None and now - declared_at >= _GRACE_SECONDS:
                 self._end_if_blocked()
+            # No request outlasts the moment the next decision is due: the store's silence reaching
+            # the timeout, or the end of the grace after a declaration.
+            due = last_answer + self._timeout if declared_at is None else declared_at + _GRACE_SECONDS
+            bound = max(_SHORTEST_REQUEST, due - now + _PAST_DUE)
             try:
                 # Keep beating after a failure, so that no peer blames this worker.
-                self._store.call(functools.partial(self._round, looking=declared_at is None))
+                self._store.call(functools.partial(self._round, looking=declared_at is None), bound)
                 last_answer = now = time.monotonic()
                 if declared_at is not None:
                     continue
@@ -338,4 +349,4 @@ class Heartbeat:
                 names = ", ".join(self._names[r] for r in running)
                 print(f"meshfit: {self._names[self._rank]} hosts the rendezvous store and waits for {names} "
                       "to finish", file=sys.stderr, flush=True)
-            time.sleep(0.1)
+            time.sleep(0.05)

@@ -85,6 +85,10 @@ class Liveness:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._listener: socket.socket | None = None
+        # `stop` writes a byte here so that the thread leaves its `select` at once, not after its timeout.
+        self._wake_reader, self._wake_writer = socket.socketpair()
+        self._wake_reader.setblocking(False)
+        self._selector.register(self._wake_reader, selectors.EVENT_READ)
 
     def _mac(self, rank: int) -> bytes:
         return hmac.new(self._secret, f"liveness/{rank}".encode(), hashlib.sha256).digest()[:20]
@@ -119,7 +123,10 @@ class Liveness:
     def _run(self) -> None:
         while not self._stop.is_set():
             for key, _ in self._selector.select(timeout=0.5):
-                if key.fileobj is self._listener:
+                if key.fileobj is self._wake_reader:
+                    with contextlib.suppress(OSError):
+                        self._wake_reader.recv(64)
+                elif key.fileobj is self._listener:
                     self._accept()
                 else:
                     self._read(key.fileobj)  # type: ignore[arg-type]
@@ -192,12 +199,15 @@ class Liveness:
         if goodbye:
             self._send_all(b"B")
         self._stop.set()
+        with contextlib.suppress(OSError):
+            self._wake_writer.send(b"\0")
         if self._thread is not None:
             self._thread.join(timeout=2)
         with self._lock:
             connections = list(self._peers)
             self._peers.clear()
-        for connection in [*connections, *([self._listener] if self._listener else [])]:
+        wake = [self._wake_reader, self._wake_writer]
+        for connection in [*connections, *([self._listener] if self._listener else []), *wake]:
             with contextlib.suppress(OSError):
                 connection.close()
         with contextlib.suppress(Exception):

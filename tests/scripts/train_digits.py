@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import gc
 import os
 import signal
 import threading
@@ -125,7 +126,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.report_threads:  # registered first, so it runs last
         atexit.register(lambda: print("meshfit threads at exit: " + repr(sorted(
-            t.name for t in threading.enumerate() if t.name.startswith("meshfit-"))), flush=True))
+            t.name for t in threading.enumerate() if t.name.startswith("meshfit-")))
+            + f"; objects frozen: {gc.get_freeze_count() > 0}", flush=True))
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
     options = mf.CommunicationOptions(heartbeat_timeout_seconds=args.heartbeat)
