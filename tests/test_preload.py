@@ -20,8 +20,9 @@ pytestmark = pytest.mark.timeout(300)
 
 # Runs before the script imports anything: whether torch was there already.
 PROBE = """\
-import sys
+import gc, sys
 PRELOADED = all(m in sys.modules for m in ("torch", "torch._dynamo", "meshfit"))
+FROZEN = gc.get_freeze_count()  # what the fork server imported, frozen there (_fork_server_heap.py)
 import atexit, json, multiprocessing, os, signal, threading, time
 import numpy as np
 import torch
@@ -42,10 +43,11 @@ def late():
 threading.Thread(target=late).start()  # non-daemon: joined before the atexit handlers run
 atexit.register(lambda: record(f"atexit-{INDEX}-r{ROUND}", os.path.exists(os.path.join(OUT, f"thread-{INDEX}-r{ROUND}"))))
 record(f"seen-{INDEX}-r{ROUND}", {
-    "preloaded": PRELOADED, "pid": os.getpid(), "ppid": os.getppid(), "session_leader": os.getsid(0) == os.getpid(),
+    "preloaded": PRELOADED, "frozen": FROZEN, "pid": os.getpid(), "ppid": os.getppid(), "session_leader": os.getsid(0) == os.getpid(),
     "argv": sys.argv[2:], "path0": sys.path[0], "name": __name__, "process": multiprocessing.current_process().name,
     "numpy": float(np.random.rand()), "threads": torch.get_num_threads(), "stdin": sys.stdin.read(),
-    "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PYTHONUNBUFFERED", "MESHFIT_TEST_PRELOAD")}})
+    "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PYTHONUNBUFFERED", "MESHFIT_TEST_PRELOAD",
+                                           "MESHFIT_PRELOAD_SERVER") if k in os.environ}})
 print(f"worker {INDEX} round {ROUND} out", flush=True)
 print(f"worker {INDEX} round {ROUND} err", file=sys.stderr, flush=True)
 """
@@ -107,6 +109,8 @@ def test_every_task_is_a_fork_of_one_preloaded_process_and_sees_what_a_new_inter
     assert code == 0, output
     seen = [_seen(out, f"seen-{i}-r0") for i in range(2)]
     assert all(s["preloaded"] for s in seen), seen  # torch was imported before the script's first line
+    # ... and frozen by the server (gc.freeze), so that no collection of the task walks it
+    assert all(s["frozen"] > 100_000 for s in seen), seen
     assert seen[0]["ppid"] == seen[1]["ppid"], seen  # one parent: the fork server
     assert len({s["pid"] for s in seen} | {seen[0]["ppid"]}) == 3, seen
     for s in seen:
@@ -130,6 +134,7 @@ def test_without_preload_the_same_probe_is_a_new_interpreter(tmp_path):
     assert code == 0, output
     seen = [_seen(out, f"seen-{i}-r0") for i in range(2)]
     assert not any(s["preloaded"] for s in seen), seen
+    assert not any(s["frozen"] for s in seen), seen
 
 
 def test_a_killed_task_restarts_as_a_new_fork_and_an_uncaught_exception_prints_the_scripts_traceback(tmp_path):

@@ -37,12 +37,16 @@ from multiprocessing.process import BaseProcess
 from types import TracebackType
 from typing import IO
 
+from meshfit._runtime._fork_server_heap import FORK_SERVER_ENV
+
 __all__ = ["PRELOAD", "PreloadServer", "PreloadedProcess", "run_as_main", "run_task"]
 
 # What a training script imports before its first step, imported once by the fork server. torch's own
 # modules first: ``import meshfit`` notes torch's thread count (meshfit._runtime._threads_at_import).
+# The last one freezes what the server imported (see it), and only in the server.
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint", "numpy", "meshfit",
-           "meshfit.callbacks", "meshfit.distribute", "meshfit.optimizers", "meshfit.losses", "meshfit.metrics"]
+           "meshfit.callbacks", "meshfit.distribute", "meshfit.optimizers", "meshfit.losses", "meshfit.metrics",
+           "meshfit._runtime._fork_server_heap"]
 
 
 class PreloadedProcess:
@@ -101,6 +105,7 @@ class PreloadServer:
         saved = dict(os.environ)
         os.environ.clear()
         os.environ.update(self._env)  # what the server sees at its start, when torch imports
+        os.environ[FORK_SERVER_ENV] = "1"  # the tasks' own environment replaces it (`run_task`)
         try:
             process.start()
         except (OSError, EOFError) as error:
