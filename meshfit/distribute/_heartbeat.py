@@ -191,13 +191,7 @@ class Heartbeat:
         last_answer = started
         declared_at: float | None = None
 
-        first = True
-
         def pause() -> float:  # until the next round, or until the grace after a declaration ends
-            nonlocal first
-            if first:  # the first beat at once: a peer that freezes early is not "never heard from"
-                first = False
-                return 0.0
             remaining = -1.0 if declared_at is None else declared_at + _GRACE_SECONDS - time.monotonic()
             return min(self._interval, remaining) if remaining > 0 else self._interval
 
