@@ -47,9 +47,17 @@ docs: $(STAMP)
 # The suite in TEST_WORKERS pytest workers (pytest-xdist): most multi-process tests wait (for a timeout
 # to detect, a peer to start) more than they compute, so more workers than cores pays on 2 cores. Tests
 # that share a module-scoped fixture starting processes stay in one worker (tests/conftest.py).
+# The type check and the strict docs build (45 s one after the other on a fresh clone here) run beside the
+# suite at the lowest CPU priority (nice 19): they take the cores mostly while the suite's tests wait on
+# processes and timeouts. Their output follows the suite's; a failure of either fails `make test`.
 TEST_WORKERS ?= 3
-test: lint typecheck bytecode docs
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 tests
+test: lint bytecode
+	mkdir -p build
+	( nice -n 19 $(MAKE) -k --no-print-directory typecheck docs > build/checks.log 2>&1; echo $$? > build/checks.rc ) & \
+	checks=$$!; \
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 tests; status=$$?; \
+	wait $$checks; echo "--- make typecheck docs (beside the suite):"; cat build/checks.log; \
+	test $$status -eq 0 && test "$$(cat build/checks.rc)" -eq 0
 
 test-quick: lint bytecode
 	$(BIN)/python -m pytest -q -m "not slow" tests
