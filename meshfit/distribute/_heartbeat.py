@@ -202,9 +202,13 @@ class Heartbeat:
             if declared_at is not None and now - declared_at >= _GRACE_SECONDS:
                 self._end_if_blocked()
             # No request outlasts the moment the next decision is due: the store's silence reaching
-            # the timeout, or the end of the grace after a declaration.
-            due = last_answer + self._timeout if declared_at is None else declared_at + _GRACE_SECONDS
-            bound = max(_SHORTEST_REQUEST, due - now + _PAST_DUE)
+            # the timeout, or the end of the grace after a declaration. After that, the beats that go on
+            # (so that no peer blames this worker) get the whole request bound.
+            due: float | None = last_answer + self._timeout
+            if declared_at is not None:
+                grace_ends = declared_at + _GRACE_SECONDS
+                due = grace_ends if now < grace_ends else None
+            bound = self._request_timeout if due is None else max(_SHORTEST_REQUEST, due - now + _PAST_DUE)
             try:
                 # Keep beating after a failure, so that no peer blames this worker.
                 self._store.call(functools.partial(self._round, looking=declared_at is None), bound)
