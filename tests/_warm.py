@@ -11,7 +11,8 @@ the interpreter finalised; an uncaught exception through ``sys.excepthook`` and 
 
 What it does not reproduce, so tests of those use a fresh interpreter (``start(..., fresh=True)``):
 what happens while torch and meshfit import (their import time, threads, environment read then), and a
-hash seed of its own (the workers share the server's ``str`` hash seed, as forked processes do).
+hash seed of its own (the workers share the server's ``str`` hash seed, as forked processes do). The
+objects the server imported are frozen (``gc.freeze``), as in ``meshfit launch --preload``'s tasks.
 
 Protocol (one connection per worker, over a Unix socket): the test sends the request (JSON) and its
 pipe's write end (``SCM_RIGHTS``); the server answers the worker's pid, then its wait status when the
@@ -21,6 +22,7 @@ server reaps it.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import io
 import json
@@ -226,6 +228,9 @@ class _Become(BaseException):
 def _serve(path: str) -> None:
     for name in PRELOAD:
         importlib.import_module(name)
+    # As meshfit's --preload fork server does (meshfit/_runtime/_fork_server_heap.py): the workers'
+    # collections, and their interpreters' shutdown, skip what the server imported.
+    gc.freeze()
     threads = len(os.listdir("/proc/self/task"))
     if threads != 1:  # forking a process with threads is unsafe: refuse rather than hang a test
         raise RuntimeError(f"the warm interpreter has {threads} threads after its imports; it must have 1")

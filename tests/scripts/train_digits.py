@@ -125,9 +125,10 @@ def main() -> None:
                         help="print the meshfit threads still alive after every other exit handler")
     args = parser.parse_args()
     if args.report_threads:  # registered first, so it runs last
+        frozen_at_start = gc.get_freeze_count()  # a warm or preloaded process starts with its server's
         atexit.register(lambda: print("meshfit threads at exit: " + repr(sorted(
             t.name for t in threading.enumerate() if t.name.startswith("meshfit-")))
-            + f"; objects frozen: {gc.get_freeze_count() > 0}", flush=True))
+            + f"; objects frozen: {gc.get_freeze_count() > frozen_at_start}", flush=True))
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
     options = mf.CommunicationOptions(heartbeat_timeout_seconds=args.heartbeat)
