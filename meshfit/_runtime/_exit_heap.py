@@ -10,9 +10,10 @@ the old round to go.
 `freeze_heap_at_exit`, which a worker's world calls after its own shutdown at exit, collects the
 garbage there is once (every finalizer of an unreachable object runs, with the interpreter still
 whole) and then moves every object into the collector's permanent generation (`gc.freeze`), which
-shutdown's collections skip: 0.2 s instead of 1.3 s. Objects that become unreachable only while the
-modules are cleared are then released by reference counting alone; one inside a reference cycle is
-not finalized (its memory goes back with the process). A file the script left open inside such a
+shutdown's collections skip: 0.4-0.5 s in all (the collection 0.2 s of it) instead of 1.3-1.5 s
+(``bench/bench_exit.py``). Objects that become unreachable only while the modules are cleared are
+then released by reference counting alone; one inside a reference cycle is not finalized (its memory
+goes back with the process). A file the script left open inside such a
 cycle is the one thing that could notice: close files, or open them with ``with``, as Python's
 documentation asks anyway. ``MESHFIT_FREEZE_HEAP_AT_EXIT=0`` in the environment keeps Python's own
 shutdown.
