@@ -4,11 +4,14 @@ of it leaves a process behind or breaks the next call."""
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 
 import pytest
 from _multiproc import ChildProcessError_, helper_pids, run_distributed
+
+from meshfit._runtime import FORK_SERVER_ENV
 
 
 def _report(rank, world_size):
@@ -22,7 +25,8 @@ def _report(rank, world_size):
     dist.all_reduce(total)
     return {"pid": os.getpid(), "sum": total.item(), "var": os.environ.get("MULTIPROC_PROBE"),
             "extra": os.environ.get("MULTIPROC_EXTRA"), "threads": torch.get_num_threads(),
-            "default_strategy": is_default_strategy(mf.get_strategy()), "dtype": str(torch.get_default_dtype())}
+            "default_strategy": is_default_strategy(mf.get_strategy()), "dtype": str(torch.get_default_dtype()),
+            "frozen": gc.get_freeze_count(), "marker": os.environ.get(FORK_SERVER_ENV)}
 
 
 def _dirty(rank, world_size):
@@ -57,6 +61,9 @@ def test_ranks_are_fresh_processes_with_the_callers_environment(monkeypatch, sta
         # The earlier call's env var, default dtype and strategy scope stayed in its own processes.
         assert (got["var"], got["extra"], got["threads"]) == ("now", "x", 1)
         assert (got["default_strategy"], got["dtype"]) == (True, "torch.float32")
+        # A forked rank starts with the server's imports frozen (its collections skip them); a new
+        # interpreter with nothing frozen. The server's marker variable reaches neither.
+        assert (got["frozen"] > 100_000) == (start_method == "forkserver") and got["marker"] is None, got
 
 
 def test_a_rank_that_raises_comes_back_with_its_traceback_and_the_next_call_works():

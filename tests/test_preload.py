@@ -23,6 +23,8 @@ PROBE = """\
 import gc, sys
 PRELOADED = all(m in sys.modules for m in ("torch", "torch._dynamo", "meshfit"))
 FROZEN = gc.get_freeze_count()  # what the fork server imported, frozen there (_fork_server_heap.py)
+# Frozen after the server's last import, not at `import meshfit`: a module imported later is frozen too
+LATE_FROZEN = PRELOADED and all(vars(sys.modules["meshfit.metrics"]) is not o for o in gc.get_objects())
 import atexit, json, multiprocessing, os, signal, threading, time
 import numpy as np
 import torch
@@ -43,7 +45,7 @@ def late():
 threading.Thread(target=late).start()  # non-daemon: joined before the atexit handlers run
 atexit.register(lambda: record(f"atexit-{INDEX}-r{ROUND}", os.path.exists(os.path.join(OUT, f"thread-{INDEX}-r{ROUND}"))))
 record(f"seen-{INDEX}-r{ROUND}", {
-    "preloaded": PRELOADED, "frozen": FROZEN, "pid": os.getpid(), "ppid": os.getppid(), "session_leader": os.getsid(0) == os.getpid(),
+    "preloaded": PRELOADED, "frozen": FROZEN, "late_frozen": LATE_FROZEN, "pid": os.getpid(), "ppid": os.getppid(), "session_leader": os.getsid(0) == os.getpid(),
     "argv": sys.argv[2:], "path0": sys.path[0], "name": __name__, "process": multiprocessing.current_process().name,
     "numpy": float(np.random.rand()), "threads": torch.get_num_threads(), "stdin": sys.stdin.read(),
     "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PYTHONUNBUFFERED", "MESHFIT_TEST_PRELOAD",
@@ -110,7 +112,7 @@ def test_every_task_is_a_fork_of_one_preloaded_process_and_sees_what_a_new_inter
     seen = [_seen(out, f"seen-{i}-r0") for i in range(2)]
     assert all(s["preloaded"] for s in seen), seen  # torch was imported before the script's first line
     # ... and frozen by the server (gc.freeze), so that no collection of the task walks it
-    assert all(s["frozen"] > 100_000 for s in seen), seen
+    assert all(s["frozen"] > 100_000 and s["late_frozen"] for s in seen), seen
     assert seen[0]["ppid"] == seen[1]["ppid"], seen  # one parent: the fork server
     assert len({s["pid"] for s in seen} | {seen[0]["ppid"]}) == 3, seen
     for s in seen:

@@ -8,7 +8,8 @@ launcher ends, skips them too. Without it the server spent 1.5 s shutting down a
 ended, with the launcher's output pipe still open, so a `| tee` or a test reading the output waited.
 
 Only a process started with ``FORK_SERVER_ENV=1`` in its environment (the launcher sets it for its
-fork server alone) freezes anything: importing this module elsewhere does nothing.
+fork server alone) freezes anything: importing this module elsewhere does nothing. Nothing else in
+meshfit imports it: imported by ``import meshfit``, it would freeze before the rest of the preload.
 """
 
 from __future__ import annotations
@@ -16,9 +17,7 @@ from __future__ import annotations
 import gc
 import os
 
-__all__ = ["FORK_SERVER_ENV"]
-
-FORK_SERVER_ENV = "MESHFIT_PRELOAD_SERVER"
+from meshfit._runtime._preload import FORK_SERVER_ENV
 
 if os.environ.get(FORK_SERVER_ENV) == "1":
     gc.freeze()

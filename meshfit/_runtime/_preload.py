@@ -37,9 +37,11 @@ from multiprocessing.process import BaseProcess
 from types import TracebackType
 from typing import IO
 
-from meshfit._runtime._fork_server_heap import FORK_SERVER_ENV
+__all__ = ["FORK_SERVER_ENV", "PRELOAD", "PreloadServer", "PreloadedProcess", "run_as_main", "run_task"]
 
-__all__ = ["PRELOAD", "PreloadServer", "PreloadedProcess", "run_as_main", "run_task"]
+# Set for the fork server alone: `meshfit._runtime._fork_server_heap` freezes the heap only there. That
+# module must not be imported before the last entry of PRELOAD (it acts on import): the name lives here.
+FORK_SERVER_ENV = "MESHFIT_PRELOAD_SERVER"
 
 # What a training script imports before its first step, imported once by the fork server. torch's own
 # modules first: ``import meshfit`` notes torch's thread count (meshfit._runtime._threads_at_import).
