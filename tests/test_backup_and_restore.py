@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -273,6 +274,25 @@ def test_delete_checkpoint_deletes_only_what_meshfit_wrote(data, tmp_path):
     (backup / "notes.txt").write_text("the user's own file")  # added to a meshfit backup folder later
     fit(x, y, [mf.callbacks.BackupAndRestore(str(backup))], epochs=1)
     assert sorted(os.listdir(backup)) == ["notes.txt"]  # backups, record and marker gone; the user's file kept
+
+
+def test_a_finished_backup_folder_is_gone_when_fit_returns_and_a_killed_deleters_leftover_is_removed(data, tmp_path):
+    x, y = data
+    backup = tmp_path / "backup"
+    fit(x, y, [mf.callbacks.BackupAndRestore(str(backup), save_freq=4)], epochs=1)
+    assert not backup.exists()  # renamed away before fit returned: no later run can resume from it
+    for thread in [t for t in threading.enumerate() if t.name == "meshfit-prune"]:
+        thread.join(timeout=30)  # the files are unlinked on a thread
+    assert sorted(os.listdir(tmp_path)) == []
+    # A process killed while unlinking leaves `<folder>.deleting-<pid>`: claiming the folder again removes it
+    dead = tmp_path / "backup.deleting-999999999"
+    (dead / "ckpt-1").mkdir(parents=True)
+    (dead / "ckpt-1" / "data").write_bytes(b"x" * 100)
+    with pytest.raises(RuntimeError, match="Interruption"):
+        fit(x, y, [mf.callbacks.BackupAndRestore(str(backup), save_freq=4, async_save=False), InterruptAtStep(6)],
+            epochs=1)
+    assert sorted(os.listdir(tmp_path)) == ["backup"]
+    assert "ckpt-1" in os.listdir(backup)  # this run's backup (step 4) is kept until its fit completes
 
 
 def test_a_non_empty_folder_that_is_not_a_backup_is_refused(data, tmp_path):

@@ -14,6 +14,7 @@ scratch copies of them) only, then the folder if that left it empty.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import warnings
@@ -45,6 +46,7 @@ def claim_backup_dir(directory: str, checkpoint_name: str = "ckpt") -> None:
             and some of them.
         NotADirectoryError: ``directory`` is a file.
     """
+    _drop_deleted_copies(directory)
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise NotADirectoryError(f"Invalid `backup_dir`: expected a folder, received backup_dir={directory!r}, "
                                  "an existing file.")
@@ -61,12 +63,42 @@ def claim_backup_dir(directory: str, checkpoint_name: str = "ckpt") -> None:
         atomic_write_json(os.path.join(directory, MARKER_FILE), _MARKER)
 
 
+def _drop_deleted_copies(directory: str) -> None:
+    """Remove ``<directory>.deleting-<pid>`` folders that `delete_backup_dir` renamed and a killed process
+    did not finish unlinking (this process's own is left to the thread deleting it)."""
+    parent, base = os.path.split(os.path.abspath(directory))
+    try:
+        names = os.listdir(parent or ".")
+    except OSError:
+        return
+    pattern = re.compile(rf"{re.escape(base)}\.deleting-(\d+)")
+    for name in names:
+        match = pattern.fullmatch(name)
+        if match is not None and int(match[1]) != os.getpid():
+            with contextlib.suppress(OSError):
+                remove_tree(os.path.join(parent, name))
+
+
 def delete_backup_dir(directory: str, checkpoint_name: str = "ckpt") -> None:
-    """Chief only: delete what meshfit wrote in ``directory``; the folder too if nothing else is left."""
+    """Chief only: delete what meshfit wrote in ``directory``; the folder too if nothing else is left.
+
+    A folder holding only what meshfit wrote is renamed to ``<directory>.deleting-<pid>`` (the commit:
+    from then on no run can resume from it) and its files are unlinked on a thread, off the training
+    step: unlinking two fsynced backups of the seed CNN took 20-23 ms here, inside every ``fit``'s end.
+    The thread is not a daemon (the interpreter finishes it before exiting); a leftover of a killed
+    process is removed when the folder is next claimed. A folder that cannot be renamed (a mount
+    point) is emptied in place.
+    """
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return
+    if all(_owned_name(name, checkpoint_name) for name in names):
+        try:
+            remove_tree(directory, background=True)
+            return
+        except OSError:  # e.g. the folder is a mount point: delete what it holds, below
+            pass
     for name in sorted(names, key=lambda n: n == MARKER_FILE):  # the marker last: a crash keeps it claimed
         if _owned_name(name, checkpoint_name):
             remove_tree(os.path.join(directory, name))
