@@ -164,7 +164,7 @@ def test_the_tutorial_main_py_on_two_hosts(namespace_hosts, tmp_path):
     hosts = namespace_hosts(2)
     argv = [EXAMPLE, "--backup-dir", str(tmp_path / "backup"), "--checkpoint-dir", str(tmp_path / "ckpt")]
     # On its tiny settings (2 epochs of 3 steps), as examples/ runs in the suite: what is tested here is
-    # the tutorial's TF_CONFIG flow between two hosts, not its 210 steps (45 s of both cores).
+    # the tutorial's TF_CONFIG flow between two hosts, not its 210 steps (48 CPU-s and 59 s here).
     procs = _on_hosts(hosts, argv, MESHFIT_EXAMPLE_TINY="1")
     outputs = [p.communicate(timeout=400)[0] for p in procs]
     for p, output in zip(procs, outputs, strict=True):
