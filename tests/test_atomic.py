@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import subprocess
 import sys
+import threading
 
 import torch
 
 import meshfit as mf
-from meshfit._storage import _io
+from meshfit._storage import _atomic, _io
 from meshfit._storage._atomic import (
     _WRITER_ATTRIBUTE,
     AtomicDirectory,
     clean_directory,
+    clean_siblings,
     is_scratch_name,
     recover,
+    remove_tree,
 )
 from meshfit.train import Checkpoint, CheckpointManager, latest_checkpoint
 from tests import _procs
@@ -142,6 +146,33 @@ def test_dead_writers_leftovers_are_removed_and_a_live_writers_scratch_is_kept(t
     assert sorted(os.listdir(tmp_path)) == ["a", f"b.tmp-{os.getpid()}", "d.tmp", "user.old", "user.tmp"]
     live.finalize()
     assert os.path.isdir(tmp_path / "b") and not os.path.exists(live_scratch)
+
+
+def test_a_tree_this_process_is_still_unlinking_is_left_to_its_thread(tmp_path, monkeypatch):
+    release = threading.Event()
+    started = threading.Event()
+    rmtree = shutil.rmtree
+
+    def slow_rmtree(path, *args, **kwargs):
+        started.set()
+        release.wait(timeout=30)
+        rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(_atomic.shutil, "rmtree", slow_rmtree)
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    remove_tree(str(tmp_path / "a"), background=True)
+    doomed = tmp_path / f"a.deleting-{os.getpid()}"
+    assert started.wait(timeout=30)
+    monkeypatch.setattr(_atomic.shutil, "rmtree", rmtree)  # a second remover would unlink at once
+    clean_siblings(tmp_path / "a")
+    assert os.listdir(tmp_path) == [doomed.name]  # not raced by a second remover
+    release.set()
+    for thread in [t for t in threading.enumerate() if t.name == "meshfit-prune"]:
+        thread.join(timeout=30)
+    assert os.listdir(tmp_path) == []
+    (doomed / "c").mkdir(parents=True)  # the same name, left by a killed process that had this pid
+    clean_siblings(tmp_path / "a")
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_writer_that_exited_but_was_not_yet_reaped_counts_as_dead(tmp_path):

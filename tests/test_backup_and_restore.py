@@ -284,10 +284,12 @@ def test_a_finished_backup_folder_is_gone_when_fit_returns_and_a_killed_deleters
     for thread in [t for t in threading.enumerate() if t.name == "meshfit-prune"]:
         thread.join(timeout=30)  # the files are unlinked on a thread
     assert sorted(os.listdir(tmp_path)) == []
-    # A process killed while unlinking leaves `<folder>.deleting-<pid>`: claiming the folder again removes it
-    dead = tmp_path / "backup.deleting-999999999"
-    (dead / "ckpt-1").mkdir(parents=True)
-    (dead / "ckpt-1" / "data").write_bytes(b"x" * 100)
+    # A process killed while unlinking leaves `<folder>.deleting-<pid>`: claiming the folder again removes it,
+    # also when this process has the killed one's pid (a restarted container often does)
+    for pid in (999999999, os.getpid()):
+        dead = tmp_path / f"backup.deleting-{pid}"
+        (dead / "ckpt-1").mkdir(parents=True)
+        (dead / "ckpt-1" / "data").write_bytes(b"x" * 100)
     with pytest.raises(RuntimeError, match="Interruption"):
         fit(x, y, [mf.callbacks.BackupAndRestore(str(backup), save_freq=4, async_save=False), InterruptAtStep(6)],
             epochs=1)

@@ -6,7 +6,14 @@ A private layer package: meshfit's other packages import the names below from he
 """
 
 from meshfit._storage import _tagged_json as tagged_json
-from meshfit._storage._atomic import AtomicDirectory, clean_directory, is_scratch_name, recover, remove_tree
+from meshfit._storage._atomic import (
+    AtomicDirectory,
+    clean_directory,
+    clean_siblings,
+    is_scratch_name,
+    recover,
+    remove_tree,
+)
 from meshfit._storage._checksum import ChecksumError, CorruptFileError, file_crc32, tensor_crc32, verify_file
 from meshfit._storage._chief import chief_writes
 from meshfit._storage._io import atomic_directory, atomic_write_bytes, atomic_write_json, fsync_directory
@@ -22,6 +29,7 @@ __all__ = [
     "atomic_write_json",
     "chief_writes",
     "clean_directory",
+    "clean_siblings",
     "file_crc32",
     "fsync_directory",
     "is_scratch_name",

@@ -39,6 +39,11 @@ __all__ = [
 _WRITER_ATTRIBUTE = "user.meshfit.writer"
 _SCRATCH = re.compile(r"^(?P<target>.+)\.(?P<kind>tmp|old|deleting)(?:-(?P<pid>\d+))?$")
 _SWAP_GRACE_SECONDS = 2.0  # the two renames of a swap take microseconds; a gap this long is a crash
+# ``.deleting-<pid>`` folders this process's threads are still unlinking (`remove_tree(background=True)`):
+# `clean_siblings` leaves them to their thread. Kept by path, not by pid: a restarted container often
+# runs with its killed predecessor's pid, and that predecessor's leftover must still go.
+_IN_FLIGHT: set[str] = set()
+_IN_FLIGHT_LOCK = threading.Lock()
 
 
 def is_scratch_name(name: str) -> bool:
@@ -126,9 +131,19 @@ def remove_tree(path: str, background: bool = False) -> None:
         shutil.rmtree(doomed, ignore_errors=True)
     os.replace(path, doomed)
     if background:
-        threading.Thread(target=shutil.rmtree, args=(doomed, True), name="meshfit-prune").start()
+        with _IN_FLIGHT_LOCK:
+            _IN_FLIGHT.add(doomed)
+        threading.Thread(target=_unlink_in_background, args=(doomed,), name="meshfit-prune").start()
     else:
         shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _unlink_in_background(doomed: str) -> None:
+    try:
+        shutil.rmtree(doomed, ignore_errors=True)
+    finally:
+        with _IN_FLIGHT_LOCK:
+            _IN_FLIGHT.discard(doomed)
 
 
 def _siblings(path: str) -> dict[str, list[str]]:
@@ -183,12 +198,18 @@ def _removable(scratch: str, kind: str, pid: str | None, target_exists: bool) ->
     return kind == "deleting" or target_exists  # an ``.old`` whose replacement is in place
 
 
+def _in_flight(scratch: str) -> bool:
+    with _IN_FLIGHT_LOCK:
+        return scratch in _IN_FLIGHT
+
+
 def clean_siblings(path: str | os.PathLike) -> None:
     """Recovers an interrupted swap of ``path`` and removes dead writers' leftovers beside it.
 
-    Removed: ``path.deleting-<pid>``; ``path.old-<pid>`` once ``path`` is back in place; scratch
-    directories whose recorded writer is a dead process on this host. Kept: anything a live or
-    remote writer may still use, and names meshfit did not provably write.
+    Removed: ``path.deleting-<pid>`` (except one this process's thread is still unlinking);
+    ``path.old-<pid>`` once ``path`` is back in place; scratch directories whose recorded writer is a
+    dead process on this host. Kept: anything a live or remote writer may still use, and names meshfit
+    did not provably write.
     """
     path = os.path.abspath(os.fspath(path))
     recover(path)
@@ -196,7 +217,7 @@ def clean_siblings(path: str | os.PathLike) -> None:
     for kind, found in _siblings(path).items():
         for scratch in found:
             match = _SCRATCH.match(os.path.basename(scratch))
-            if match is not None and _removable(scratch, kind, match["pid"], exists):
+            if match is not None and _removable(scratch, kind, match["pid"], exists) and not _in_flight(scratch):
                 with contextlib.suppress(OSError):
                     remove_tree(scratch)
 

@@ -14,13 +14,12 @@ scratch copies of them) only, then the folder if that left it empty.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import warnings
 from typing import Any
 
-from meshfit._storage import CorruptFileError, atomic_write_json, is_scratch_name, remove_tree
+from meshfit._storage import CorruptFileError, atomic_write_json, clean_siblings, is_scratch_name, remove_tree
 
 MARKER_FILE = "meshfit_backup.json"
 _MARKER = {"format": "meshfit.backup/1"}
@@ -46,7 +45,7 @@ def claim_backup_dir(directory: str, checkpoint_name: str = "ckpt") -> None:
             and some of them.
         NotADirectoryError: ``directory`` is a file.
     """
-    _drop_deleted_copies(directory)
+    clean_siblings(directory)  # a killed process's `<directory>.deleting-<pid>`, a crashed writer's scratch
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise NotADirectoryError(f"Invalid `backup_dir`: expected a folder, received backup_dir={directory!r}, "
                                  "an existing file.")
@@ -61,22 +60,6 @@ def claim_backup_dir(directory: str, checkpoint_name: str = "ckpt") -> None:
     os.makedirs(directory, exist_ok=True)
     if MARKER_FILE not in names:
         atomic_write_json(os.path.join(directory, MARKER_FILE), _MARKER)
-
-
-def _drop_deleted_copies(directory: str) -> None:
-    """Remove ``<directory>.deleting-<pid>`` folders that `delete_backup_dir` renamed and a killed process
-    did not finish unlinking (this process's own is left to the thread deleting it)."""
-    parent, base = os.path.split(os.path.abspath(directory))
-    try:
-        names = os.listdir(parent or ".")
-    except OSError:
-        return
-    pattern = re.compile(rf"{re.escape(base)}\.deleting-(\d+)")
-    for name in names:
-        match = pattern.fullmatch(name)
-        if match is not None and int(match[1]) != os.getpid():
-            with contextlib.suppress(OSError):
-                remove_tree(os.path.join(parent, name))
 
 
 def delete_backup_dir(directory: str, checkpoint_name: str = "ckpt") -> None:
