@@ -39,11 +39,6 @@ __all__ = [
 _WRITER_ATTRIBUTE = "user.meshfit.writer"
 _SCRATCH = re.compile(r"^(?P<target>.+)\.(?P<kind>tmp|old|deleting)(?:-(?P<pid>\d+))?$")
 _SWAP_GRACE_SECONDS = 2.0  # the two renames of a swap take microseconds; a gap this long is a crash
-# ``.deleting-<pid>`` folders this process's threads are still unlinking (`remove_tree(background=True)`):
-# `clean_siblings` leaves them to their thread. Kept by path, not by pid: a restarted container often
-# runs with its killed predecessor's pid, and that predecessor's leftover must still go.
-_IN_FLIGHT: set[str] = set()
-_IN_FLIGHT_LOCK = threading.Lock()
 
 
 def is_scratch_name(name: str) -> bool:
@@ -131,19 +126,26 @@ def remove_tree(path: str, background: bool = False) -> None:
         shutil.rmtree(doomed, ignore_errors=True)
     os.replace(path, doomed)
     if background:
-        with _IN_FLIGHT_LOCK:
-            _IN_FLIGHT.add(doomed)
-        threading.Thread(target=_unlink_in_background, args=(doomed,), name="meshfit-prune").start()
+        _Unlinker(doomed).start()
     else:
         shutil.rmtree(doomed, ignore_errors=True)
 
 
-def _unlink_in_background(doomed: str) -> None:
-    try:
-        shutil.rmtree(doomed, ignore_errors=True)
-    finally:
-        with _IN_FLIGHT_LOCK:
-            _IN_FLIGHT.discard(doomed)
+class _Unlinker(threading.Thread):
+    """Unlinks a renamed-away tree off the caller's thread; while it runs, `clean_siblings` leaves the
+    tree to it. Known by the thread and its path, not by the pid in the name: a restarted container
+    often runs with its killed predecessor's pid, and that predecessor's leftover must still go."""
+
+    def __init__(self, doomed: str) -> None:
+        super().__init__(name="meshfit-prune")  # not a daemon: the interpreter finishes it before exiting
+        self.doomed = doomed
+
+    def run(self) -> None:
+        shutil.rmtree(self.doomed, ignore_errors=True)
+
+
+def _in_flight(scratch: str) -> bool:
+    return any(isinstance(t, _Unlinker) and t.doomed == scratch and t.is_alive() for t in threading.enumerate())
 
 
 def _siblings(path: str) -> dict[str, list[str]]:
@@ -196,11 +198,6 @@ def _removable(scratch: str, kind: str, pid: str | None, target_exists: bool) ->
     if pid is None:  # ``x.old`` / ``x.deleting`` without a pid may be the user's own folder
         return False
     return kind == "deleting" or target_exists  # an ``.old`` whose replacement is in place
-
-
-def _in_flight(scratch: str) -> bool:
-    with _IN_FLIGHT_LOCK:
-        return scratch in _IN_FLIGHT
 
 
 def clean_siblings(path: str | os.PathLike) -> None:

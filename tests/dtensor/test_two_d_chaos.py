@@ -18,10 +18,11 @@ STEPS = 40
 pytestmark = [pytest.mark.timeout(1500), pytest.mark.crowded]
 
 
-def _run(out: str, *extra: str, restarts: int, preload: bool = False) -> str:
-    proc = start(["-m", "meshfit._cli", "launch", "--workers", "4", "--max-restarts", str(restarts),
-                  *(["--preload"] if preload else []), SCRIPT,
-                  "--out", out, "--backup-dir", os.path.join(out, "backup"), *extra], child_env())
+def _run(out: str, *extra: str, restarts: int) -> str:
+    # forked from one preloaded process: 4 new interpreters would add 15 CPU-s to each run (the 2-worker
+    # chaos tests compare ranks started both ways)
+    proc = start(["-m", "meshfit._cli", "launch", "--workers", "4", "--max-restarts", str(restarts), "--preload",
+                  SCRIPT, "--out", out, *extra], child_env())
     code, output = finish(proc, timeout=700)
     assert code == 0, output
     return output
@@ -34,13 +35,13 @@ def _weights(out: str, rank: int) -> list[np.ndarray]:
 
 def test_sigkill_a_two_by_two_worker_at_a_random_step_resumes_bitwise(tmp_path):
     reference = str(tmp_path / "reference")
-    _run(reference, restarts=0)
+    _run(reference, restarts=0)  # without BackupAndRestore: the backups may not change a bit of training
     uninterrupted = _weights(reference, 0)
     chance = random.Random(22)
     rank, step = chance.randrange(4), chance.randrange(7, STEPS + 1)  # after the step-5 backup
     out = str(tmp_path / "out")
-    # forked from one preloaded process (the reference started new interpreters): bitwise all the same
-    output = _run(out, "--kill-rank", str(rank), "--kill-at", str(step), restarts=2, preload=True)
+    output = _run(out, "--backup-dir", os.path.join(out, "backup"), "--kill-rank", str(rank), "--kill-at", str(step),
+                  restarts=2)
     assert "restarting the group" in output and "resuming from" in output, (rank, step, output)
     for r in range(4):
         for a, b in zip(_weights(out, r), uninterrupted, strict=True):

@@ -1,5 +1,5 @@
 """2-D parallelism under ``meshfit launch``: the small transformer LM of ``tests/dtensor/_two_d_model.py`` on a
-``batch`` x ``model`` mesh with the guide's ``LayoutMap``, ``fit`` with ``BackupAndRestore``; ``--kill-rank``
+``batch`` x ``model`` mesh with the guide's ``LayoutMap``, ``fit`` (with ``BackupAndRestore`` given ``--backup-dir``); ``--kill-rank``
 / ``--kill-at`` SIGKILL one worker before that optimizer step of the first round. Writes each rank's full
 weights to ``<out>/weights-<rank>.npz``."""
 
@@ -33,7 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--mesh", default="batch=2,model=2")
-    parser.add_argument("--backup-dir", required=True)
+    parser.add_argument("--backup-dir", help="BackupAndRestore's folder (saving every 5 steps); none without it")
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-at", type=int, default=-1)
     args = parser.parse_args()
@@ -45,8 +45,9 @@ def main() -> None:
         model.compile(optimizer=mf.optimizers.AdamW(1e-3),
                       loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
     x, y = data()
-    callbacks = [Chaos(args.kill_rank, args.kill_at, rank),
-                 mf.callbacks.BackupAndRestore(args.backup_dir, save_freq=5)]
+    callbacks: list[mf.callbacks.Callback] = [Chaos(args.kill_rank, args.kill_at, rank)]
+    if args.backup_dir:
+        callbacks.append(mf.callbacks.BackupAndRestore(args.backup_dir, save_freq=5))
     model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, callbacks=callbacks, verbose=0)
     np.savez(os.path.join(args.out, f"weights-{rank}.npz"), **{f"w{i}": w for i, w in enumerate(model.get_weights())})
 
