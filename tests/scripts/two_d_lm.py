@@ -1,7 +1,7 @@
 """2-D parallelism under ``meshfit launch``: the small transformer LM of ``tests/dtensor/_two_d_model.py`` on a
-``batch`` x ``model`` mesh with the guide's ``LayoutMap``, ``fit`` (with ``BackupAndRestore`` given ``--backup-dir``); ``--kill-rank``
-/ ``--kill-at`` SIGKILL one worker before that optimizer step of the first round. Writes each rank's full
-weights to ``<out>/weights-<rank>.npz``."""
+``batch`` x ``model`` mesh with the guide's ``LayoutMap``, ``fit`` (with ``BackupAndRestore`` when given
+``--backup-dir``); ``--kill-rank`` / ``--kill-at`` SIGKILL one worker before that optimizer step of the
+first round. Writes each rank's full weights to ``<out>/weights-<rank>.npz``."""
 
 from __future__ import annotations
 
