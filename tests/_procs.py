@@ -15,19 +15,13 @@ from collections.abc import Sequence
 
 import _warm
 
-from meshfit._runtime import _supervisor
+from meshfit._runtime import _ports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _BLOCK = 1500  # ports per pytest-xdist worker
-_FIRST = 20000
-
-
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 0
+# Below the ports `meshfit launch` picks for itself (the upper half below the ephemeral range,
+# meshfit._runtime._ports): a launcher in one test never takes a port another test picked.
+_FIRST = 10000
 
 
 def _worker_index() -> int:
@@ -44,11 +38,12 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     Taken in turn from a block of ports below the kernel's ephemeral range, one block per pytest-xdist
     worker: an outgoing connection of any process (gloo's among them) is never given one, and two
     tests running side by side never pick the same. Where that range leaves no room, the OS picks
-    (`meshfit._runtime._supervisor.free_ports`).
+    (`meshfit._runtime._ports.free_ports`).
     """
     start = _FIRST + _worker_index() * _BLOCK
-    if start + _BLOCK > _ephemeral_low():
-        return _supervisor.free_ports(count, host)
+    low = _ports.ephemeral_low()
+    if low is None or start + _BLOCK > low // 2:
+        return _ports.free_ports(count, host)
     ports: list[int] = []
     for _ in range(_BLOCK):  # each port of the block at most once a call: distinct
         port = start + next(_cursor) % _BLOCK

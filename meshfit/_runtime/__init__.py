@@ -12,11 +12,11 @@ from meshfit._runtime._denormals import FLUSH_DENORMALS_ENV, flush_denormals, fl
 from meshfit._runtime._exit_codes import PEER_FAILURE_EXIT_CODE, PREEMPTED_EXIT_CODE
 from meshfit._runtime._exit_heap import FREEZE_HEAP_AT_EXIT_ENV, freeze_heap_at_exit
 from meshfit._runtime._launch import main
+from meshfit._runtime._ports import free_ports
 from meshfit._runtime._preload import FORK_SERVER_ENV
 from meshfit._runtime._supervisor import (
     FORWARDED_TERMINAL_ENV,
     LocalReplicas,
-    free_ports,
     replica_identity,
     spawn_local_replicas,
     watch_parent,

@@ -23,6 +23,7 @@ from types import FrameType
 from typing import Any
 
 from meshfit._runtime._exit_codes import PEER_FAILURE_EXIT_CODE, PREEMPTED_EXIT_CODE
+from meshfit._runtime._ports import free_ports
 from meshfit._runtime._preload import PreloadServer
 from meshfit._runtime._standby import StandbyPool
 from meshfit._runtime._supervisor import (
@@ -31,7 +32,6 @@ from meshfit._runtime._supervisor import (
     ChildGroup,
     Output,
     TaskStarter,
-    free_ports,
 )
 
 __all__ = ["build_parser", "free_ports", "main"]

@@ -12,6 +12,7 @@ and runs the same command line again for replicas ``1 .. world-1`` with `REPLICA
 the rendezvous address, and `watch_parent` ends the replica if replica 0 goes away.
 
 Example:
+    >>> from meshfit._runtime._ports import free_ports
     >>> identity = replica_identity()   # None in a process that was not spawned as a replica
     >>> if identity is None:            # replica 0: start the others, then join at `address`
     ...     address = f"127.0.0.1:{free_ports(1)[0]}"
@@ -23,7 +24,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -39,20 +39,6 @@ REPLICA_PARENT_ENV = "MESHFIT_MIRRORED_PARENT"
 # Set for captured children when our stdout is a terminal: their output is forwarded as it comes,
 # carriage returns included, so a live progress bar (`meshfit.callbacks.Progbar`) redraws in place.
 FORWARDED_TERMINAL_ENV = "MESHFIT_FORWARDED_TERMINAL"
-
-
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """Distinct ports the OS reports free on ``host`` right now (all held open together, then released)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 class Output:
