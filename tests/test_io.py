@@ -132,3 +132,21 @@ def test_failed_rename_into_place_restores_previous_directory(tmp_path, monkeypa
     monkeypatch.undo()
     assert _tree(target) == {"a.txt": b"old"}
     assert _entries(tmp_path) == ["ckpt"]
+
+
+@pytest.mark.skipif(not hasattr(os, "O_TMPFILE"), reason="no O_TMPFILE on this platform: the file is named, then marked")
+def test_an_atomic_files_writer_is_recorded_before_its_scratch_name_exists(tmp_path, monkeypatch):
+    # Created unnamed (O_TMPFILE), marked, then linked: no moment exists at which a kill leaves a scratch
+    # file whose writer is unknown (a clean-up may never remove such a file). The link once failed here
+    # (EXDEV) and every file fell back to being named first.
+    seen: list[list[str]] = []
+    mark = _io.mark_writer
+
+    def spy(target):
+        seen.append(sorted(os.listdir(tmp_path)))
+        mark(target)
+
+    monkeypatch.setattr(_io, "mark_writer", spy)
+    atomic_write_bytes(tmp_path / "record", b"x")
+    assert seen == [[]], seen  # marked once, while no name existed
+    assert (tmp_path / "record").read_bytes() == b"x" and os.listdir(tmp_path) == ["record"]

@@ -59,13 +59,27 @@ def _create_marked(tmp: str, parent: str) -> int:
         else:
             try:
                 mark_writer(fd)
-                os.link(f"/proc/self/fd/{fd}", tmp, follow_symlinks=True)
+                _link_open_file(fd, tmp, parent)
                 return fd
             except OSError:
                 os.close(fd)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     mark_writer(fd)
     return fd
+
+
+def _link_open_file(fd: int, name: str, parent: str) -> None:
+    """Gives the unnamed file open as ``fd`` the name ``name`` (in ``parent``).
+
+    It must be ``linkat(..., AT_SYMLINK_FOLLOW)`` on ``/proc/self/fd/<fd>``: without a directory
+    descriptor Python's `os.link` calls ``link()``, which does not follow that link and fails with
+    EXDEV (measured here), and every file was then created by name and marked after.
+    """
+    directory = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.link(f"/proc/self/fd/{fd}", os.path.basename(name), dst_dir_fd=directory, follow_symlinks=True)
+    finally:
+        os.close(directory)
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
