@@ -197,7 +197,9 @@ def _removable(scratch: str, kind: str, pid: str | None, target_exists: bool) ->
         return _writer_dead(scratch)  # needs the recorded writer: a name alone proves nothing
     if pid is None:  # ``x.old`` / ``x.deleting`` without a pid may be the user's own folder
         return False
-    return kind == "deleting" or target_exists  # an ``.old`` whose replacement is in place
+    if kind == "deleting":
+        return not _in_flight(scratch)  # one this process's thread is still unlinking is left to it
+    return target_exists  # an ``.old`` whose replacement is in place
 
 
 def clean_siblings(path: str | os.PathLike) -> None:
@@ -214,7 +216,7 @@ def clean_siblings(path: str | os.PathLike) -> None:
     for kind, found in _siblings(path).items():
         for scratch in found:
             match = _SCRATCH.match(os.path.basename(scratch))
-            if match is not None and _removable(scratch, kind, match["pid"], exists) and not _in_flight(scratch):
+            if match is not None and _removable(scratch, kind, match["pid"], exists):
                 with contextlib.suppress(OSError):
                     remove_tree(scratch)
 

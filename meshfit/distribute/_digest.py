@@ -223,7 +223,7 @@ def local_words(tensor: torch.Tensor, rank: int = 0) -> LocalWords:
     """
     dtensor = _dtensor_module()
     if dtensor is not None and isinstance(tensor, dtensor.DTensor):
-        return _sharded_words(tensor, dtensor)
+        return _sharded_words(tensor)
     words, _ = raw_words(tensor)
     return LocalWords(rank == 0, (), _meta(tuple(tensor.shape), tensor.dtype), words)
 
@@ -241,7 +241,7 @@ def local_digest(tensor: torch.Tensor, rank: int = 0) -> LocalDigest:
     return LocalDigest(value, held.canonical, held.shard, held.meta)
 
 
-def _sharded_words(tensor: Any, dtensor: Any) -> LocalWords:
+def _sharded_words(tensor: Any) -> LocalWords:
     from torch.distributed.tensor.placement_types import Partial, Replicate
 
     if any(isinstance(p, Partial) for p in tensor.placements):  # a pending sum: its value is the reduced one
