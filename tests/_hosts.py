@@ -1,11 +1,13 @@
 """Hosts for multi-host tests: network namespaces joined by a bridge, with private test addresses.
 
-``namespace_hosts`` is a pytest fixture factory (import ``namespace_hosts_fixture`` into the test module): ``hosts = namespace_hosts(2)`` creates the
-namespaces ``<tag>h0``, ``<tag>h1`` (``hosts.ip(i)`` = ``10.213.<n>.<i+1>``, a /24 used only inside
-them), each with loopback up and one end of a veth pair whose other end joins a bridge in the root
-namespace. The root namespace gets no address on that bridge, so traffic stays inside the
-namespaces. ``hosts.start(i, argv, env)`` runs ``python argv`` "on" host ``i`` (``ip netns exec``);
-``hosts.cut(i)`` / ``hosts.restore(i)`` take host ``i``'s link down and up. Everything — processes,
+``namespace_hosts`` is a pytest fixture factory (import ``namespace_hosts_fixture`` into the test
+module): ``hosts = namespace_hosts(2)`` creates the namespaces ``<tag>h0``, ``<tag>h1``
+(``hosts.ip(i)`` = ``10.213.<n>.<i+1>``, a /24 used only inside them), each with loopback up and one
+end of a veth pair whose other end joins a bridge in the root namespace. The root namespace gets no
+address on that bridge, so traffic stays inside the namespaces. ``hosts.start(i, argv, env)`` runs
+``python argv`` "on" host ``i`` (a Python script forked from the warm interpreter into the host's
+namespace; another program under ``ip netns exec``); ``hosts.cut(i)`` / ``hosts.restore(i)`` take
+host ``i``'s link down and up. Everything — processes,
 namespaces, veths, the bridge — is removed after the test, failed or not. Without permission to
 create namespaces (not root, or a sandbox), the test is skipped and the reason printed.
 """
@@ -18,9 +20,11 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
+import _warm
 import pytest
 
 SUBNET = "10.213"  # 10.213.<n>.0/24: only ever used inside the namespaces created here
+NETNS_DIR = "/var/run/netns"  # where `ip netns add` names a namespace
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -50,7 +54,7 @@ class Hosts:
         self.subnet = f"{SUBNET}.{os.getpid() % 200 + 20}"
         self.count = count
         self.bridge = f"{self.tag}br"
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen | _warm.WarmProcess] = []
         self._made: list[Callable[[], None]] = []
         try:
             self._build()
@@ -86,11 +90,21 @@ class Hosts:
         return f"{self.subnet}.{i + 1}"
 
     def start(self, i: int, argv: Sequence[str], env: Mapping[str, str], program: str = sys.executable,
-              ) -> subprocess.Popen:
-        """Run ``program argv...`` on host ``i`` in its own session; output captured as text."""
-        proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(i), program, *argv], env=dict(env),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+              ) -> subprocess.Popen | _warm.WarmProcess:
+        """Run ``program argv...`` on host ``i`` in its own session; output captured as text.
+
+        A Python script is forked from this pytest worker's warm interpreter (tests/_warm.py), which moves
+        it into the host's namespace before its first line: what runs on the host is the same script with
+        the same argv and environment, without 4-5 s of CPU importing torch again. Anything else (torchrun,
+        ``-m``) runs under ``ip netns exec`` as a new process.
+        """
+        proc: subprocess.Popen | _warm.WarmProcess
+        if program == sys.executable and _warm.can_start(argv, dict(env)):
+            proc = _warm.start(argv, dict(env), netns=os.path.join(NETNS_DIR, self.namespace(i)))
+        else:
+            proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(i), program, *argv], env=dict(env),
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    start_new_session=True)
         self.procs.append(proc)
         return proc
 

@@ -154,12 +154,13 @@ class _Server:
             self.proc.wait(timeout=10)
         self._dir.cleanup()
 
-    def start(self, args: Sequence[str], env: dict[str, str], cwd: str | None) -> WarmProcess:
+    def start(self, args: Sequence[str], env: dict[str, str], cwd: str | None, netns: str | None) -> WarmProcess:
         read_fd, write_fd = os.pipe()
         control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             control.connect(self.path)
-            request = json.dumps({"argv": list(args), "env": env, "cwd": cwd or os.getcwd()}).encode()
+            request = json.dumps({"argv": list(args), "env": env, "cwd": cwd or os.getcwd(),
+                                  "netns": netns}).encode()
             socket.send_fds(control, [_HEADER.pack(len(request)) + request], [write_fd])
             os.close(write_fd)
             write_fd = -1
@@ -191,8 +192,13 @@ def can_start(args: Sequence[str], env: dict[str, str]) -> bool:
     return _server is None or _server.import_env == _import_time_env(env)
 
 
-def start(args: Sequence[str], env: dict[str, str], cwd: str | None = None) -> WarmProcess:
-    """Run ``python args...`` as a worker forked from this process's warm interpreter (started here once)."""
+def start(args: Sequence[str], env: dict[str, str], cwd: str | None = None, netns: str | None = None,
+          ) -> WarmProcess:
+    """Run ``python args...`` as a worker forked from this process's warm interpreter (started here once).
+
+    ``netns``: a network namespace's file (``/var/run/netns/<name>``) the worker enters before its
+    script's first line, as ``ip netns exec <name> python args...`` would run it (tests/_hosts.py).
+    """
     global _server
     with _lock:
         if _server is None:
@@ -203,7 +209,7 @@ def start(args: Sequence[str], env: dict[str, str], cwd: str | None = None) -> W
 
             atexit.register(_server.close)
         server = _server
-    return server.start(args, env, cwd)
+    return server.start(args, env, cwd, netns)
 
 
 def _recv_exact(sock: socket.socket, size: int) -> bytes:
@@ -290,6 +296,26 @@ def _serve(path: str) -> None:
             connection.sendall(_HEADER.pack(pid))
 
 
+def _enter_network_namespace(path: str) -> None:
+    """Move this process (single-threaded: just forked) into the network namespace of ``path``.
+
+    The namespace is a property of each thread: threads the script starts later inherit it.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if hasattr(os, "setns"):  # Python 3.12+
+            os.setns(fd, os.CLONE_NEWNET)
+        else:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+                error = ctypes.get_errno()
+                raise OSError(error, f"setns({path!r}): {os.strerror(error)}")
+    finally:
+        os.close(fd)
+
+
 def _become(request: dict, out_fd: int) -> int:
     """In the forked child: become ``python argv...`` (see the module docstring); its exit code."""
     os.setsid()
@@ -302,6 +328,8 @@ def _become(request: dict, out_fd: int) -> int:
     os.dup2(out_fd, 1)
     os.dup2(out_fd, 2)
     os.close(out_fd)
+    if request.get("netns"):  # after the output is the worker's: a failure shows in it
+        _enter_network_namespace(request["netns"])
     os.environ.clear()
     os.environ.update(request["env"])
     tempfile.tempdir = None  # cached from the server's environment by an import: read TMPDIR again

@@ -15,6 +15,7 @@ import sys
 import textwrap
 
 import pytest
+from _procs import child_env, finish, start
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "docs" / "hooks"))
@@ -36,14 +37,16 @@ _RUN_KEPT = textwrap.dedent("""
 
 
 def test_kept_api_examples_run(tmp_path):
-    # In a process of its own: the examples form one-process meshes and change the global policy.
-    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
-           "TMPDIR": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", _RUN_KEPT, str(ROOT / "docs" / "hooks")], capture_output=True,
-                         text=True, timeout=600, env=env, cwd=tmp_path)
-    summary = re.search(r"attempted=(\d+) failed=(\d+)", out.stdout)
-    assert summary, out.stdout[-3000:] + out.stderr[-3000:]
-    assert summary.group(2) == "0", out.stdout[-6000:]
+    # In a process of its own (forked from the warm interpreter): the examples form one-process meshes and
+    # change the global policy.
+    script = tmp_path / "run_kept.py"
+    script.write_text(_RUN_KEPT)
+    code, out = finish(start([str(script), str(ROOT / "docs" / "hooks")], child_env(HOME=str(tmp_path),
+                                                                                  TMPDIR=str(tmp_path)),
+                             cwd=str(tmp_path)), timeout=600)
+    summary = re.search(r"attempted=(\d+) failed=(\d+)", out)
+    assert code == 0 and summary, out[-6000:]
+    assert summary.group(2) == "0", out[-6000:]
     assert int(summary.group(1)) >= len(reference.kept_examples()) * 3
 
 

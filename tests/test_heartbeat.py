@@ -161,7 +161,9 @@ def test_a_spoofed_heartbeat_cannot_kill_a_healthy_job(tmp_path, loop):
     args = ([CUSTOM, "--out", out, "--steps", "150", "--heartbeat", "2"] if loop == "custom" else
             [FIT, "--out", out, "--examples", "256", "--global-batch", "32", "--epochs", "12", "--sleep", "0.02",
              "--heartbeat", "2"])
-    spoofer = start(["-c", _SPOOFER, str(ports[0]), "25"], child_env())
+    script = tmp_path / "spoofer.py"
+    script.write_text(_SPOOFER)
+    spoofer = start([str(script), str(ports[0]), "25"], child_env())  # forked warm: torch already imported
     procs = []
     try:
         assert spoofer.stdout.readline().strip() == "ready"  # torch imported: it connects while the job runs

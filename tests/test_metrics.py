@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torchmetrics
 from torch import nn
-from torchmetrics.classification import MulticlassAccuracy
 
 from meshfit import losses
 from meshfit.losses import BinaryCrossentropy, CategoricalCrossentropy, SparseCategoricalCrossentropy
@@ -140,7 +138,19 @@ def test_reset_and_state_dict_round_trip():
         restored.load_state_dict({"bogus": torch.tensor(1.0)})
 
 
-def test_torchmetrics_adapter_matches_and_sums_across_replicas():
+@pytest.fixture(name="torchmetrics", scope="module")
+def torchmetrics_fixture():
+    """torchmetrics, imported by the tests that use it: imported by this module, it cost 3.5 s of CPU in
+    every pytest worker's collection (with scipy.signal); those tests run in one worker (their group)."""
+    import torchmetrics
+    import torchmetrics.classification
+
+    return torchmetrics
+
+
+@pytest.mark.xdist_group("torchmetrics")
+def test_torchmetrics_adapter_matches_and_sums_across_replicas(torchmetrics):
+    MulticlassAccuracy = torchmetrics.classification.MulticlassAccuracy  # noqa: N806
     whole = TorchMetricsMetric(MulticlassAccuracy(num_classes=3, average="micro"))
     whole.update_state(LABELS, SCORES)
     assert whole.result().item() == pytest.approx(0.5)
@@ -153,7 +163,8 @@ def test_torchmetrics_adapter_matches_and_sums_across_replicas():
     assert replicas[0].result().item() == pytest.approx(1.0)  # result_from left its own states alone
 
 
-def test_torchmetrics_regression_adapter_state_dict_and_reset():
+@pytest.mark.xdist_group("torchmetrics")
+def test_torchmetrics_regression_adapter_state_dict_and_reset(torchmetrics):
     m = get(torchmetrics.MeanSquaredError())
     assert isinstance(m, TorchMetricsMetric) and m.name == "mean_squared_error"
     m.update_state(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 2.0, 5.0]))
@@ -165,7 +176,8 @@ def test_torchmetrics_regression_adapter_state_dict_and_reset():
     assert all(t.sum().item() == 0 for t in m.state_tensors())
 
 
-def test_torchmetrics_adapter_rejects_non_summable_metrics_and_weights():
+@pytest.mark.xdist_group("torchmetrics")
+def test_torchmetrics_adapter_rejects_non_summable_metrics_and_weights(torchmetrics):
     with pytest.raises(TypeError, match="summed across replicas"):
         TorchMetricsMetric(torchmetrics.MaxMetric())
     with pytest.raises(TypeError, match="summed across replicas"):

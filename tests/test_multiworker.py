@@ -265,7 +265,7 @@ def test_the_same_script_under_torchrun(tmp_path):
 
 def test_launch_with_an_evaluator_task_evaluates_every_checkpoint(tmp_path):
     out, checkpoints = str(tmp_path / "out"), str(tmp_path / "ckpts")
-    proc = start(["-m", "meshfit._cli", "launch", "--workers", "2", "--evaluator", SCRIPT, "--out", out,
+    proc = start(["-m", "meshfit._cli", "launch", "--workers", "2", "--evaluator", "--preload", SCRIPT, "--out", out,
                   "--epochs", "2", "--steps", "3", "--checkpoint-dir", checkpoints], child_env())
     code, output = finish(proc, timeout=180)
     assert code == 0, output

@@ -154,7 +154,9 @@ os._exit(3)
 
 def test_group_creation_is_bounded_by_the_configured_timeout(tmp_path):
     ports = free_ports(2)
-    procs = [start(["-c", _NEW_GROUP_AFTER_PEER_DIED], child_env(TF_CONFIG=tf_config(ports, r))) for r in (0, 1)]
+    script = tmp_path / "new_group.py"
+    script.write_text(_NEW_GROUP_AFTER_PEER_DIED)
+    procs = [start([str(script)], child_env(TF_CONFIG=tf_config(ports, r))) for r in (0, 1)]
     code, output = finish(procs[0], timeout=120)
     finish(procs[1], timeout=30)
     match = re.search(r"new_group failed after ([\d.]+) s", output)

@@ -33,7 +33,7 @@ def reference(tmp_path_factory) -> dict:
 def run(request, tmp_path_factory) -> tuple[str, list[dict]]:
     out = str(tmp_path_factory.mktemp(request.param))
     args = [SCRIPT, "--out", out] if request.param == "plain_script" else \
-        ["-m", "meshfit._cli", "launch", "--workers", "2", SCRIPT, "--out", out]
+        ["-m", "meshfit._cli", "launch", "--workers", "2", "--preload", SCRIPT, "--out", out]
     code, output = finish(start(args, child_env()), timeout=500)
     assert code == 0, output
     assert "mixed torch.Tensor and DTensor" not in output

@@ -1,5 +1,9 @@
 """The Estimator on several workers: seed 001's program over TF_CONFIG and `meshfit launch --evaluator`,
-N replicas == one process on the global batch, and a worker killed during `train_and_evaluate`."""
+N replicas == one process on the global batch, and a worker killed during `train_and_evaluate`.
+
+The launched jobs fork their tasks from one preloaded process (``--preload``: torch imported once, not
+once a task); the program's workers start as new interpreters under torchrun below.
+"""
 
 from __future__ import annotations
 
@@ -170,8 +174,8 @@ def _evaluations(model_dir: str) -> list[tuple[int, str]]:
 
 def test_seed_001_program_under_meshfit_launch_with_an_evaluator(tmp_path):
     model_dir, prefix = str(tmp_path / "multiworker"), str(tmp_path / "results")
-    proc = start(["-m", "meshfit._cli", "launch", "--workers", "2", "--evaluator", SCRIPT, "--model-dir", model_dir,
-                  "--results", prefix, "--save-checkpoints-steps", "2", *QUICK], child_env())
+    proc = start(["-m", "meshfit._cli", "launch", "--workers", "2", "--evaluator", "--preload", SCRIPT, "--model-dir",
+                  model_dir, "--results", prefix, "--save-checkpoints-steps", "2", *QUICK], child_env())
     code, out = finish(proc, timeout=420)
     assert code == 0, out
     assert "[evaluator 0] INFO:meshfit.estimator:Saving dict for global step 8: global_step = 8, loss = " in out, out
@@ -221,8 +225,8 @@ def test_the_example_as_shipped_evaluates_under_meshfit_launch_with_an_evaluator
     """The example's own delays (start_delay_secs=120, throttle_secs=600) and the launcher's default
     --evaluator-timeout (60 s): the evaluator still evaluates the final checkpoint before it is stopped."""
     model_dir = str(tmp_path / "multiworker")
-    proc = start(["-m", "meshfit._cli", "launch", "--workers", "2", "--evaluator", SCRIPT, "--model-dir", model_dir,
-                  "--learning-rate", "0.1", "--train-examples", "1024", "--eval-steps", "2"], child_env())
+    proc = start(["-m", "meshfit._cli", "launch", "--workers", "2", "--evaluator", "--preload", SCRIPT, "--model-dir",
+                  model_dir, "--learning-rate", "0.1", "--train-examples", "1024", "--eval-steps", "2"], child_env())
     code, out = finish(proc, timeout=420)
     assert code == 0, out
     assert "[evaluator 0] evaluator 0: evaluation of the final checkpoint: {" in out, out
