@@ -81,7 +81,8 @@ def test_launch_on_a_terminal_passes_the_chiefs_live_bar_through(tmp_path):
 def test_launch_into_a_log_file_writes_lines_with_step_rate_and_eta(tmp_path):
     log = tmp_path / "train.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([*LAUNCH, _script(tmp_path), "0.5"], env=child_env(), stdin=subprocess.DEVNULL,
+        # --preload: the tasks forked from one preloaded process write through the same pipes
+        proc = subprocess.Popen([*LAUNCH, "--preload", _script(tmp_path), "0.5"], env=child_env(), stdin=subprocess.DEVNULL,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             assert proc.wait(timeout=240) == 0, log.read_text()
