@@ -7,9 +7,9 @@ end of a veth pair whose other end joins a bridge in the root namespace. The roo
 address on that bridge, so traffic stays inside the namespaces. ``hosts.start(i, argv, env)`` runs
 ``python argv`` "on" host ``i`` (a Python script forked from the warm interpreter into the host's
 namespace; another program under ``ip netns exec``); ``hosts.cut(i)`` / ``hosts.restore(i)`` take
-host ``i``'s link down and up. Everything — processes,
-namespaces, veths, the bridge — is removed after the test, failed or not. Without permission to
-create namespaces (not root, or a sandbox), the test is skipped and the reason printed.
+host ``i``'s link down and up. Everything — processes, namespaces, veths, the bridge — is removed after
+the test, failed or not. Without permission to create namespaces (not root, or a sandbox), the test is
+skipped and the reason printed.
 """
 
 from __future__ import annotations
