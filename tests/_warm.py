@@ -197,7 +197,8 @@ def start(args: Sequence[str], env: dict[str, str], cwd: str | None = None, netn
     """Run ``python args...`` as a worker forked from this process's warm interpreter (started here once).
 
     ``netns``: a network namespace's file (``/var/run/netns/<name>``) the worker enters before its
-    script's first line, as ``ip netns exec <name> python args...`` would run it (tests/_hosts.py).
+    script's first line, as ``ip netns exec <name>`` puts a process in it (tests/_hosts.py); the
+    ``/sys`` and ``/etc/netns`` mounts that command also makes are not made (no test reads them).
     """
     global _server
     with _lock:

@@ -140,7 +140,7 @@ def test_reset_and_state_dict_round_trip():
 
 @pytest.fixture(name="torchmetrics", scope="module")
 def torchmetrics_fixture():
-    """torchmetrics, imported by the tests that use it: imported by this module, it cost 3.5 s of CPU in
+    """torchmetrics, imported by the tests that use it: imported by this module, it cost 2-3 s of CPU in
     every pytest worker's collection (with scipy.signal); those tests run in one worker (their group)."""
     import torchmetrics
     import torchmetrics.classification
