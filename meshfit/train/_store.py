@@ -8,6 +8,8 @@ memory would implement the same verbs.
 
 from __future__ import annotations
 
+import importlib
+import logging
 import shutil
 from typing import Any, Protocol
 
@@ -17,6 +19,28 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from meshfit.train import _storage
+
+
+def _drop_unseen_dcp_records() -> None:
+    """Stop DCP from building log records that nothing can show.
+
+    DCP wraps each step of a save (``save``, its planning, ``write_data``, ``finish``...) in a logger
+    that emits two DEBUG records per call, about 40 per save, to a logger torch sets to DEBUG with
+    a ``NullHandler`` and no propagation: each record (its caller's frame looked up, a ``LogRecord``
+    built) is made and discarded, on the writer thread that shares the cores with training. Only that
+    default is changed (its level raised to INFO); a logger someone gave a handler of their own, or
+    a level, is left as it is.
+    """
+    try:
+        logger = importlib.import_module("torch.distributed.checkpoint.logger")._dcp_logger
+    except (ImportError, AttributeError):  # another torch: its logging is its own
+        return
+    if (isinstance(logger, logging.Logger) and logger.level == logging.DEBUG and not logger.propagate
+            and logger.handlers and all(type(h) is logging.NullHandler for h in logger.handlers)):
+        logger.setLevel(logging.INFO)
+
+
+_drop_unseen_dcp_records()
 
 
 class CheckpointStore(Protocol):
