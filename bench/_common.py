@@ -323,3 +323,21 @@ def python() -> str:
 def read_json(path: str) -> Any:
     with open(path) as f:
         return json.load(f)
+
+
+def accounted_ratio(result: dict, save_freq: int) -> float:
+    """The backup's cost measured inside one process, free of the spread between processes.
+
+    A save runs in its step's batch end after every other callback: the time from the step clock's
+    batch end to the next step's start, beyond the median of the steps without a save, is what the
+    save cost the training thread. The writer thread's CPU time (all saves, divided evenly) is what
+    the background write took from the cores the training threads share.
+    """
+    after_end, steps = result["after_end_ms"], result["step_ms"]
+    saving = {k for k in range(len(after_end)) if (k + 1) % save_freq == 0}
+    baseline = median([v for k, v in enumerate(after_end) if k not in saving])
+    extra = [after_end[k] - baseline for k in sorted(saving)]
+    saves = (len(steps) + 1) // save_freq  # every save of the run, the last step's included
+    per_save = median(extra) + result["writer_cpu_ms"] / max(saves, 1)
+    step = median([v for k, v in enumerate(steps) if k not in saving])
+    return 1 + per_save / (save_freq * step)

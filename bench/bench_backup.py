@@ -20,7 +20,15 @@ stamped as they arrive here) and each worker's own event log. A "slow-step" tria
 0.3 s sleep before every step, standing in for a model whose step is longer than the launcher's
 ~0.1 s failure detection (see the README for what changes).
 
-Run:  .venv/bin/python bench/bench_backup.py [--quick] [--part A|B|AB] [--rounds R] [--steps S] [--trials T]
+Part C accounts the cost of part A's asynchronous backup inside the training processes, free of the
+spread between blocks (several per cent, as large as the effect): ``--runs`` times, ``meshfit launch
+--workers 2 bench/_cnn_fit.py --threads 1 --batch 128 --steps 60 --epochs 3 --backup-freq 30
+--step-times`` (the first epoch a warm-up); from the chief: 1 + (the median saving step's time after
+its step clock's batch end, beyond a quiet step's, + the writer thread's CPU time per save) / (30 x
+the median quiet step). This charges every CPU-second of the writer against training, as if the
+cores had no idle time to absorb it.
+
+Run:  .venv/bin/python bench/bench_backup.py [--quick] [--part A|B|C|AB|ABC] [--rounds R] [--steps S] [--trials T] [--runs N]
 """
 
 from __future__ import annotations
@@ -214,15 +222,51 @@ def part_b(trials: int, slow_trials: int, steps: int, timeout: float) -> None:
               f"(teardown {C.median([r['teardown of the round-0 group'] for r in slow]):.3f} s)")
 
 
+# ---- part C ------------------------------------------------------------------------------------
+def part_c(runs: int, timeout: float) -> None:
+    import statistics
+    import subprocess
+
+    print(f"\n== part C: BackupAndRestore(save_freq={SAVE_FREQ}) accounted inside 2 launched workers, seed CNN, "
+          f"global batch 128; {runs} run(s) of 3 x 60 steps (epoch 1 a warm-up) ==", flush=True)
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_cnn_fit.py")
+    accounted: list[float] = []
+    for run in range(runs):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "result.json")
+            argv = [C.python(), "-m", "meshfit._cli", "launch", "--workers", "2", script, "--threads", "1",
+                    "--batch", "128", "--steps", "60", "--epochs", "3", "--backup-freq", str(SAVE_FREQ),
+                    "--step-times", "--backup-dir", os.path.join(tmp, "backup"), "--out", out]
+            if run == 0:
+                print("command:", " ".join(argv), flush=True)
+            done = subprocess.run(argv, timeout=timeout, env=C.clean_env(), capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"meshfit launch exited with {done.returncode}; output:\n{done.stdout}{done.stderr}")
+            result = C.read_json(out)
+        after_end = result["after_end_ms"]
+        quiet = statistics.median(after_end)
+        extra = [after_end[k] - quiet for k in range(len(after_end)) if (k + 1) % SAVE_FREQ == 0]
+        saves = (len(result["step_ms"]) + 1) // SAVE_FREQ
+        accounted.append(C.accounted_ratio(result, SAVE_FREQ))
+        print(f"run {run + 1}: {result['ms_per_step']:.1f} ms/step; a save's extra time on the training thread "
+              f"{C.median(extra):.1f} ms, the writer thread's CPU {result['writer_cpu_ms'] / saves:.1f} ms per save; "
+              f"accounted {accounted[-1]:.4f}", flush=True)
+    ratio = C.median(accounted)
+    print(f"RESULT BackupAndRestore async, accounted in the workers: median {ratio:.4f} (runs "
+          f"{min(accounted):.4f}..{max(accounted):.4f}); target <= {C.TARGET_BACKUP}: "
+          f"{C.verdict(ratio, C.TARGET_BACKUP)}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
-    parser.add_argument("--part", default="AB", choices=("A", "B", "AB"))
+    parser.add_argument("--part", default="AB", choices=("A", "B", "C", "AB", "AC", "ABC"))
     parser.add_argument("--rounds", type=int, default=None, help="part A measured rounds (default 4; quick 2)")
     parser.add_argument("--steps", type=int, default=None, help="part A steps per block (default 60; quick 30)")
     parser.add_argument("--trials", type=int, default=None, help="part B kill/resume trials (default 3; quick 1)")
     parser.add_argument("--slow-trials", type=int, default=None,
                         help=f"part B trials with a {SLOW_STEP_DELAY} s sleep before every step (default 1; quick 0)")
+    parser.add_argument("--runs", type=int, default=None, help="part C launched runs (default 5; quick 1)")
     parser.add_argument("--tune-malloc", action="store_true", help="mallopt-tune glibc in the workers (part A)")
     args = parser.parse_args()
     rounds = args.rounds or (2 if args.quick else 4)
@@ -234,6 +278,8 @@ def main() -> None:
         part_a(rounds, steps, extra, timeout=120 if args.quick else 400)
     if "B" in args.part:
         part_b(trials, slow_trials, steps=30, timeout=120)
+    if "C" in args.part:
+        part_c(args.runs or (1 if args.quick else 5), timeout=300)
 
 
 if __name__ == "__main__":

@@ -176,7 +176,7 @@ def part_c(rounds: int, steps: int, timeout: float, threads: int = 2) -> None:
                 result = C.read_json(out)
                 wall[name].append(result["ms_per_step"])
                 if name == "backup":
-                    accounted.append(accounted_ratio(result))
+                    accounted.append(C.accounted_ratio(result, SAVE_FREQ))
     C.print_rounds("wall time per step", wall, ratio_of=("backup", "plain"))
     ratio = C.median(C.ratios(wall["backup"], wall["plain"]))
     print(f"backup / plain: {ratio:.3f} (target <= 1.05) {C.verdict(ratio, 1.05)}", flush=True)
@@ -184,24 +184,6 @@ def part_c(rounds: int, steps: int, timeout: float, threads: int = 2) -> None:
           f"writer thread's CPU per save) / ({SAVE_FREQ} x its median step): "
           + " ".join(f"{a:.3f}" for a in accounted)
           + f"; median {C.median(accounted):.3f} {C.verdict(C.median(accounted), 1.05)}", flush=True)
-
-
-def accounted_ratio(result: dict) -> float:
-    """The backup's cost measured inside one process, free of the spread between processes.
-
-    A save runs in its step's batch end after every other callback: the time from the step clock's
-    batch end to the next step's start, beyond the median of the steps without a save, is what the
-    save cost the training thread. The writer thread's CPU time (all saves, divided evenly) is what
-    the background write took from the cores the training threads share.
-    """
-    after_end, steps = result["after_end_ms"], result["step_ms"]
-    saving = {k for k in range(len(after_end)) if (k + 1) % SAVE_FREQ == 0}
-    baseline = C.median([v for k, v in enumerate(after_end) if k not in saving])
-    extra = [after_end[k] - baseline for k in sorted(saving)]
-    saves = (len(steps) + 1) // SAVE_FREQ  # every save of the run, the last step's included
-    per_save = C.median(extra) + result["writer_cpu_ms"] / max(saves, 1)
-    step = C.median([v for k, v in enumerate(steps) if k not in saving])
-    return 1 + per_save / (SAVE_FREQ * step)
 
 
 def main() -> None:
