@@ -22,6 +22,7 @@ from meshfit._storage import tagged_json as _tree
 from meshfit._validation import path_like
 from meshfit.distribute import current_world
 from meshfit.train import _background, _storage
+from meshfit.train._chief_alone import chief_can_write_alone, with_every_ranks_own
 from meshfit.train._compatibility import check_module_fits
 from meshfit.train._digest import agreed_record, local_record, verify_loaded
 from meshfit.train._entries import destination as _destination
@@ -71,7 +72,8 @@ class Checkpoint:
           ckpt-3.tmp/              while writing (ignored by readers; cleared by the next save)
           ckpt-3/                  after rank 0's atomic rename, once every rank has written
             __0_0.distcp           tensor data written by rank 0 (DCP)
-            __1_0.distcp           tensor data written by rank 1 (DCP; one file per writing rank)
+            __1_0.distcp           tensor data written by rank 1 (DCP; one file per writing rank:
+                                   a small replicated state, 64 MiB or less, is written by rank 0 alone)
             .metadata              DCP's index of every tensor, written last by rank 0
             meshfit_state.json     rank 0: {"format", "version", "world_size", "trackables": {
                                      name: {"kind": "stateful" | "tensor", "per_rank": bool,
@@ -202,7 +204,8 @@ class Checkpoint:
         group = world.control()
         rank = world.rank
         self._save_counter += 1  # before writing, as TF: the checkpoint records the save that wrote it
-        tensors, document, own_paths = self._collect(rank, distributed, group, path, lambda: store.prepare(path))
+        tensors, document, own_paths, alone = self._collect(rank, distributed, group, path,
+                                                            lambda: store.prepare(path))
         document["save_counter"] = self._save_counter
         if own_paths is not None:  # TF's write_filepath dance: each rank writes a whole copy (_own_copies.py)
             def write() -> None:
@@ -216,6 +219,8 @@ class Checkpoint:
             done: Future[str] = Future()  # written before returning, also with async_save
             done.set_result(path)
             return SaveFuture(path, done) if async_save else path
+        if alone is not None:  # small replicated state: the chief writes it all (see _chief_alone.py)
+            return self._save_alone(tensors, alone, document, path, async_save, on_commit)
         if not async_save:
             store.write(tensors, path, group, distributed, rank)
             _rank0_step(lambda: store.commit(path, document), distributed, rank, group, f"publish {path!r}")
@@ -243,10 +248,50 @@ class Checkpoint:
             _pending_save = future
         return future
 
-    def _collect(self, rank: int, distributed: bool, group: Any, path: str,
-                 prepare: Callable[[], None]) -> tuple[dict[str, torch.Tensor], dict, list[str] | None]:
-        """This rank's tensors for DCP, the JSON document rank 0 writes (per-rank trees gathered), and
-        every rank's path when they differ (then the tensors are this rank's whole copy).
+    def _save_alone(self, tensors: dict[str, torch.Tensor], per_rank_keys: list[str], document: dict, path: str,
+                    async_save: bool, on_commit: Callable[..., None] | None) -> str | SaveFuture:
+        """Rank 0 writes the whole checkpoint, every rank's per-rank tensors gathered to it first.
+
+        Only the per-rank tensors leave the other ranks (and only they are staged there); the
+        outcome reaches every rank through the commit's gather, as in a split save.
+        """
+        global _pending_save
+        world = self._job_world()
+        rank, store = world.rank, self.store
+        group = world.async_group() if async_save else world.control()
+        own = tensors if rank == 0 else {key: tensors[key] for key in per_rank_keys}
+        try:
+            staged = self._staging.stage(own) if async_save else own
+        except BaseException:
+            if rank == 0:
+                shutil.rmtree(scratch(path), ignore_errors=True)
+            raise
+
+        def write_and_commit() -> str:
+            every = with_every_ranks_own(staged, per_rank_keys, group)  # collective
+
+            def write() -> None:
+                _silence_single_process_warning()  # DCP without its group: this rank writes everything
+                store.write(every, path, None, False, 0)
+                store.commit(path, document)
+
+            _rank0_step(write, True, rank, group, f"write and publish {path!r}")
+            if on_commit is not None:
+                on_commit(path)
+            return path
+
+        if not async_save:
+            return write_and_commit()
+        future = SaveFuture(path, _background.submit(write_and_commit))
+        with _pending_lock:
+            _pending_save = future
+        return future
+
+    def _collect(self, rank: int, distributed: bool, group: Any, path: str, prepare: Callable[[], None]
+                 ) -> tuple[dict[str, torch.Tensor], dict, list[str] | None, list[str] | None]:
+        """This rank's tensors for DCP, the JSON document rank 0 writes (per-rank trees gathered),
+        every rank's path when they differ (then the tensors are this rank's whole copy), and this
+        rank's per-rank keys when rank 0 writes the checkpoint alone (every rank could: `_chief_alone`).
 
         Rank 0 runs ``prepare`` (the scratch directory the ranks write into) before the one gather of
         the ranks' digests, which also carries its outcome: every rank raises if it failed.
@@ -283,7 +328,8 @@ class Checkpoint:
 
         def gather(prepared: str) -> list[str]:  # rank 0's outcome of `prepare` travels with the digests
             mine = json.dumps({"path": path, "trees": own_per_rank, "digests": digests,
-                               "sharded": is_sharded(tensors), "prepared": prepared})
+                               "sharded": is_sharded(tensors), "alone": chief_can_write_alone(tensors),
+                               "prepared": prepared})
             gathered.extend(json.loads(t) for t in (_storage.all_gather_text(mine, group) if distributed else [mine]))
             return [g["prepared"] for g in gathered]
 
@@ -305,7 +351,8 @@ class Checkpoint:
         record = agreed_record([g["digests"] for g in gathered], buffers, owners, self._job_world().failure.step or 0)
         document = {"format": _FORMAT, "version": _VERSION, "world_size": world, "trackables": entries,
                     "digest": record}
-        return tensors, document, (paths if own_copies else None)
+        alone = distributed and not own_copies and all(g["alone"] for g in gathered)
+        return tensors, document, (paths if own_copies else None), (per_rank_keys if alone else None)
 
     def restore(self, path: str | os.PathLike | None) -> None:
         """Load the checkpoint at ``path`` into the tracked objects, in place (collective).

@@ -309,13 +309,18 @@ _TEXT_CAPACITY = 16384  # bytes a rank's text may take for the one-collective pa
 
 
 def all_gather_text(text: str, group: Any) -> list[str]:
-    """Every rank's ``text``, by rank, moved as bytes tensors (no pickling).
+    """Every rank's ``text``, by rank, moved as bytes tensors (no pickling): see `all_gather_bytes`."""
+    return [data.decode("utf-8") for data in all_gather_bytes(text.encode("utf-8"), group)]
 
-    One all-gather of each rank's length and first ``_TEXT_CAPACITY`` bytes; a second one only when a
-    text is longer (a save makes two of these gathers, so on a loaded machine each collective counts).
+
+def all_gather_bytes(data: bytes, group: Any) -> list[bytes]:
+    """Every rank's ``data``, by rank, moved as uint8 tensors (no pickling).
+
+    One all-gather of each rank's length and first ``_TEXT_CAPACITY`` bytes; a second one only when
+    some rank's data is longer (a save makes two of these gathers, so on a loaded machine each
+    collective counts).
     """
     world = dist.get_world_size(group)
-    data = text.encode("utf-8")
     head = torch.zeros(8 + _TEXT_CAPACITY, dtype=torch.uint8)
     head[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
     first = data[:_TEXT_CAPACITY]
@@ -324,7 +329,7 @@ def all_gather_text(text: str, group: Any) -> list[str]:
     heads = [torch.empty_like(head) for _ in range(world)]
     dist.all_gather(heads, head, group=group)
     sizes = [int.from_bytes(h[:8].numpy().tobytes(), "little") for h in heads]
-    texts = [h[8: 8 + min(size, _TEXT_CAPACITY)].numpy().tobytes() for h, size in zip(heads, sizes, strict=True)]
+    gathered = [h[8: 8 + min(size, _TEXT_CAPACITY)].numpy().tobytes() for h, size in zip(heads, sizes, strict=True)]
     longest = max(sizes)
     if longest > _TEXT_CAPACITY:  # the rest of the long ones, padded to the longest rest
         rest = longest - _TEXT_CAPACITY
@@ -334,6 +339,6 @@ def all_gather_text(text: str, group: Any) -> list[str]:
             tail[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
         tails = [torch.empty_like(tail) for _ in range(world)]
         dist.all_gather(tails, tail, group=group)
-        texts = [t + tl[: max(size - _TEXT_CAPACITY, 0)].numpy().tobytes()
-                 for t, tl, size in zip(texts, tails, sizes, strict=True)]
-    return [t.decode("utf-8") for t in texts]
+        gathered = [g + tl[: max(size - _TEXT_CAPACITY, 0)].numpy().tobytes()
+                    for g, tl, size in zip(gathered, tails, sizes, strict=True)]
+    return gathered
