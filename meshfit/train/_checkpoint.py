@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import threading
@@ -13,7 +12,6 @@ from types import MappingProxyType
 from typing import Any, Literal, overload
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -22,14 +20,15 @@ from meshfit._storage import tagged_json as _tree
 from meshfit._validation import path_like
 from meshfit.distribute import current_world
 from meshfit.train import _background, _storage
-from meshfit.train._chief_alone import chief_can_write_alone, with_every_ranks_own
+from meshfit.train._chief_alone import with_every_ranks_own
 from meshfit.train._compatibility import check_module_fits
-from meshfit.train._digest import agreed_record, local_record, verify_loaded
+from meshfit.train._digest import verify_loaded
 from meshfit.train._entries import destination as _destination
 from meshfit.train._entries import entry_for as _entry_for
-from meshfit.train._own_copies import is_sharded, refuse_different_paths, save_own_copy, whole_tensors
-from meshfit.train._per_rank import PerRank, drop_buffers_rank_0_saves, is_trackable, module_buffer_keys
+from meshfit.train._own_copies import save_own_copy
+from meshfit.train._per_rank import PerRank, is_trackable
 from meshfit.train._save_future import SaveFuture
+from meshfit.train._snapshot import take_snapshot
 from meshfit.train._store import CheckpointStore, FileSystemStore, dcp_error, scratch
 
 _FORMAT = "meshfit.train.Checkpoint"
@@ -204,8 +203,9 @@ class Checkpoint:
         group = world.control()
         rank = world.rank
         self._save_counter += 1  # before writing, as TF: the checkpoint records the save that wrote it
-        tensors, document, own_paths, alone = self._collect(rank, distributed, group, path,
-                                                            lambda: store.prepare(path))
+        snapshot = take_snapshot(self._trackables, path, lambda: store.prepare(path), world,
+                                 {"format": _FORMAT, "version": _VERSION})
+        tensors, document, own_paths, alone = snapshot.tensors, snapshot.document, snapshot.own_paths, snapshot.alone
         document["save_counter"] = self._save_counter
         if own_paths is not None:  # TF's write_filepath dance: each rank writes a whole copy (_own_copies.py)
             def write() -> None:
@@ -286,73 +286,6 @@ class Checkpoint:
         with _pending_lock:
             _pending_save = future
         return future
-
-    def _collect(self, rank: int, distributed: bool, group: Any, path: str, prepare: Callable[[], None]
-                 ) -> tuple[dict[str, torch.Tensor], dict, list[str] | None, list[str] | None]:
-        """This rank's tensors for DCP, the JSON document rank 0 writes (per-rank trees gathered),
-        every rank's path when they differ (then the tensors are this rank's whole copy), and this
-        rank's per-rank keys when rank 0 writes the checkpoint alone (every rank could: `_chief_alone`).
-
-        Rank 0 runs ``prepare`` (the scratch directory the ranks write into) before the one gather of
-        the ranks' digests, which also carries its outcome: every rank raises if it failed.
-        Sharded state must be saved to one path: a checkpoint whose shards went to different folders
-        would look complete and fail to restore, so differing paths are an error on every rank.
-        """
-        tensors: dict[str, torch.Tensor] = {}
-        entries: dict[str, dict[str, Any]] = {}
-        own_per_rank: dict[str, Any] = {}
-        owners: dict[str, str] = {}
-        buffers: set[str] = set()  # rank 0's copy is saved; not compared across ranks
-        per_rank_keys: list[str] = []
-        buffers_of: list[tuple[Any, list[str]]] = []  # shared modules' tensors, for rank 0's buffers
-        for name, (target, per_rank) in self._trackables.items():
-            kind = "tensor" if isinstance(target, torch.Tensor) else "stateful"
-            state = target.detach() if kind == "tensor" else target.state_dict()
-            prefix = f"{name}/rank{rank}" if per_rank else name
-            before = set(tensors)
-            tree = _tree.encode(state, prefix, tensors, name)
-            entries[name] = {"kind": kind, "per_rank": per_rank}
-            if per_rank:
-                own_per_rank[name] = tree
-                per_rank_keys += [k for k in tensors if k not in before]
-            else:
-                entries[name]["state"] = tree
-                added = [k for k in tensors if k not in before]
-                owners.update(dict.fromkeys(added, name))
-                buffers |= module_buffer_keys(target, added)
-                buffers_of.append((target, added))
-        world = dist.get_world_size(group) if distributed else 1
-        # each shared tensor's digest part (on its device): the ranks' copies are compared, the sum recorded
-        digests = local_record(tensors, list(owners), rank)
-        gathered: list[dict[str, Any]] = []
-
-        def gather(prepared: str) -> list[str]:  # rank 0's outcome of `prepare` travels with the digests
-            mine = json.dumps({"path": path, "trees": own_per_rank, "digests": digests,
-                               "sharded": is_sharded(tensors), "alone": chief_can_write_alone(tensors),
-                               "prepared": prepared})
-            gathered.extend(json.loads(t) for t in (_storage.all_gather_text(mine, group) if distributed else [mine]))
-            return [g["prepared"] for g in gathered]
-
-        chief_writes(prepare, is_chief=rank == 0, gather=gather,
-                     what=f"save the checkpoint: rank 0 could not prepare {path!r}")
-        paths = [g["path"] for g in gathered]
-        own_copies = len(set(paths)) > 1
-        if own_copies and any(g["sharded"] for g in gathered):
-            if rank == 0:
-                shutil.rmtree(scratch(path), ignore_errors=True)
-            refuse_different_paths(paths)
-        if own_copies:
-            tensors = whole_tensors(tensors, per_rank_keys, group)
-        elif rank != 0:  # one shared checkpoint: rank 0's buffers are saved, whatever DCP's dedup would pick
-            for target, added in buffers_of:
-                drop_buffers_rank_0_saves(target, added, tensors)
-        for name in own_per_rank:
-            entries[name]["ranks"] = [g["trees"][name] for g in gathered]
-        record = agreed_record([g["digests"] for g in gathered], buffers, owners, self._job_world().failure.step or 0)
-        document = {"format": _FORMAT, "version": _VERSION, "world_size": world, "trackables": entries,
-                    "digest": record}
-        alone = distributed and not own_copies and all(g["alone"] for g in gathered)
-        return tensors, document, (paths if own_copies else None), (per_rank_keys if alone else None)
 
     def restore(self, path: str | os.PathLike | None) -> None:
         """Load the checkpoint at ``path`` into the tracked objects, in place (collective).
