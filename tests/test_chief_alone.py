@@ -60,6 +60,32 @@ def test_above_the_limit_every_rank_writes_its_part(tmp_path):
             assert result[variant + " restored"] == (True, [float(rank + 1)] * 5)
 
 
+def _split_then_alone(rank: int, world: int, root: str) -> list:
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))  # no per-rank state
+    checkpoint = mf.train.Checkpoint(model=module)
+    saved = {k: v.clone() for k, v in module.state_dict().items()}
+    limit = _chief_alone.CHIEF_ALONE_BYTES
+    out = []
+    for name, alone_limit in (("split", 0), ("alone", limit), ("split-again", 0)):
+        _chief_alone.CHIEF_ALONE_BYTES = alone_limit
+        path = checkpoint.save(os.path.join(root, name))
+        with torch.no_grad():
+            for parameter in module.parameters():
+                parameter.add_(1.0)
+        checkpoint.restore(path)
+        out.append((_data_files(path), all(torch.equal(saved[k], v) for k, v in module.state_dict().items())))
+    return out
+
+
+def test_saves_with_and_without_the_group_do_not_share_dcps_cached_plans(tmp_path):
+    """The same tensors saved split, then by the chief alone, then split: each checkpoint holds all of them."""
+    results = run_distributed(_split_then_alone, world_size=2, args=(str(tmp_path),), timeout=180)
+    for result in results:
+        assert result == [(["__0_0.distcp", "__1_0.distcp"], True), (["__0_0.distcp"], True),
+                          (["__0_0.distcp", "__1_0.distcp"], True)]
+
+
 def test_the_limit_counts_bytes():
     assert _chief_alone.chief_can_write_alone({"a": torch.zeros(4), "b": torch.zeros(2, dtype=torch.int64)})
     limit = _chief_alone.CHIEF_ALONE_BYTES

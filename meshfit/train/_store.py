@@ -89,7 +89,9 @@ class FileSystemStore:
         """
         tmp = scratch(path)
         try:
-            planner = DefaultSavePlanner(enable_plan_caching=True)
+            # DCP caches the last plans in one class-wide slot, compared by content: a save without the
+            # group (the chief alone, own copies) must neither read nor overwrite a group save's plans.
+            planner = DefaultSavePlanner(enable_plan_caching=distributed)
             dcp.save(tensors, storage_writer=_storage.DiagnosingWriter(tmp), process_group=group,
                      no_dist=not distributed, planner=planner)
         except BaseException as error:
