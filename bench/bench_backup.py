@@ -224,7 +224,6 @@ def part_b(trials: int, slow_trials: int, steps: int, timeout: float) -> None:
 
 # ---- part C ------------------------------------------------------------------------------------
 def part_c(runs: int, timeout: float) -> None:
-    import statistics
     import subprocess
 
     print(f"\n== part C: BackupAndRestore(save_freq={SAVE_FREQ}) accounted inside 2 launched workers, seed CNN, "
@@ -246,8 +245,9 @@ def part_c(runs: int, timeout: float) -> None:
             writers = [result["writer_cpu_ms"], C.read_json(f"{out}.task1")["writer_cpu_ms"]]
         result["writer_cpu_ms"] = sum(writers) / len(writers)  # the two writers share the two cores
         after_end = result["after_end_ms"]
-        quiet = statistics.median(after_end)
-        extra = [after_end[k] - quiet for k in range(len(after_end)) if (k + 1) % SAVE_FREQ == 0]
+        saving = [k for k in range(len(after_end)) if (k + 1) % SAVE_FREQ == 0]
+        quiet = C.median([v for k, v in enumerate(after_end) if k not in saving])  # as accounted_ratio does
+        extra = [after_end[k] - quiet for k in saving]
         saves = (len(result["step_ms"]) + 1) // SAVE_FREQ
         accounted.append(C.accounted_ratio(result, SAVE_FREQ))
         print(f"run {run + 1}: {result['ms_per_step']:.1f} ms/step; a save's extra time on the training thread "

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from meshfit.train import _storage
+from meshfit.train._chief_alone import with_every_ranks_own
 
 
 def is_sharded(tensors: dict[str, torch.Tensor]) -> bool:
@@ -40,14 +40,9 @@ def refuse_different_paths(paths: list[str]) -> None:
 
 
 def whole_tensors(tensors: dict[str, torch.Tensor], per_rank_keys: list[str], group: Any) -> dict[str, torch.Tensor]:
-    """This rank's tensors as plain ones, plus every other rank's per-rank tensors (collective)."""
+    """This rank's tensors as plain CPU ones, plus every other rank's per-rank tensors (collective)."""
     whole = {k: (t.to_local() if isinstance(t, DTensor) else t).detach().cpu() for k, t in tensors.items()}
-    own = {k: whole[k] for k in per_rank_keys}
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, own, group=group)  # in memory between ranks, never read from disk
-    for theirs in gathered:
-        whole.update(theirs)
-    return whole
+    return with_every_ranks_own(whole, per_rank_keys, group)  # in memory between ranks, never read from disk
 
 
 def save_own_copy(write: Callable[[], None], paths: list[str], rank: int, group: Any) -> None:
