@@ -19,6 +19,7 @@ from _procs import child_env, finish, free_ports, kill_group, start, tf_config
 from torch import nn
 
 import meshfit as mf
+from meshfit.distribute import PEER_FAILURE_EXIT_CODE
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
 FIT = os.path.join(SCRIPTS, "train_digits.py")
@@ -44,7 +45,8 @@ def _survivor_detects(args: list[str], tmp_path, victim: int, event: str) -> tup
         kill_group(procs[victim])  # SIGKILL also ends a stopped process
         finish(procs[victim], timeout=30)
     at = float(open(os.path.join(out, f"{event}-at.txt")).read())
-    assert code != 0, output
+    # the code that tells a launcher this worker followed a peer's failure (watchdog or uncaught error)
+    assert code == PEER_FAILURE_EXIT_CODE, output
     return ended - at, output
 
 

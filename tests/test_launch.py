@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from meshfit._runtime._exit_codes import PREEMPTED_EXIT_CODE
+from meshfit._runtime._exit_codes import PEER_FAILURE_EXIT_CODE, PREEMPTED_EXIT_CODE
 from meshfit._runtime._launch import main
 from meshfit.cluster import TFConfigClusterResolver
 
@@ -138,6 +138,37 @@ def test_max_restarts_restarts_the_group_with_fresh_ports(tmp_path, capfd):
     first = json.loads((tmp_path / "out" / "tf-0-r0").read_text())["cluster"]["worker"]
     second = json.loads((tmp_path / "out" / "tf-0-r1").read_text())["cluster"]["worker"]
     assert first != second
+    _assert_dead(_pids(tmp_path))
+
+
+@pytest.mark.slow  # starts processes
+def test_the_killed_worker_is_named_not_the_one_that_followed_it(tmp_path, capfd):
+    # Worker 1 is killed; worker 0 waits for its death and ends as a worker that saw a peer stop does.
+    # Both have ended by the launcher's next look (a 3-s interval), which meets worker 0 first.
+    argv = _script(tmp_path, f"""
+        if ROUND == 0 and INDEX == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if ROUND == 0 and INDEX == 0:
+            deadline = time.monotonic() + 30
+            while not os.path.exists(os.path.join(OUT, "pid-worker1-r0")) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            peer = int(open(os.path.join(OUT, "pid-worker1-r0")).read())
+            while time.monotonic() < deadline:
+                try:
+                    state = open(f"/proc/{{peer}}/stat").read().rsplit(")", 1)[1].split()[0]
+                except OSError:
+                    break
+                if state == "Z":
+                    break
+                time.sleep(0.01)
+            sys.exit({PEER_FAILURE_EXIT_CODE})
+        print(f"finished in round {{ROUND}}")
+    """)
+    assert main(["--workers", "2", "--max-restarts", "1", "--monitor-interval", "3", *argv]) == 0
+    out, err = capfd.readouterr()
+    assert "worker 1 exited with code -9; restarting the group (restart 1 of 1)" in err, err
+    assert f"exited with code {PEER_FAILURE_EXIT_CODE}" not in err, err
+    assert "[worker 0] finished in round 1" in out and "[worker 1] finished in round 1" in out
     _assert_dead(_pids(tmp_path))
 
 

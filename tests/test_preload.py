@@ -164,6 +164,10 @@ def test_a_killed_task_restarts_as_a_new_fork_and_an_uncaught_exception_prints_t
 @pytest.mark.parametrize(("ending", "code", "printed"), [
     ("sys.exit(3)", 3, None),
     ("sys.exit('stopping: no data')", 1, "stopping: no data"),
+    # a sys.excepthook that exits (as meshfit's does after a peer failure) sets the code, and the
+    # atexit handlers still run, as in python
+    ("import atexit; atexit.register(print, 'atexit ran', flush=True); "
+     "sys.excepthook = lambda *a: sys.exit(76); raise ValueError('a bad batch')", 76, "atexit ran"),
 ])
 def test_sys_exit_in_a_preloaded_task_is_its_exit_code(tmp_path, ending, code, printed):
     script, out = _job(tmp_path, f"""

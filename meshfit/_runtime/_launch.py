@@ -126,6 +126,7 @@ def _supervise(group: ChildGroup, args: argparse.Namespace, signals: _Signals) -
     """Watch a round until a training worker fails (returned), all succeed, or a signal arrives."""
     reported: set[int] = set()
     while signals.received is None:
+        failed: list[Child] = []
         for task in group.children:
             code = task.proc.poll()
             if code is None or id(task) in reported:
@@ -136,7 +137,9 @@ def _supervise(group: ChildGroup, args: argparse.Namespace, signals: _Signals) -
                 group.output.message(f"{task.name} exited with code {code}"
                                      + ("; training continues" if running else ""))
             elif code != 0:
-                return task
+                failed.append(task)
+        if failed:
+            return _root_cause(failed)
         if all(t.proc.poll() == 0 for t in _training(group)):
             evaluator = _evaluator(group)
             if evaluator is not None and evaluator.proc.poll() is None:
@@ -147,6 +150,17 @@ def _supervise(group: ChildGroup, args: argparse.Namespace, signals: _Signals) -
             return None
         time.sleep(args.monitor_interval)
     return None
+
+
+def _root_cause(failed: list[Child]) -> Child:
+    """The worker whose failure the others followed, among those found ended in one sweep.
+
+    A worker that saw a peer stop ends with `PEER_FAILURE_EXIT_CODE`, and only after that peer
+    ended (its liveness connection closed) or fell silent, so a sweep that finds it also finds a
+    killed or crashed peer: that peer is the cause, whatever order the sweep met them in.
+    """
+    causes = [task for task in failed if task.proc.returncode != PEER_FAILURE_EXIT_CODE]
+    return (causes or failed)[0]
 
 
 def _restart_message(failed: Child, counts: dict[str, int], max_restarts: int) -> str | None:

@@ -166,18 +166,26 @@ def run_as_main(argv: list[str], module: bool) -> int:
             sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
             runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as exit_:
-        code = exit_.code
-        if code is None:
-            return 0
-        if isinstance(code, int):
-            return code
-        print(code, file=sys.stderr)
-        return 1
+        return _exit_code(exit_)
     except BaseException as error:  # as the interpreter does with an uncaught exception
         trimmed = _from_the_script(error.__traceback__)
-        sys.excepthook(type(error), error.with_traceback(trimmed), trimmed)
+        try:
+            sys.excepthook(type(error), error.with_traceback(trimmed), trimmed)
+        except SystemExit as exit_:  # the interpreter, too, ends with the code a hook exits with
+            return _exit_code(exit_)
         return 1
     return 0
+
+
+def _exit_code(exit_: SystemExit) -> int:
+    """The exit code the interpreter gives ``exit_`` (its message, if it has one, printed)."""
+    code = exit_.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
 
 
 def _from_the_script(tb: TracebackType | None) -> TracebackType | None:

@@ -68,7 +68,12 @@ def report_uncaught_peer_failures() -> None:
 
 
 class _PeerFailureHook:
-    """``sys.excepthook`` printing a `PeerFailureError`'s message alone; other exceptions go to ``previous``."""
+    """``sys.excepthook`` printing a `PeerFailureError`'s message alone and ending the process with
+    `PEER_FAILURE_EXIT_CODE`, as the watchdog does, so that a launcher can tell the worker that
+    followed a failure from the one that failed; other exceptions go to ``previous``.
+
+    The interpreter ends with the code of a `SystemExit` raised by its ``sys.excepthook``, after its
+    usual shutdown (non-daemon threads joined, ``atexit`` handlers run)."""
 
     def __init__(self, previous: Callable[..., Any]) -> None:
         self.previous = previous
@@ -76,7 +81,7 @@ class _PeerFailureHook:
     def __call__(self, kind: type[BaseException], value: BaseException, traceback: Any) -> None:
         if isinstance(value, PeerFailureError):
             print(f"meshfit: {type(value).__name__}: {value}", file=sys.stderr, flush=True)
-            return
+            raise SystemExit(PEER_FAILURE_EXIT_CODE)
         self.previous(kind, value, traceback)
 
 
