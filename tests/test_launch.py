@@ -173,6 +173,20 @@ def test_the_killed_worker_is_named_not_the_one_that_followed_it(tmp_path, capfd
 
 
 @pytest.mark.slow  # starts processes
+def test_a_worker_that_followed_a_peer_is_said_to_have(tmp_path, capfd):
+    argv = _script(tmp_path, """
+        if INDEX == 1:
+            sys.exit(PEER_FAILURE_EXIT_CODE)
+        time.sleep(60)
+    """.replace("PEER_FAILURE_EXIT_CODE", str(PEER_FAILURE_EXIT_CODE)))
+    assert main(["--workers", "2", *argv]) == PEER_FAILURE_EXIT_CODE
+    err = capfd.readouterr().err
+    assert (f"worker 1 exited with code {PEER_FAILURE_EXIT_CODE} (a peer stopped first); "
+            "no restarts left") in err, err
+    _assert_dead(_pids(tmp_path))
+
+
+@pytest.mark.slow  # starts processes
 def test_restarts_exhausted_returns_the_workers_code(tmp_path, capfd):
     argv = _script(tmp_path, """
         if INDEX == 0:

@@ -163,6 +163,11 @@ def _root_cause(failed: list[Child]) -> Child:
     return (causes or failed)[0]
 
 
+def _code_text(code: int | None) -> str:
+    """``code`` as the launcher prints it: a worker that ended after a peer stopped says so."""
+    return f"{code} (a peer stopped first)" if code == PEER_FAILURE_EXIT_CODE else str(code)
+
+
 def _restart_message(failed: Child, counts: dict[str, int], max_restarts: int) -> str | None:
     """Decide whether to restart after ``failed``; update ``counts``; return the message or ``None``."""
     code = failed.proc.returncode
@@ -172,7 +177,8 @@ def _restart_message(failed: Child, counts: dict[str, int], max_restarts: int) -
                 f"(preemption restart {counts['preemptions']}, not counted against --max-restarts)")
     if counts["restarts"] < max_restarts:
         counts["restarts"] += 1
-        return f"{failed.name} exited with code {code}; restarting the group (restart {counts['restarts']} of {max_restarts})"
+        return (f"{failed.name} exited with code {_code_text(code)}; restarting the group "
+                f"(restart {counts['restarts']} of {max_restarts})")
     return None
 
 
@@ -209,7 +215,7 @@ def _rounds(command: list[str], args: argparse.Namespace, output: Output, standb
                 message = _restart_message(failed, counts, args.max_restarts)
                 if message is None:
                     code = failed.proc.wait()  # it has ended: its code
-                    output.message(f"{failed.name} exited with code {code}; no restarts left "
+                    output.message(f"{failed.name} exited with code {_code_text(code)}; no restarts left "
                                    f"(--max-restarts {args.max_restarts}); stopping the other processes")
                     return _exit_status(code)
                 output.message(message)
