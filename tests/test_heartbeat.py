@@ -315,3 +315,20 @@ def test_a_peer_never_heard_from_gets_twice_the_timeout_one_that_fell_silent_the
     finally:
         watcher.stop()
         peer.stop()
+
+
+def test_an_uncaught_peer_failure_ends_a_script_with_76_and_leaves_an_interactive_session(monkeypatch, capsys):
+    from meshfit.distribute._heartbeat import PeerFailureError, _PeerFailureHook
+
+    others: list[type] = []
+    hook = _PeerFailureHook(lambda kind, value, tb: others.append(kind))
+    failure = PeerFailureError("Worker 1 stopped (worker 1 at 127.0.0.1:1234)", rank=1)
+    monkeypatch.delattr("sys.ps1", raising=False)
+    with pytest.raises(SystemExit) as ended:
+        hook(PeerFailureError, failure, None)
+    assert ended.value.code == PEER_FAILURE_EXIT_CODE
+    monkeypatch.setattr("sys.ps1", ">>> ", raising=False)
+    hook(PeerFailureError, failure, None)  # the prompt comes back
+    hook(ValueError, ValueError("x"), None)
+    assert others == [ValueError]
+    assert capsys.readouterr().err.count("meshfit: PeerFailureError: Worker 1 stopped (worker 1 at 127.0.0.1:1234)") == 2

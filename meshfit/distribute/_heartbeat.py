@@ -73,7 +73,8 @@ class _PeerFailureHook:
     followed a failure from the one that failed; other exceptions go to ``previous``.
 
     The interpreter ends with the code of a `SystemExit` raised by its ``sys.excepthook``, after its
-    usual shutdown (non-daemon threads joined, ``atexit`` handlers run)."""
+    usual shutdown (non-daemon threads joined, ``atexit`` handlers run). An interactive session
+    (``python -i``, `code.interact`) goes on: there the hook prints the message alone."""
 
     def __init__(self, previous: Callable[..., Any]) -> None:
         self.previous = previous
@@ -81,7 +82,9 @@ class _PeerFailureHook:
     def __call__(self, kind: type[BaseException], value: BaseException, traceback: Any) -> None:
         if isinstance(value, PeerFailureError):
             print(f"meshfit: {type(value).__name__}: {value}", file=sys.stderr, flush=True)
-            raise SystemExit(PEER_FAILURE_EXIT_CODE)
+            if not (sys.flags.inspect or hasattr(sys, "ps1")):  # interactive: the prompt comes back
+                raise SystemExit(PEER_FAILURE_EXIT_CODE)
+            return
         self.previous(kind, value, traceback)
 
 
