@@ -10,6 +10,7 @@ its whole process group is SIGKILLed in ``finally`` -- nothing outlives a benchm
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -325,7 +326,23 @@ def read_json(path: str) -> Any:
         return json.load(f)
 
 
-def accounted_ratio(result: dict, save_freq: int) -> float:
+@dataclasses.dataclass(frozen=True)
+class BackupCost:
+    """A backup's cost measured inside one process (see `backup_cost`), in milliseconds."""
+
+    save_extra_ms: float  # the median saving step's time after its batch end, beyond a quiet step's
+    saves: int  # every save of the run, the last step's included
+    writer_cpu_per_save_ms: float  # the writer thread's CPU time, all saves divided evenly
+    quiet_step_ms: float  # the median step without a save
+    save_freq: int
+
+    @property
+    def ratio(self) -> float:
+        """1 + a save's cost ÷ the steps between two saves."""
+        return 1 + (self.save_extra_ms + self.writer_cpu_per_save_ms) / (self.save_freq * self.quiet_step_ms)
+
+
+def backup_cost(result: dict, save_freq: int) -> BackupCost:
     """The backup's cost measured inside one process, free of the spread between processes.
 
     A save runs in its step's batch end after every other callback: the time from the step clock's
@@ -336,8 +353,12 @@ def accounted_ratio(result: dict, save_freq: int) -> float:
     after_end, steps = result["after_end_ms"], result["step_ms"]
     saving = {k for k in range(len(after_end)) if (k + 1) % save_freq == 0}
     baseline = median([v for k, v in enumerate(after_end) if k not in saving])
-    extra = [after_end[k] - baseline for k in sorted(saving)]
-    saves = (len(steps) + 1) // save_freq  # every save of the run, the last step's included
-    per_save = median(extra) + result["writer_cpu_ms"] / max(saves, 1)
+    extra = median([after_end[k] - baseline for k in sorted(saving)])
+    saves = (len(steps) + 1) // save_freq
     step = median([v for k, v in enumerate(steps) if k not in saving])
-    return 1 + per_save / (save_freq * step)
+    return BackupCost(extra, saves, result["writer_cpu_ms"] / max(saves, 1), step, save_freq)
+
+
+def accounted_ratio(result: dict, save_freq: int) -> float:
+    """`backup_cost`'s ratio: 1 + (a save's extra time + its writer CPU) ÷ the quiet steps between saves."""
+    return backup_cost(result, save_freq).ratio

@@ -244,16 +244,11 @@ def part_c(runs: int, timeout: float) -> None:
             result = C.read_json(out)
             writers = [result["writer_cpu_ms"], C.read_json(f"{out}.task1")["writer_cpu_ms"]]
         result["writer_cpu_ms"] = sum(writers) / len(writers)  # the two writers share the two cores
-        after_end = result["after_end_ms"]
-        saving = [k for k in range(len(after_end)) if (k + 1) % SAVE_FREQ == 0]
-        quiet = C.median([v for k, v in enumerate(after_end) if k not in saving])  # as accounted_ratio does
-        extra = [after_end[k] - quiet for k in saving]
-        saves = (len(result["step_ms"]) + 1) // SAVE_FREQ
-        accounted.append(C.accounted_ratio(result, SAVE_FREQ))
+        cost = C.backup_cost(result, SAVE_FREQ)
+        accounted.append(cost.ratio)
         print(f"run {run + 1}: {result['ms_per_step']:.1f} ms/step; a save's extra time on the training thread "
-              f"{C.median(extra):.1f} ms, the writer threads' CPU per save {writers[0] / saves:.1f} (chief) and "
-              f"{writers[1] / saves:.1f} ms; "
-              f"accounted {accounted[-1]:.4f}", flush=True)
+              f"{cost.save_extra_ms:.1f} ms, the writer threads' CPU per save {writers[0] / cost.saves:.1f} (chief) "
+              f"and {writers[1] / cost.saves:.1f} ms; accounted {cost.ratio:.4f}", flush=True)
     ratio = C.median(accounted)
     print(f"RESULT BackupAndRestore async, accounted in the workers: median {ratio:.4f} (runs "
           f"{min(accounted):.4f}..{max(accounted):.4f}); target <= {C.TARGET_BACKUP}: "

@@ -155,9 +155,10 @@ def _supervise(group: ChildGroup, args: argparse.Namespace, signals: _Signals) -
 def _root_cause(failed: list[Child]) -> Child:
     """The worker whose failure the others followed, among those found ended in one sweep.
 
-    A worker that saw a peer stop ends with `PEER_FAILURE_EXIT_CODE`, and only after that peer
-    ended (its liveness connection closed) or fell silent, so a sweep that finds it also finds a
-    killed or crashed peer: that peer is the cause, whatever order the sweep met them in.
+    A worker that saw a peer stop ends with `PEER_FAILURE_EXIT_CODE`, and only after that peer's
+    process ended (its liveness connection closed) or fell silent: a killed peer has ended by then, so
+    a sweep that finds the follower finds it too, and it is named whatever order the sweep met them in.
+    When the sweep finds followers alone (a frozen or cut-off peer still runs), the first is named.
     """
     causes = [task for task in failed if task.proc.returncode != PEER_FAILURE_EXIT_CODE]
     return (causes or failed)[0]
