@@ -50,3 +50,45 @@ def test_batch_scalars_every_update_freq_batches(tmp_path):
     # 5 batches an epoch: global batches 2, 4, ..., 10 (1-based), each the running loss of its step.
     assert _scalars(train, "batch_loss") == [(step, pytest.approx(batch_losses[step - 1])) for step in (2, 4, 6, 8, 10)]
     assert [step for step, _ in _scalars(train, "batch_accuracy")] == [2, 4, 6, 8, 10]
+
+
+class _FlipBefore(mf.callbacks.Callback):
+    """Flips one bit of a weight before optimizer step ``at`` + 1 runs, once: a faulty memory cell."""
+
+    reads_batch_logs = False
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at, self.done = at, False
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if not self.done and self.model.optimizer.iterations == self.at:
+            with torch.no_grad():
+                self.model.module[1].weight.view(-1).view(torch.int32)[7] ^= 1 << 21
+            self.done = True
+
+
+@pytest.mark.parametrize("update_freq", [1, "epoch"])
+def test_a_roll_back_writes_no_step_twice(tmp_path, update_freq):
+    """`VerifyReplicas` rolls one process back across an epoch's end (its at-rest check finds the flipped bit
+    before step 6 uses it; the backup is from step 4): TensorBoard, `CSVLogger` and `History` hold each
+    step and epoch once, with the values of a run never disturbed."""
+    clean = tmp_path / "clean"
+    undisturbed = _fit([mf.callbacks.TensorBoard(log_dir=clean, update_freq=update_freq)])
+    logs, csv = tmp_path / "logs", tmp_path / "log.csv"
+    verify = mf.callbacks.VerifyReplicas(every_n_steps=1, on_divergence="restore")
+    history = _fit([_FlipBefore(5), mf.callbacks.TensorBoard(log_dir=logs, update_freq=update_freq),
+                    mf.callbacks.CSVLogger(csv), verify, mf.callbacks.BackupAndRestore(tmp_path / "backup", save_freq=4)])
+    assert [(e.step, e.path) for e, _ in verify.rollbacks] == [(5, "1.weight")]
+    assert history.epoch == [0, 1, 2] and history.history == undisturbed.history
+    assert len(csv.read_text().splitlines()) == 1 + 3
+    for name in ("train", "validation"):
+        got, want = _events(logs / name), _events(clean / name)
+        assert sorted(got.Tags()["scalars"]) == sorted(want.Tags()["scalars"])
+        for tag in want.Tags()["scalars"]:
+            steps = [step for step, _ in _scalars(got, tag)]
+            assert steps == sorted(set(steps)), f"{name}/{tag} holds a step twice: {steps}"
+            if tag.startswith("batch_") or name == "validation" or update_freq == "epoch":
+                assert _scalars(got, tag) == _scalars(want, tag)
+            else:  # an epoch scalar of train/ beside batch scalars: the first written is kept
+                assert steps == [step for step, _ in _scalars(want, tag)]

@@ -225,6 +225,8 @@ class TrainingLoop:
             return logs, False  # the data ended before this execution: Keras calls no hook for it
         begin = counters.step
         cbs.on_train_batch_begin(begin)
+        if self._resumed:  # a callback rolled back before the step (VerifyReplicas' at-rest check): not run
+            return logs, False
         returned = None
         for done in range(count):
             if done:

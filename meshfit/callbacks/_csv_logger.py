@@ -133,6 +133,10 @@ class CSVLogger(Callback):
         self.keys = list(state["keys"]) or None
         self._rows_written = int(state["rows"])
         self._resume_rows = self._rows_written
+        if self._file is not None:  # restored during fit (a roll-back): reopened, truncated, at the next row
+            self._file.close()
+            self._file = None
+            self._writer = None
 
 
 def _csv_value(value: Any) -> Any:

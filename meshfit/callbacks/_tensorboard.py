@@ -22,6 +22,12 @@ class TensorBoard(Callback):
     Epoch scalars are written at step ``epoch`` (0-based); batch scalars at the global step
     (1-based, counted across epochs and kept across a resumed run).
 
+    After a restore (a resumed run, or a roll-back of `VerifyReplicas` in the same process) the steps
+    replayed are not shown twice: the next event file of each writer starts with TensorBoard's purge
+    mark (``purge_step``), which hides the events of the replayed steps written before. In ``train/``
+    with batch scalars, whose epoch and batch scalars share one step axis, the mark is at the batch
+    axis's step, and an epoch scalar this process already wrote is not written again.
+
     Args:
         log_dir: The directory to write to; view with ``tensorboard --logdir log_dir``.
         update_freq: ``"epoch"``, or ``"batch"`` or an int N: also write ``batch_<metric>``
@@ -73,6 +79,8 @@ class TensorBoard(Callback):
         self.histogram_freq = histogram_freq
         self._global_train_batch = 0
         self._writers: dict[str, Any] = {}
+        self._purge: dict[str, int] = {}  # the first step each writer's next event file replays, after a restore
+        self._epochs_written: set[int] = set()
         self._writing = False
 
     @property
@@ -84,7 +92,8 @@ class TensorBoard(Callback):
         if name not in self._writers:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writers[name] = SummaryWriter(log_dir=os.path.join(self.log_dir, name))
+            self._writers[name] = SummaryWriter(log_dir=os.path.join(self.log_dir, name),
+                                                purge_step=self._purge.pop(name, None))
         return self._writers[name]
 
     def on_train_begin(self, logs: dict | None = None) -> None:
@@ -118,6 +127,10 @@ class TensorBoard(Callback):
         learning_rate = _to_float(getattr(getattr(self.model, "optimizer", None), "learning_rate", None))
         if isinstance(learning_rate, float) and "learning_rate" not in train:
             train["learning_rate"] = learning_rate
+        mixed = isinstance(self.update_freq, int)  # train/ holds batch steps too: its purge mark is theirs
+        if mixed and epoch in self._epochs_written:
+            train = {}
+        self._epochs_written.add(epoch)
         for name, values in (("train", train), ("validation", validation)):
             if values:
                 writer = self._writer(name)
@@ -151,8 +164,14 @@ class TensorBoard(Callback):
         return {"global_train_batch": self._global_train_batch}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores the global batch count."""
+        """Restores the global batch count; the next events of each writer hide the replayed steps'."""
         self._global_train_batch = int(state["global_train_batch"])
+        epoch = int(self.loop.counters.epoch) if self.loop is not None else 0  # restored before the callbacks
+        for writer in self._writers.values():
+            writer.close()
+        self._writers = {}
+        first_batch = self._global_train_batch + 1
+        self._purge = {"train": first_batch if isinstance(self.update_freq, int) else epoch, "validation": epoch}
 
 
 def _scalars(logs: dict | None) -> dict[str, float]:

@@ -8,16 +8,25 @@ apart for good. Every ``every_n_steps`` optimizer steps (counted across ``fit`` 
 step's backup. With ``on_divergence="restore"`` every worker loads the last backup (each was
 verified when taken) into the live model, optimizer, loop, data position, random streams and
 metrics, in its own process, and training goes on from there: the run ends bitwise equal to one
-never disturbed.
+never disturbed. A divergence found again at the same step after ``max_rollbacks`` roll-backs is not
+a transient fault: every worker stops.
+
+A tensor a layout keeps in one copy (fully sharded, or any tensor of one process) has no replica to
+compare with: the callback says so when ``fit`` starts and checks it at rest and after gathering
+instead (`meshfit.distribute._one_copy`).
 """
 
 from __future__ import annotations
+
+import warnings
 
 from meshfit._protocols import DistributionStrategy
 from meshfit._validation import positive_int
 from meshfit.callbacks._callback import Callback
 from meshfit.callbacks._checkpoint_saver import CheckpointSaver
 from meshfit.distribute import ReplicaDivergenceError
+from meshfit.distribute._one_copy import AtRest, ReplicaCoverage, coverage, first_changed
+from meshfit.distribute._verify import ReplicaHistory, named_state, resolve_state, verify_replicas
 
 _ACTIONS = ("restore", "stop")
 
@@ -29,14 +38,20 @@ class VerifyReplicas(Callback):
         every_n_steps: check when the optimizer step count reaches a multiple of this.
         on_divergence: ``"restore"``: every worker loads the last backup of the `BackupAndRestore`
             in the same callbacks (which it requires) and training continues; ``"stop"``: raise.
+        max_rollbacks: with ``"restore"``, how many times a divergence found at the same step is
+            rolled back; found there once more, it stops every worker (a fault that comes back at the
+            same step is in the computation or the data, not a transient flip).
 
     Attributes:
-        checks: how many checks found the replicas equal in this process.
+        checks: how many checks passed in this process (see ``coverage`` for what they compared).
         rollbacks: ``(error, backup path)`` of each roll-back, in order: what was found, where it went back to.
+        coverage: which tensors of the state have copies to compare and which are held in one
+            copy (a `meshfit.distribute.ReplicaCoverage`), once known (when ``fit`` starts).
 
     Raises:
-        ReplicaDivergenceError: with ``"stop"`` (or with nothing to roll back to), on every rank,
-            naming the step, the first differing tensor's path and the ranks that differ.
+        ReplicaDivergenceError: with ``"stop"`` (or with nothing to roll back to, or after
+            ``max_rollbacks`` roll-backs at the same step), on every rank, naming the step, every
+            differing tensor's path, the ranks that differ and when each was last seen equal.
 
     Example:
         >>> callback = VerifyReplicas(every_n_steps=100, on_divergence="stop")
@@ -47,15 +62,19 @@ class VerifyReplicas(Callback):
     run_last = True  # after every other callback's on_train_batch_end (and, through the saver, before its save)
     reads_batch_logs = False
 
-    def __init__(self, every_n_steps: int = 100, on_divergence: str = "restore") -> None:
+    def __init__(self, every_n_steps: int = 100, on_divergence: str = "restore", max_rollbacks: int = 3) -> None:
         super().__init__()
         self.every_n_steps = positive_int("every_n_steps", every_n_steps)
         if on_divergence not in _ACTIONS:
             raise ValueError(f"Invalid `on_divergence`: expected 'restore' or 'stop', received "
                              f"on_divergence={on_divergence!r}.")
         self.on_divergence = on_divergence
+        self.max_rollbacks = positive_int("max_rollbacks", max_rollbacks)
         self.checks = 0
         self.rollbacks: list[tuple[ReplicaDivergenceError, str]] = []
+        self.coverage: ReplicaCoverage | None = None
+        self._history = ReplicaHistory()
+        self._at_rest: AtRest | None = None
         self._saver: CheckpointSaver | None = None
         self._savers: list[CheckpointSaver] = []
         self._begin = 0  # the step count when the current execution began
@@ -75,6 +94,30 @@ class VerifyReplicas(Callback):
         for saver in savers:
             saver.guard = self
         self._verified_at = None
+        self._at_rest = None
+        self.coverage = None
+        self._announce()
+
+    def _announce(self) -> None:
+        """Say, on the chief, what the checks compare and what is held in one copy (once the model is built)."""
+        loop = self._require_loop()
+        strategy = loop.strategy
+        module, optimizer = resolve_state(self._require_model())
+        try:
+            state, _ = named_state(module, optimizer)
+        except ValueError:  # a lazy module: built by its first step, announced at the first check
+            return
+        parameters = {name for name, _ in module.named_parameters()}
+        self.coverage = coverage(state, parameters, strategy.num_processes)
+        if strategy.is_chief:
+            print(self.coverage.describe(repr(strategy)), flush=True)
+            if not self.coverage.compared and self.on_divergence == "restore":
+                warnings.warn(
+                    "VerifyReplicas(on_divergence='restore'): no tensor of the training state has a second copy "
+                    f"under {strategy!r}, so no check compares replicas; only the at-rest and gathered checks of "
+                    "one-copy tensors can find a fault to roll back. To compare replicas, keep copies along an "
+                    "axis (e.g. a mesh axis the parameters are replicated on), or use on_divergence='stop'.",
+                    stacklevel=2)
 
     def _agree_settings(self, strategy: DistributionStrategy) -> None:
         """Every worker must check at the same steps and act the same way: a worker that checks alone
@@ -91,6 +134,29 @@ class VerifyReplicas(Callback):
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         self._begin = self._require_loop().counters.iterations
+        self._check_at_rest()
+
+    def _check_at_rest(self) -> None:
+        """Before the next step uses them: the one-copy shards recorded at the last check are unchanged
+        on every rank (one gather of each rank's changed paths, so every worker acts alike)."""
+        record, self._at_rest = self._at_rest, None
+        if record is None:
+            return
+        strategy = self._require_loop().strategy
+        changed = record.changed(strategy.world.rank)
+        gathered = strategy.all_gather_object(changed) if strategy.num_processes > 1 else [changed]
+        found = first_changed(gathered)
+        if found is None:
+            return
+        differing, ranks = found
+        path = differing[0][0]
+        error = ReplicaDivergenceError(
+            record.step, path, differing[0][1],
+            f": it is held in one copy, so no replica holds it to compare, and it changed at rest on rank(s) "
+            f"{', '.join(map(str, ranks))}: after step {record.step}'s check passed and before step "
+            f"{record.step + 1} used it (nothing in training writes it there).",
+            differing=differing)
+        self.diverged(error)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self.before_save()
@@ -107,11 +173,19 @@ class VerifyReplicas(Callback):
         due = iterations // self.every_n_steps > self._begin // self.every_n_steps
         if not due or self._verified_at == iterations:
             return True
+        strategy = self._require_loop().strategy
+        model = self._require_model()
         try:
-            self._require_loop().strategy.verify_replicas(self._require_model())
+            digest = verify_replicas(strategy, model, history=self._history)
         except ReplicaDivergenceError as error:
             self.diverged(error)
             return False
+        if self.coverage is None:
+            self._announce()
+        module, optimizer = resolve_state(model)
+        state, _ = named_state(module, optimizer)
+        self._at_rest = AtRest.record(iterations, state, digest.one_copy, strategy.world.rank) \
+            if digest.one_copy else None
         self._verified_at = iterations
         self.checks += 1
         return True
@@ -123,6 +197,15 @@ class VerifyReplicas(Callback):
         saver = self._saver
         if saver is None:
             raise error
+        repeats = sum(1 for earlier, _ in self.rollbacks if earlier.step == error.step)
+        if repeats >= self.max_rollbacks:
+            raise ReplicaDivergenceError(
+                error.step, error.path, error.ranks,
+                f"{error.detail} Found at step {error.step} again after {repeats} roll-back(s) there "
+                f"(max_rollbacks={self.max_rollbacks}): a fault that comes back at the same step is in the computation "
+                "or the data, not a transient flip, so every worker stops. Look for what differs between the "
+                "workers at that step (a rank's hardware, its data, a non-deterministic op).",
+                error.prefix, error.differing, error.last_equal) from error
         loop = self._require_loop()
         strategy = loop.strategy
         saver.wait()  # a backup still being written lands first (it was verified when it was taken)
@@ -134,6 +217,7 @@ class VerifyReplicas(Callback):
                 f"{error.detail} There is no backup to roll back to yet: the first backup comes at step "
                 f"{saver.policy.every_steps or 'the epoch end'}.") from error
         saver.reset_clock(saved=True)
+        self._at_rest = None
         self._verified_at = loop.counters.iterations
         self._begin = loop.counters.iterations
         self.rollbacks.append((error, restored))

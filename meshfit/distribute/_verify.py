@@ -21,35 +21,68 @@ from meshfit._protocols import DistributionStrategy
 from meshfit.distribute._buffers import agree_buffers
 from meshfit.distribute._digest import LocalPart, combine_digests, finish_digest
 from meshfit.distribute._digest_batch import local_parts
+from meshfit.distribute._one_copy import coverage, gathered_digests
 
 
 class ReplicaDivergenceError(ValueError):
-    """Replicas that should hold the same state do not: the first differing tensor and the ranks.
+    """Replicas that should hold the same state do not: every differing tensor and the ranks.
 
     Attributes:
         step: the optimizer step at which the difference was found.
         path: the first differing tensor (``optimizer/<param path>/<state name>`` for optimizer
             state; a checkpoint's tensor key when found while saving).
         ranks: the ranks whose digest differs from the most common one (all of them when no value
-            is the most common, so both of two replicas).
+            is the most common, so both of two).
+        differing: ``(path, ranks)`` of every differing tensor, the first one first.
+        last_equal: the last step at which each differing tensor was seen equal on every replica
+            (by the same checker: `VerifyReplicas`, or the strategy's ``verify_replicas``), where known.
     """
 
-    def __init__(self, step: int, path: str, ranks: Sequence[int], detail: str = "", prefix: str = "") -> None:
+    def __init__(self, step: int, path: str, ranks: Sequence[int], detail: str = "", prefix: str = "",
+                 differing: Sequence[tuple[str, Sequence[int]]] = (),
+                 last_equal: Mapping[str, int] | None = None) -> None:
         self.step, self.path, self.ranks, self.detail = int(step), str(path), list(ranks), detail
         self.prefix = prefix
+        self.differing = [(str(p), list(r)) for p, r in differing] or [(self.path, self.ranks)]
+        self.last_equal = {str(p): int(s) for p, s in (last_equal or {}).items()}
         super().__init__(f"{prefix}Replicas diverged at step {self.step}: {self.path!r} differs on rank(s) "
-                         f"{', '.join(map(str, self.ranks))}{detail}")
+                         f"{', '.join(map(str, self.ranks))}{self._seen(self.path)}{detail}{self._others()}")
+
+    def _seen(self, path: str) -> str:
+        return f" (last seen equal at step {self.last_equal[path]})" if path in self.last_equal else ""
+
+    def _others(self) -> str:
+        others = [f"{p!r} on rank(s) {', '.join(map(str, r))}{self._seen(p)}" for p, r in self.differing[1:]]
+        return f" {len(others)} more tensor(s) differ: {'; '.join(others)}." if others else ""
+
+    def with_history(self, last_equal: Mapping[str, int]) -> ReplicaDivergenceError:
+        """The same error, naming the step each differing tensor was last seen equal."""
+        known = {path: last_equal[path] for path, _ in self.differing if path in last_equal}
+        error = type(self)(self.step, self.path, self.ranks, self.detail, self.prefix, self.differing, known)
+        error.__cause__ = self.__cause__
+        return error
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.step, self.path, self.ranks, self.detail, self.prefix)
+        return type(self), (self.step, self.path, self.ranks, self.detail, self.prefix, self.differing,
+                            self.last_equal)
 
 
 class StateDigest(Mapping[str, int]):
-    """Each tensor's 64-bit digest by path (unsigned ints), and ``total``: the whole state's."""
+    """Each tensor's 64-bit digest by path (unsigned ints), and ``total``: the whole state's.
 
-    def __init__(self, digests: dict[str, int]) -> None:
+    Attributes:
+        total: the whole state's digest.
+        compared: the paths whose copies a replica check compared (all of them for a digest
+            that compared nothing: `meshfit.train.state_digest`'s).
+        one_copy: the paths a replica check found held in one copy: not compared across replicas.
+    """
+
+    def __init__(self, digests: dict[str, int], compared: Sequence[str] | None = None,
+                 one_copy: Sequence[str] = ()) -> None:
         self._digests = dict(digests)
         self.total = combine_digests(self._digests)
+        self.compared = tuple(self._digests) if compared is None else tuple(compared)
+        self.one_copy = tuple(one_copy)
 
     def __getitem__(self, path: str) -> int:
         return self._digests[path]
@@ -164,10 +197,11 @@ def reduce_parts(paths: Sequence[str], values: Sequence[int], parts: Sequence[Lo
     return {path: finish_digest(int(v), p.meta) for path, v, p in zip(paths, masked.tolist(), parts, strict=True)}
 
 
-def compare_replicas(paths: Sequence[str], gathered: Sequence[tuple[list[int], list[Any]]],
-                     skip: frozenset[str] = frozenset()) -> tuple[str, list[int], str] | None:
-    """The first path whose copies differ among the ranks holding the same shard, the ranks that
-    differ (the minority; all when no value is most common) and each rank's digest for the message."""
+def find_divergences(paths: Sequence[str], gathered: Sequence[tuple[list[int], list[Any]]],
+                     skip: frozenset[str] = frozenset()) -> list[tuple[str, list[int], str]]:
+    """Every path whose copies differ among the ranks holding the same shard, in path order: the path,
+    the ranks that differ (the minority; all when no value is most common) and each rank's digest."""
+    found = []
     for index, path in enumerate(paths):
         if path in skip:
             continue
@@ -183,17 +217,48 @@ def compare_replicas(paths: Sequence[str], gathered: Sequence[tuple[list[int], l
                 odd = [rank for rank in ranks if values[rank] != counts[0][0]]
             else:
                 odd = list(ranks)
-            detail = ", ".join(f"rank {r}: 0x{v:016x}" for r, v in values.items())
-            return path, odd, detail
-    return None
+            found.append((path, odd, ", ".join(f"rank {r}: 0x{v:016x}" for r, v in values.items())))
+            break
+    return found
 
 
-def verify_replicas(strategy: DistributionStrategy, model: Any, optimizer: Any = None) -> StateDigest:
-    """Compare every replica's digest of the state it should share (see `Strategy.verify_replicas`)."""
+def compare_replicas(paths: Sequence[str], gathered: Sequence[tuple[list[int], list[Any]]],
+                     skip: frozenset[str] = frozenset()) -> tuple[str, list[int], str] | None:
+    """The first path whose copies differ among the ranks holding the same shard (`find_divergences`)."""
+    found = find_divergences(paths, gathered, skip)
+    return found[0] if found else None
+
+
+class ReplicaHistory:
+    """The last step at which each path was seen equal on every replica, by one checker."""
+
+    def __init__(self) -> None:
+        self.last_equal: dict[str, int] = {}
+
+    def passed(self, step: int, paths: Sequence[str]) -> None:
+        self.last_equal.update(dict.fromkeys(paths, int(step)))
+
+
+def _step_of(strategy: DistributionStrategy, optimizer: Any) -> int:
+    return optimizer.iterations if isinstance(optimizer, _StepCounted) else (strategy.failure.step or 0)
+
+
+def verify_replicas(strategy: DistributionStrategy, model: Any, optimizer: Any = None,
+                    history: ReplicaHistory | None = None) -> StateDigest:
+    """Compare every replica's digest of the state it should share (see `Strategy.verify_replicas`).
+
+    One-copy parameters (`meshfit.distribute._one_copy`) are also gathered on every rank and the
+    digest of what each rank got compared with the digest of the shards, in the same gather.
+    """
     module, optimizer = resolve_state(model, optimizer)
     state, agreed = named_state(module, optimizer)
     world = strategy.world
     paths = [path for path, _ in state]
+    parameters = {name for name, _ in module.named_parameters()}
+    covered = coverage(state, parameters, world.size if world.distributed else 1)
+    gathered_paths = list(covered.gathered)
+    by_name = dict(state)
+    full = gathered_digests([by_name[p] for p in gathered_paths]) if gathered_paths else []
     first = [(p, t) for p, t in state if p not in agreed]
     values, parts = local_parts([t for _, t in first], world.rank)
     if agreed:  # DDP trains with rank 0's statistics: they are compared once every replica has rank 0's
@@ -203,13 +268,45 @@ def verify_replicas(strategy: DistributionStrategy, model: Any, optimizer: Any =
     by_path = dict(zip([p for p, _ in first] + [p for p, _ in later],
                        zip(values + more_values, parts + more_parts, strict=True), strict=True))
     ordered = [by_path[p] for p in paths]
-    mine = ([v for v, _ in ordered], [list(p.shard) for _, p in ordered], [p.canonical for _, p in ordered])
+    mine = ([v for v, _ in ordered], [list(p.shard) for _, p in ordered], [p.canonical for _, p in ordered], full)
     gathered = world.all_gather_object(mine) if world.distributed else [mine]
-    found = compare_replicas(paths, [(g[0], g[1]) for g in gathered])
-    if found is not None:
-        path, ranks, detail = found
-        step = optimizer.iterations if isinstance(optimizer, _StepCounted) else (strategy.failure.step or 0)
-        raise ReplicaDivergenceError(step, path, ranks, f" (each rank's digest of its copy: {detail}).")
+    step = _step_of(strategy, optimizer)
+    found = find_divergences(paths, [(g[0], g[1]) for g in gathered])
     totals = [sum(g[0][i] for g in gathered if g[2][i]) for i in range(len(paths))]
-    return StateDigest({path: finish_digest(total, part.meta) for path, total, (_, part) in zip(paths, totals, ordered,
-                                                                                          strict=True)})
+    digests = {path: finish_digest(total, part.meta) for path, total, (_, part) in zip(paths, totals, ordered,
+                                                                                       strict=True)}
+    found += _bad_gathers(gathered_paths, digests, [g[3] for g in gathered])
+    if found:
+        path, ranks, detail = found[0]
+        last_equal = history.last_equal if history is not None else {}
+        raise ReplicaDivergenceError(step, path, ranks, f" (each rank's digest of its copy: {detail}).",
+                                     differing=[(p, r) for p, r, _ in found],
+                                     last_equal={p: last_equal[p] for p, _, _ in found if p in last_equal})
+    compared = _with_copies(paths, [g[1] for g in gathered])
+    if history is not None:
+        history.passed(step, compared + covered.gathered)
+    return StateDigest(digests, compared=compared, one_copy=tuple(p for p in paths if p not in set(compared)))
+
+
+def _with_copies(paths: Sequence[str], shards: Sequence[Sequence[Any]]) -> tuple[str, ...]:
+    """The paths every shard of which two or more ranks hold (what comparing copies covers)."""
+    compared = []
+    for index, path in enumerate(paths):
+        counts = collections.Counter(tuple(mine[index]) for mine in shards)
+        if min(counts.values()) > 1:
+            compared.append(path)
+    return tuple(compared)
+
+
+def _bad_gathers(paths: Sequence[str], digests: Mapping[str, int],
+                 gathered: Sequence[Sequence[int]]) -> list[tuple[str, list[int], str]]:
+    """The one-copy parameters some rank gathered into another value than its shards hold."""
+    found = []
+    for index, path in enumerate(paths):
+        want = digests[path]
+        odd = [rank for rank, mine in enumerate(gathered) if mine[index] != want]
+        if odd:
+            detail = ", ".join(f"rank {r}: 0x{mine[index]:016x}" for r, mine in enumerate(gathered))
+            found.append((f"{path} (gathered)", odd,
+                          f"{detail}; its shards' digest: 0x{want:016x}"))
+    return found
