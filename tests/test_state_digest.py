@@ -161,12 +161,13 @@ def test_a_checkpoint_rewritten_with_valid_checksums_but_other_values_is_refused
     layer = nn.Linear(3, 2)
     saved = Checkpoint(model=layer).save(tmp_path / "ckpt-1")
     with open(os.path.join(saved, "meshfit_state.json")) as f:
-        assert set(json.load(f)["digest"]["tensors"]) == {"model/weight", "model/bias"}
+        assert set(json.load(f)["digest"]["tensors"]) == {"weight", "bias"}  # state_digest's names
     with torch.no_grad():
         layer.weight.add_(1.0)
     donor = Checkpoint(model=layer).save(tmp_path / "other")
     _copy_data_files(donor, saved)
-    with pytest.raises(ValueError, match=r"ckpt-1.*tensor 'model/weight' was loaded with digest 0x[0-9a-f]{16}, "
+    with pytest.raises(ValueError, match=r"ckpt-1.*tensor 'weight' \(stored as 'model/weight'\) was loaded with "
+                                         r"digest 0x[0-9a-f]{16}, "
                                          r"but the save recorded 0x[0-9a-f]{16}") as refused:
         Checkpoint(model=nn.Linear(3, 2)).restore(saved)
     assert type(refused.value).__name__ == "DigestMismatchError"
@@ -269,3 +270,26 @@ def test_a_shard_loaded_into_the_wrong_place_is_refused_by_name(tmp_path):
     for message in results:
         assert message.startswith("DigestMismatchError"), message
         assert "ckpt-1" in message and "0.weight" in message, message
+
+
+def test_a_backup_records_the_digest_under_state_digests_names_with_its_total(tmp_path):
+    """The digest a backup records and `meshfit.train.state_digest` of the model at that step use the
+    same keys (module paths; ``optimizer/<param path>/<state>``; ``optimizer/iterations``) and total."""
+    from meshfit.train import state_digest
+
+    torch.manual_seed(0)
+    model = mf.Model(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)))
+    model.compile(optimizer=mf.optimizers.Adam(0.01), loss="mse")
+    seen = {}
+    record = mf.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: seen.setdefault(model.optimizer.iterations, state_digest(model)))
+    x, y = np.random.default_rng(0).normal(size=(32, 4)), np.random.default_rng(1).normal(size=(32, 2))
+    model.fit(x.astype("float32"), y.astype("float32"), batch_size=8, epochs=1, verbose=0,
+              callbacks=[record, mf.callbacks.BackupAndRestore(tmp_path, save_freq=2, delete_checkpoint=False)])
+    with open(tmp_path / "ckpt-2" / "meshfit_state.json") as f:
+        recorded = json.load(f)["digest"]
+    at_step_4 = seen[4]
+    assert set(recorded["tensors"]) == set(at_step_4)
+    assert {k: int(v, 16) for k, v in recorded["tensors"].items()} == dict(at_step_4)
+    assert int(recorded["total"], 16) == at_step_4.total
+    assert recorded["keys"]["optimizer/0.weight/exp_avg"] == "optimizer/optimizer/state/0/exp_avg"

@@ -78,7 +78,7 @@ def local_record(tensors: dict[str, torch.Tensor], keys: list[str], rank: int) -
 
 
 def agreed_record(gathered: list[dict[str, list[Any]]], exempt: set[str], owners: dict[str, str],
-                  step: int) -> dict[str, Any]:
+                  step: int, names: dict[str, str] | None = None) -> dict[str, Any]:
     """The digest a checkpoint records, once the ranks holding each tensor agree on it.
 
     Args:
@@ -86,6 +86,8 @@ def agreed_record(gathered: list[dict[str, list[Any]]], exempt: set[str], owners
         exempt: keys whose copies may differ (module buffers: rank 0's is the one saved).
         owners: the trackable name of each key, for the message.
         step: the optimizer step, for the message.
+        names: `state_digest`'s path of the keys that have one (`_digest_names.digest_paths`): the
+            record is keyed by them, with ``"keys"`` mapping each back to its DCP key.
 
     Raises:
         ReplicaDivergenceError: a tensor differs between ranks that should hold the same copy; the
@@ -103,9 +105,14 @@ def agreed_record(gathered: list[dict[str, list[Any]]], exempt: set[str], owners
             f"the values are meant to differ per rank, wrap the trackable: Checkpoint({name}=meshfit.train."
             "PerRank(...)); else the replicas lost their agreement: restore the last checkpoint.",
             prefix=f"Cannot checkpoint {name!r}: ")
-    digests = {key: finish_digest(sum(g[key][0] for g in gathered if g[key][2]), gathered[0][key][3]) for key in keys}
-    return {"tensors": {key: f"{value:016x}" for key, value in digests.items()},
-            "total": f"{combine_digests(digests):016x}"}
+    names = names or {}
+    digests = {names.get(key, key): finish_digest(sum(g[key][0] for g in gathered if g[key][2]), gathered[0][key][3])
+               for key in keys}
+    record: dict[str, Any] = {"tensors": {path: f"{value:016x}" for path, value in digests.items()},
+                              "total": f"{combine_digests(digests):016x}"}
+    if names:
+        record["keys"] = {path: key for key, path in names.items() if path != key}
+    return record
 
 
 def verify_loaded(destinations: dict[str, torch.Tensor], recorded: Any, world: Any, path: str) -> None:
@@ -116,14 +123,18 @@ def verify_loaded(destinations: dict[str, torch.Tensor], recorded: Any, world: A
     """
     if not isinstance(recorded, dict) or not isinstance(recorded.get("tensors"), dict):
         raise CorruptFileError(f"Corrupt checkpoint {path!r}: its recorded digest is unreadable.")
-    keys = [key for key in recorded["tensors"] if key in destinations]
+    stored = recorded.get("keys", {})  # the DCP key of each tensor the record names by its state path
+    named = [(name, stored.get(name, name)) for name in recorded["tensors"]]
+    named = [(name, key) for name, key in named if key in destinations]
+    keys = [key for _, key in named]
     values, parts = local_parts([destinations[key] for key in keys], world.rank)
     loaded = reduce_parts(keys, values, parts, world)  # one sum: every rank reaches the same verdict
-    for key in keys:
-        want = int(recorded["tensors"][key], 16)
+    for name, key in named:
+        want = int(recorded["tensors"][name], 16)
         if loaded[key] != want:
             raise DigestMismatchError(
-                f"Checkpoint {path!r}: tensor {key!r} was loaded with digest 0x{loaded[key]:016x}, but the save "
+                f"Checkpoint {path!r}: tensor {name!r}{f' (stored as {key!r})' if key != name else ''} was loaded "
+                f"with digest 0x{loaded[key]:016x}, but the save "
                 f"recorded 0x{want:016x} once its replicas agreed. Its data was changed after the save (other "
                 "values written with a valid checksum) or a shard was loaded into the wrong place; it is not "
                 "restored. Restore an earlier checkpoint.")

@@ -23,6 +23,7 @@ from meshfit._storage import tagged_json as _tree
 from meshfit.train import _storage
 from meshfit.train._chief_alone import chief_can_write_alone
 from meshfit.train._digest import agreed_record, local_record
+from meshfit.train._digest_names import digest_paths, optimizer_steps
 from meshfit.train._own_copies import is_sharded, refuse_different_paths, whole_tensors
 from meshfit.train._per_rank import drop_buffers_rank_0_saves, module_buffer_keys
 from meshfit.train._store import scratch
@@ -83,6 +84,9 @@ def take_snapshot(trackables: Mapping[str, tuple[Any, bool]], path: str, prepare
     size = dist.get_world_size(group) if distributed else 1
     # each shared tensor's digest part (on its device): the ranks' copies are compared, the sum recorded
     digests = local_record(tensors, list(owners), rank)
+    shared = {name: target for name, (target, per_rank) in trackables.items() if not per_rank}
+    steps = optimizer_steps(shared)  # `state_digest` counts the step count too: so does the record
+    digests.update(local_record(steps, list(steps), rank))
     gathered: list[dict[str, Any]] = []
 
     def gather(prepared: str) -> list[str]:  # rank 0's outcome of `prepare` travels with the digests
@@ -107,7 +111,8 @@ def take_snapshot(trackables: Mapping[str, tuple[Any, bool]], path: str, prepare
             drop_buffers_rank_0_saves(target, added, tensors)
     for name in own_per_rank:
         entries[name]["ranks"] = [g["trees"][name] for g in gathered]
-    record = agreed_record([g["digests"] for g in gathered], buffers, owners, world.failure.step or 0)
+    record = agreed_record([g["digests"] for g in gathered], buffers, owners, world.failure.step or 0,
+                           digest_paths(shared, owners))
     document = {**header, "world_size": size, "trackables": entries, "digest": record}
     alone = distributed and not own_copies and all(g["alone"] for g in gathered)
     return Snapshot(tensors, document, paths if own_copies else None, per_rank_keys if alone else None)
