@@ -181,6 +181,59 @@ class ClusterResolver:
         addresses the source does not give are ``None``."""
         return ClusterSpec(copy.deepcopy(self._cluster_spec))
 
+    @property
+    def rpc_layer(self) -> str | None:
+        """The protocol `master` prefixes (``"grpc"``...); None: none (TensorFlow's default)."""
+        return getattr(self, "_rpc_layer", None)
+
+    @rpc_layer.setter
+    def rpc_layer(self, value: str | None) -> None:
+        if value is not None and (not isinstance(value, str) or not value or "://" in value):
+            raise ValueError(f"Invalid `rpc_layer`: expected a protocol name such as 'grpc', or None, "
+                             f"received rpc_layer={value!r}.")
+        self._rpc_layer = value
+
+    def master(self, task_type: str | None = None, task_id: int | None = None, rpc_layer: str | None = None) -> str:
+        """The address of a task, as TensorFlow's ``cluster_resolver.master()``: ``"host:port"``, or
+        ``"grpc://host:port"`` with an ``rpc_layer``; ``""`` where the task is unknown.
+
+        Args:
+            task_type: the job (default: this task's); ``"chief"``, ``"worker"`` or ``"evaluator"``.
+            task_id: the task's index in its job (default: this task's).
+            rpc_layer: the protocol to prefix (default: `rpc_layer`).
+
+        Raises:
+            ValueError: the cluster has no such job, or the job no such index (the message names
+                the jobs and the range).
+
+        Example:
+            >>> from meshfit.cluster import TFConfigClusterResolver
+            >>> r = TFConfigClusterResolver({"cluster": {"worker": ["h1:2222", "h2:2222"]},
+            ...                              "task": {"type": "worker", "index": 1}})
+            >>> r.master(), r.master("worker", 0, rpc_layer="grpc")
+            ('h2:2222', 'grpc://h1:2222')
+        """
+        task_type = self.task_type if task_type is None else task_type
+        task_id = self.task_id if task_id is None else task_id
+        if task_type is None or task_id is None:
+            return ""
+        address = self.cluster_spec().task_address(task_type, task_id)
+        if address is None:  # the source does not give it (torchrun, SLURM: only rank 0's is known)
+            return ""
+        layer = rpc_layer or self.rpc_layer
+        return f"{layer}://{address}" if layer else address
+
+    def num_accelerators(self, task_type: str | None = None, task_id: int | None = None,
+                         config_proto: object = None) -> dict[str, int]:
+        """The accelerators this host has, by kind (``{"GPU": 8}``; ``{}`` without), as TensorFlow's.
+
+        Counted on this host: the arguments are accepted for TensorFlow's signature.
+        """
+        import torch  # not at import: resolving a cluster needs no torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return {"GPU": count} if count else {}
+
     def __repr__(self) -> str:
         i = self._info
         return (f"{type(self).__name__}(task_type={i.task_type!r}, task_id={i.task_id}, rank={i.rank}, "

@@ -124,6 +124,7 @@ class TFConfigClusterResolver(ClusterResolver):
     Args:
         tf_config: the JSON text or an already-parsed dict; ``None`` reads the ``TF_CONFIG``
             environment variable.
+        rpc_layer: the protocol `master` prefixes (default: ``TF_CONFIG``'s ``"rpc_layer"``, else none).
 
     Raises:
         ValueError: the configuration is malformed; the message names the field and the fix.
@@ -136,7 +137,7 @@ class TFConfigClusterResolver(ClusterResolver):
         ('worker', 1, 1, 2, False, 'h1')
     """
 
-    def __init__(self, tf_config: str | Mapping[str, Any] | None = None) -> None:
+    def __init__(self, tf_config: str | Mapping[str, Any] | None = None, rpc_layer: str | None = None) -> None:
         config = _load(tf_config)
         jobs = _parse_cluster(config["cluster"])
         task_type, task_id = _parse_task(config["task"], jobs)
@@ -154,3 +155,30 @@ class TFConfigClusterResolver(ClusterResolver):
             master_addr=master_addr, master_port=master_port, local_rank=local_rank,
         )
         super().__init__(info, {job: list(addresses) for job, addresses in jobs.items()})
+        self.rpc_layer = rpc_layer if rpc_layer is not None else _optional_text(config, "rpc_layer")
+        self._session_master = _optional_text(config, "session_master")
+
+    def master(self, task_type: str | None = None, task_id: int | None = None, rpc_layer: str | None = None) -> str:
+        """``TF_CONFIG``'s ``"session_master"`` when set, else the address of the task (see
+        `ClusterResolver.master`), as TensorFlow's.
+
+        Example:
+            >>> r = TFConfigClusterResolver({"cluster": {"chief": ["c:2222"], "worker": ["w:2222"]},
+            ...                              "task": {"type": "worker", "index": 0}, "rpc_layer": "grpc"})
+            >>> r.master(), r.master("chief", 0)
+            ('grpc://w:2222', 'grpc://c:2222')
+        """
+        if self._session_master is not None:
+            return self._session_master
+        return super().master(task_type, task_id, rpc_layer)
+
+
+def _optional_text(config: Mapping[str, Any], key: str) -> str | None:
+    """``config[key]``: a non-empty string or absent; anything else refused naming the key."""
+    value = config.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        example = "'grpc'" if key == "rpc_layer" else "'host:2222'"
+        raise _fail(f"{key}={value!r} is not a non-empty string. Set {key} to e.g. {example}, or leave it out.")
+    return value

@@ -28,6 +28,14 @@ from meshfit.distribute._placement import mark_reduced as mark_reduced
 from meshfit.distribute._placement import placement_hook as placement_hook
 from meshfit.distribute._placement import register_placement as register_placement
 from meshfit.distribute._rendezvous import agree_on_settings as agree_on_settings
+from meshfit.distribute._replica_context import (
+    ReplicaContext,
+    get_cross_replica_context,
+    get_replica_context,
+    in_cross_replica_context,
+)
+from meshfit.distribute._replica_context import in_replica_context as in_replica_context
+from meshfit.distribute._replica_context import replica_context_scope as replica_context_scope
 from meshfit.distribute._replication import adopt as adopt
 from meshfit.distribute._replication import broadcast_initial_values as broadcast_initial_values
 from meshfit.distribute._replication import check_training_strategy as check_training_strategy
@@ -49,6 +57,7 @@ from meshfit.distribute._values import (
     InputContext,
     PerReplica,
     ReduceOp,
+    ValueContext,
 )
 from meshfit.distribute._verify import ReplicaDivergenceError, StateDigest
 from meshfit.distribute._verify import compare_replicas as compare_replicas
@@ -73,10 +82,15 @@ __all__ = [
     "PeerFailureError",
     "PerReplica",
     "ReduceOp",
+    "ReplicaContext",
     "ReplicaDivergenceError",
     "StateDigest",
     "Strategy",
+    "ValueContext",
+    "get_cross_replica_context",
+    "get_replica_context",
     "get_strategy",
+    "in_cross_replica_context",
 ]
 
 _publish(__name__)

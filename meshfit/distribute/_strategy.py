@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -17,18 +17,28 @@ from meshfit._runtime import flush_denormals
 from meshfit.cluster import ClusterResolver
 from meshfit.data import Dataset, map_structure
 from meshfit.distribute._distributed_dataset import DistributedDataset, agree_on_shuffle_seeds
+from meshfit.distribute._extended import CrossReplicaMethods
 from meshfit.distribute._failure import FailureState
 from meshfit.distribute._gradient_sync import ReplicatedSync
 from meshfit.distribute._placement import Placement
+from meshfit.distribute._replica_context import replica_context_scope, use_default_strategy
 from meshfit.distribute._replication import tracking_scope
 from meshfit.distribute._scope import _DEFAULT, _GLOBAL_DISTRIBUTION, _SCOPE_STACK
 from meshfit.distribute._torch_loader import PerReplicaLoader
-from meshfit.distribute._values import InputContext, PerReplica, ReduceOp, local_results, regroup
+from meshfit.distribute._values import (
+    InputContext,
+    PerReplica,
+    ReduceOp,
+    as_reduce_op,
+    local_results,
+    regroup,
+    select_replica,
+)
 from meshfit.distribute._verify import StateDigest, verify_replicas
 from meshfit.distribute._world import World
 
 
-class Strategy:
+class Strategy(CrossReplicaMethods):
     """Base class of meshfit strategies: one replica in this process, no communication."""
 
     layout_map: LayoutMapLike | None = None  # the layouts a mesh strategy applies (none here: replicated)
@@ -115,15 +125,21 @@ class Strategy:
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
         """Run ``fn`` on this process's replica, as ``tf.distribute.Strategy.run``.
 
+        Inside, ``meshfit.distribute.get_replica_context()`` is this replica's context (its
+        ``all_reduce`` / ``all_gather`` combine the replicas' values), and a `PerReplica` value among
+        ``args``/``kwargs`` reaches ``fn`` as this replica's own value.
+
         Returns:
             ``fn``'s result; with several replicas in sync, each tensor or number in it is a
             `PerReplica` value (``strategy.reduce`` combines it, ``experimental_local_results``
             unwraps it), as in TensorFlow.
         """
+        args = cast(tuple, select_replica(tuple(args)))
+        kwargs = cast(dict, select_replica(dict(kwargs or {})))
         _SCOPE_STACK.append(self)  # inside run, get_strategy() is this strategy (TF's replica context)
         try:
-            with self.guard(), flush_denormals():  # as TF flushes on the threads running its ops
-                result = fn(*args, **(kwargs or {}))
+            with self.guard(), flush_denormals(), replica_context_scope(self):  # TF flushes on its op threads
+                result = fn(*args, **kwargs)
         finally:
             _SCOPE_STACK.pop()
         return regroup(result) if self.num_replicas_in_sync > 1 else result
@@ -143,7 +159,7 @@ class Strategy:
         Returns:
             The combined value, the same on every replica.
         """
-        op = _reduce_op(reduce_op)
+        op = as_reduce_op(reduce_op)
         if isinstance(value, PerReplica):
             parts = [torch.as_tensor(v).detach() for v in value.values]
             value = parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
@@ -342,6 +358,9 @@ def get_strategy() -> DistributionStrategy:
     return _DEFAULT[0]
 
 
+use_default_strategy(get_strategy)
+
+
 def _parse_device(device: str | torch.device | None) -> torch.device:
     if device is None:
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
@@ -356,14 +375,6 @@ def _parse_device(device: str | torch.device | None) -> torch.device:
         raise ValueError(f"Invalid `device`: {device!r} asks for a GPU but none is available here. "
                          "Use 'cpu'.")
     return parsed
-
-
-def _reduce_op(op: ReduceOp | str) -> ReduceOp:
-    if isinstance(op, ReduceOp):
-        return op
-    if isinstance(op, str) and op.upper() in ReduceOp.__members__:
-        return ReduceOp[op.upper()]
-    raise ValueError(f"Invalid `reduce_op`: expected ReduceOp.SUM or ReduceOp.MEAN, received {op!r}.")
 
 
 def compiled(module: torch.nn.Module, jit_compile: bool) -> torch.nn.Module:

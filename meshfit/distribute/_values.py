@@ -1,5 +1,5 @@
-"""Small value objects of the distribute API: `InputContext`, `CommunicationOptions`, `ReduceOp`,
-`PerReplica`."""
+"""Small value objects of the distribute API: `InputContext`, `ValueContext`, `CommunicationOptions`,
+`ReduceOp`, `PerReplica`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,16 @@ class ReduceOp(enum.Enum):
 
     SUM = "sum"
     MEAN = "mean"
+
+
+def as_reduce_op(op: ReduceOp | str) -> ReduceOp:
+    """``op`` as a `ReduceOp` (``"SUM"``/``"MEAN"`` accepted, any case); anything else refused."""
+    if isinstance(op, ReduceOp):
+        return op
+    if isinstance(op, str) and op.upper() in ReduceOp.__members__:
+        return ReduceOp[op.upper()]
+    raise ValueError(f"Invalid `reduce_op`: expected ReduceOp.SUM or ReduceOp.MEAN (or 'SUM'/'MEAN'), "
+                     f"received {op!r}.")
 
 
 class CommunicationImplementation(enum.Enum):
@@ -110,6 +120,32 @@ class InputContext:
         return global_batch_size // self.num_replicas_in_sync
 
 
+@dataclasses.dataclass(frozen=True)
+class ValueContext:
+    """What ``strategy.experimental_distribute_values_from_function``'s function is told about its replica.
+
+    Args:
+        replica_id_in_sync_group: this replica's index, ``0 <= id < num_replicas_in_sync``.
+        num_replicas_in_sync: the number of replicas training together.
+
+    Example:
+        >>> ValueContext(replica_id_in_sync_group=1, num_replicas_in_sync=2).replica_id_in_sync_group
+        1
+    """
+
+    replica_id_in_sync_group: int = 0
+    num_replicas_in_sync: int = 1
+
+    def __post_init__(self) -> None:
+        value = self.num_replicas_in_sync
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise invalid_argument("num_replicas_in_sync", "a positive int", value)
+        replica = self.replica_id_in_sync_group
+        if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < value:
+            raise ValueError(f"Invalid `replica_id_in_sync_group`: expected an int with 0 <= id < "
+                             f"num_replicas_in_sync={value}, received replica_id_in_sync_group={replica!r}.")
+
+
 class PerReplica:
     """The values one ``strategy.run`` produced on this process's replicas (one per process here).
 
@@ -152,6 +188,21 @@ def regroup(result: object) -> object:
     if isinstance(result, (tuple, list)):
         return type(result)(regroup(v) for v in result)
     return PerReplica((result,))
+
+
+def select_replica(value: object) -> object:
+    """``value`` as this process's replica sees it: each `PerReplica` in the structure replaced by its
+    value (one replica per process), as ``strategy.run`` hands its arguments to the function."""
+    if isinstance(value, PerReplica):
+        return value.values[0]
+    if isinstance(value, dict):
+        return type(value)((k, select_replica(v)) for k, v in value.items())
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        namedtuple_class: Any = type(value)
+        return namedtuple_class(*(select_replica(v) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(select_replica(v) for v in value)
+    return value
 
 
 def local_results(value: object) -> tuple:
