@@ -706,3 +706,50 @@ def test_master_of_an_unknown_task_is_refused():
     torchrun = mf.cluster.TorchrunClusterResolver({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h0",
                                                    "MASTER_PORT": "29500"})
     assert torchrun.master() == "" and torchrun.master("worker", 0) == "h0:29500"
+
+
+# ---- on a mesh: the replicas are the ``batch`` axis's ---------------------------------------------------
+def _on_a_mesh(rank: int, world: int, shape: tuple[int, int]) -> dict[str, object]:
+    # a lenient heartbeat: 4 processes on a shared 2-core machine may be starved for seconds
+    mesh = mf.dtensor.create_mesh([("batch", shape[0]), ("model", shape[1])],
+                                  communication_options=mf.CommunicationOptions(heartbeat_timeout_seconds=60))
+    strategy = mesh.strategy
+
+    def step():
+        context = mf.distribute.get_replica_context()
+        own = torch.tensor([float(rank)])  # differs along ``model`` too
+        return (context.replica_id_in_sync_group, context.num_replicas_in_sync,
+                context.all_reduce("SUM", own), context.all_gather(own.repeat(rank + 1), axis=0))
+
+    replica, count, total, gathered = (strategy.experimental_local_results(v)[0] for v in strategy.run(step))
+    return {"replica": replica, "count": count, "total": total.tolist(), "gathered": gathered.tolist(),
+            "gather": strategy.gather(torch.tensor([rank]), axis=0).tolist()}
+
+
+def test_on_a_batch_mesh_the_replicas_combine():
+    """On a ("batch", 2) mesh each process is a replica: the sum and the (uneven) gather take both."""
+    r0, r1 = run_distributed(_on_a_mesh, args=((2, 1),), timeout=240)
+    assert (r0["replica"], r1["replica"], r0["count"]) == (0, 1, 2)
+    assert r0["total"] == r1["total"] == [1.0]
+    assert r0["gathered"] == r1["gathered"] == [0.0, 1.0, 1.0]
+    assert r0["gather"] == r1["gather"] == [0, 1]
+
+
+def test_on_a_model_mesh_one_replica_keeps_its_values():
+    """On a ("batch", 1) x ("model", 2) mesh both processes are one replica: nothing is summed across
+    ``model`` (its processes may hold different shards), and a gather is the replica's own value."""
+    r0, r1 = run_distributed(_on_a_mesh, args=((1, 2),), timeout=240)
+    assert (r0["replica"], r1["replica"], r0["count"], r1["count"]) == (0, 0, 1, 1)
+    assert (r0["total"], r1["total"]) == ([0.0], [1.0])
+    assert (r0["gathered"], r1["gathered"]) == ([0.0], [1.0, 1.0])
+    assert (r0["gather"], r1["gather"]) == ([0], [1])
+
+
+def test_on_a_two_d_mesh_each_replica_group_sums_along_batch_only():
+    """On a ("batch", 2) x ("model", 2) mesh, the processes along ``model`` of a replica may hold different
+    values (shards): each combines with its peers along ``batch`` alone (ranks 0+2 and 1+3)."""
+    results = run_distributed(_on_a_mesh, world_size=4, args=((2, 2),), timeout=300)
+    assert [r["replica"] for r in results] == [0, 0, 1, 1] and {r["count"] for r in results} == {2}
+    assert [r["total"] for r in results] == [[2.0], [4.0], [2.0], [4.0]]
+    assert [r["gathered"] for r in results] == [[0.0, 2.0, 2.0, 2.0], [1.0, 1.0, 3.0, 3.0, 3.0, 3.0]] * 2
+    assert [r["gather"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]

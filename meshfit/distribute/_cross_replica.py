@@ -1,11 +1,11 @@
 """Sums and concatenations of a structure of tensors over the replicas of a strategy.
 
 The engine of ``ReplicaContext.all_reduce`` / ``all_gather`` and of ``strategy.gather`` /
-``strategy.extended.reduce_to``. Reductions go through the strategy's own ``all_reduce_sum`` (the
-data-parallel group: the world's under a collective strategy, the ``batch`` axis's on a mesh);
-concatenations through ``all_gather`` on the same group. Both are differentiable, as TensorFlow's are:
-the gradient of a sum over replicas is the sum of the replicas' gradients, and the gradient reaching a
-replica's piece of a concatenation is the sum of every replica's gradient for that piece.
+``strategy.extended.reduce_to``. Both run over the strategy's data-parallel group (the world's under
+a collective strategy, the ``batch`` axis's on a mesh), as its `World` names it. Both are
+differentiable, as TensorFlow's are: the gradient of a sum over replicas is the sum of the replicas'
+gradients, and the gradient reaching a replica's piece of a concatenation is the sum of every
+replica's gradient for that piece.
 """
 
 from __future__ import annotations
@@ -72,6 +72,22 @@ def _data_group(strategy: Any) -> Any:
     return strategy.world.data_group()
 
 
+def sum_over_replicas(strategy: Any, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` summed in place over the strategy's replicas, on its device plane; returns it.
+
+    Over the data-parallel group alone: on a ``batch`` x ``model`` mesh, a replica's processes along
+    ``model`` may hold different values (their shards), and each sums with its own peers along ``batch``.
+    """
+    if strategy.num_replicas_in_sync == 1:
+        return tensor
+    moved = tensor if tensor.device == strategy.device else tensor.to(strategy.device)
+    with strategy.guard():  # a dead peer is named, not a raw backend error
+        dist.all_reduce(moved, op=dist.ReduceOp.SUM, group=_data_group(strategy))
+    if moved is not tensor:
+        tensor.copy_(moved)
+    return tensor
+
+
 # ---- all-reduce -----------------------------------------------------------------------------------
 class _SumOverReplicas(torch.autograd.Function):
     """Sum over replicas; its gradient is the sum of the replicas' gradients (TF's all-reduce gradient)."""
@@ -79,11 +95,11 @@ class _SumOverReplicas(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, strategy: Any) -> torch.Tensor:
         ctx.strategy = strategy
-        return strategy.all_reduce_sum(tensor.detach().clone())
+        return sum_over_replicas(strategy, tensor.detach().clone())
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.strategy.all_reduce_sum(grad.detach().clone()), None
+        return sum_over_replicas(ctx.strategy, grad.detach().clone()), None
 
 
 def reduce_structure(strategy: Any, op: ReduceOp, value: Any, method: str) -> Any:
@@ -104,7 +120,7 @@ def reduce_structure(strategy: Any, op: ReduceOp, value: Any, method: str) -> An
             parts = [leaves[i] for i in indices]
             flat = torch.cat([p.reshape(-1).to(parts[0].device) for p in parts])
             summed = _SumOverReplicas.apply(flat, strategy) if flat.requires_grad else \
-                strategy.all_reduce_sum(flat.detach().clone())
+                sum_over_replicas(strategy, flat.detach().clone())
             for i, piece in zip(indices, torch.split(summed, [p.numel() for p in parts]), strict=True):
                 out[i] = piece.reshape(leaves[i].shape).to(leaves[i].device)
     if op is ReduceOp.MEAN:
@@ -134,6 +150,14 @@ def _shape_error(method: str, axis: int, shapes: list[list[tuple[str, tuple[int,
     return None
 
 
+def _replicas_objects(strategy: Any, own: Any) -> list[Any]:
+    """Every replica's ``own`` (those of this process's data-parallel group), by replica; over the control
+    plane. On a ``batch`` x ``model`` mesh each group along ``batch`` has its own."""
+    with strategy.guard():
+        by_rank = strategy.world.all_gather_object(own)
+    return [by_rank[rank] for rank in dist.get_process_group_ranks(_data_group(strategy))]
+
+
 def _gather_padded(strategy: Any, tensor: torch.Tensor, sizes: list[int], axis: int) -> list[torch.Tensor]:
     """Every replica's ``tensor`` (its true size along ``axis`` given by ``sizes``), by replica."""
     device = strategy.device
@@ -160,7 +184,7 @@ class _ConcatOverReplicas(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        total = ctx.strategy.all_reduce_sum(grad.detach().contiguous().clone())
+        total = sum_over_replicas(ctx.strategy, grad.detach().contiguous().clone())
         replica = ctx.strategy.replica_id
         start = sum(ctx.sizes[:replica])
         return total.narrow(ctx.axis, start, ctx.sizes[replica]).contiguous(), None, None, None
@@ -185,8 +209,7 @@ def gather_structure(strategy: Any, value: Any, axis: int, method: str) -> Any:
                              f"tensor of shape {list(leaf.shape)}, received axis={axis}.")
     if strategy.num_replicas_in_sync == 1:
         return pack_as(value, [leaf.clone() for leaf in leaves])
-    own = [(str(leaf.dtype), tuple(leaf.shape)) for leaf in leaves]
-    shapes = strategy.all_gather_object(own)
+    shapes = _replicas_objects(strategy, [(str(leaf.dtype), tuple(leaf.shape)) for leaf in leaves])
     problem = _shape_error(method, axis, shapes)
     if problem is not None:
         raise ValueError(f"Invalid `value` for {method}: {problem}")
