@@ -10,10 +10,11 @@ import numpy as np
 import torch
 
 from meshfit._engine._executions import next_batch, steps_per_execution
+from meshfit._engine._outputs import host_outputs
 from meshfit._engine._step_logs import MetricResults, as_logs, merge_returned, own_logs, reduce_logs
 from meshfit._protocols import CallbackListLike, Trainable
 from meshfit._saving import is_sharded, require_every_worker
-from meshfit.data import batch_size_of, map_structure
+from meshfit.data import batch_size_of
 from meshfit.distribute import DistributedDataset, LoaderPlan, OneDeviceStrategy
 
 
@@ -112,7 +113,7 @@ def predict(trainable: Trainable, data: Any, callbacks: CallbackListLike | Any) 
 
     def step_fn(batch: Any) -> Any:
         out = trainable.predict_step(batch)
-        outputs.append(map_structure(lambda t: t.detach().cpu().numpy(), out))
+        outputs.append(host_outputs(out))
         return out
 
     callbacks.on_predict_begin()
@@ -135,6 +136,8 @@ def concatenate(outputs: list[Any]) -> Any:
     if not outputs:
         return np.zeros((0,))
     first = outputs[0]
+    if first is None:  # an output that holds no tensor (a cache object)
+        return None
     if isinstance(first, dict):
         return {k: concatenate([o[k] for o in outputs]) for k in first}
     if isinstance(first, (tuple, list)):

@@ -234,9 +234,7 @@ class TrainingLoop:
                 fetched = next_batch(trainable, self.data)
                 if fetched is None:
                     break
-            batch, global_size = fetched
-            with strategy.batch_weight(batch_size_of(batch), global_size):
-                returned = trainable.train_step(strategy.distribute_batch(batch))
+            returned = run_train_step(trainable, *fetched)
             counters.step += 1
             counters.iterations += 1
             strategy.failure.step = counters.iterations
@@ -274,6 +272,15 @@ class TrainingLoop:
                 callback.save_for_preemption()
         self.strategy.barrier()
         raise SystemExit(PREEMPTED_EXIT_CODE)
+
+
+def run_train_step(trainable: Trainable, batch: Any, global_size: int) -> Any:
+    """One training step on this replica's ``batch`` of a global batch of ``global_size`` examples (the
+    replicas' gradients weighted by their shares); returns what ``train_step`` returned. ``fit``'s loop
+    and ``train_on_batch`` both step through here."""
+    strategy = trainable.strategy
+    with strategy.batch_weight(batch_size_of(batch), global_size):
+        return trainable.train_step(strategy.distribute_batch(batch))
 
 
 def resolve_verbose(verbose: Any, is_chief: bool) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -29,6 +30,8 @@ from meshfit._engine._fit_arguments import (
 from meshfit._engine._jit import check_jit_compile, resolve_jit_compile
 from meshfit._engine._loop import TrainingLoop, resolve_verbose
 from meshfit._engine._model_weights import WeightsMixin
+from meshfit._engine._on_batch import OnBatchMixin
+from meshfit._engine._outputs import CompileLoss, compile_metrics, is_serialized_loss
 from meshfit._engine._state import LoopState
 from meshfit._engine._steps import StepsMixin
 from meshfit._protocols import DistributionStrategy, PlacementLike
@@ -47,13 +50,12 @@ from meshfit.distribute import (
 from meshfit.losses import get as get_loss
 from meshfit.losses import serialize as serialize_loss
 from meshfit.metrics import Mean, Metric
-from meshfit.metrics import get as get_metric
 from meshfit.optimizers import Optimizer
 from meshfit.optimizers import get as get_optimizer
 from meshfit.optimizers import serialize as serialize_optimizer
 
 
-class Model(StepsMixin, WeightsMixin):
+class Model(StepsMixin, OnBatchMixin, WeightsMixin):
     """A ``torch.nn.Module`` trained the Keras way, on whatever strategy it was created under.
 
     Args:
@@ -80,6 +82,7 @@ class Model(StepsMixin, WeightsMixin):
         self.optimizer: Optimizer | None = None
         self.loss: Any = None
         self.jit_compile = False
+        self._run_eagerly = False
         self.stop_training = False
         self.history: Any = None
         self._metric_identifiers: list[Any] = []
@@ -96,19 +99,31 @@ class Model(StepsMixin, WeightsMixin):
             self.placement = self.strategy.setup_module(module)  # variables: at creation (custom loops too)
 
     # ---- compile -------------------------------------------------------------------------
-    def compile(self, optimizer: Any = "rmsprop", loss: Any = None, metrics: list[Any] | None = None,
-                jit_compile: bool | str = "auto", steps_per_execution: int = 1, auto_scale_loss: bool = True) -> None:
+    def compile(self, optimizer: Any = "rmsprop", loss: Any = None, metrics: Any = None,
+                jit_compile: bool | str = "auto", steps_per_execution: int = 1, auto_scale_loss: bool = True,
+                loss_weights: Any = None, run_eagerly: bool = False) -> None:
         """Configure training: optimizer, loss and metrics (strings, meshfit or torch objects).
+
+        A model with several outputs (a dict, a tuple, or a Hugging Face ``ModelOutput``) takes Keras's
+        keyed forms: ``loss={"logits": ...}`` or a list with one loss (or None) per position,
+        ``loss_weights`` (a float, or a dict / list with one weight per loss) and ``metrics`` as a dict
+        ``{output name: metrics}``; see `meshfit._engine._outputs` for the names logged.
 
         ``jit_compile`` (Keras's name; ``"auto"``, the default, is eager) decides per device whether
         the training step runs through ``torch.compile``: ``True`` compiles on a GPU, and on a CPU runs
         eagerly with one warning saying why (compiling measured slower there; see
         `meshfit._engine._jit`). ``model.jit_compile`` then says whether the step is compiled.
-        ``steps_per_execution`` runs that many training steps between
+        ``run_eagerly=True`` (Keras's debugging switch) runs every step as plain PyTorch: no
+        ``torch.compile``, ``jit_compile`` off. ``steps_per_execution`` runs that many training steps between
         two calls of the batch callbacks and one reduction of their logs across replicas (Keras's
         argument). Under the ``"mixed_float16"`` policy, ``auto_scale_loss`` wraps the optimizer in a
         `meshfit.mixed_precision.LossScaleOptimizer` (dynamic loss scaling), as Keras does.
         """
+        check_bool("run_eagerly", run_eagerly)
+        if run_eagerly and check_jit_compile(jit_compile) is True:
+            warnings.warn("If `run_eagerly` is True, `jit_compile` cannot also be True: disabling `jit_compile`.",
+                          UserWarning, stacklevel=2)
+            jit_compile = False
         jit_compile = resolve_jit_compile(check_jit_compile(jit_compile), self.strategy.device)
         check_bool("auto_scale_loss", auto_scale_loss)
         # Resolve everything first: a failed compile leaves the model as it was.
@@ -118,20 +133,37 @@ class Model(StepsMixin, WeightsMixin):
         if (auto_scale_loss and mixed_precision.global_policy().name == "mixed_float16"
                 and not isinstance(resolved_optimizer, mixed_precision.LossScaleOptimizer)):
             resolved_optimizer = mixed_precision.LossScaleOptimizer(resolved_optimizer)
-        resolved_loss = get_loss(loss) if loss is not None else None
-        if metrics is not None and not isinstance(metrics, (list, tuple)):
-            raise TypeError(f"Invalid `metrics`: expected a list such as ['accuracy'], received metrics={metrics!r}.")
-        compiled_metrics = [get_metric(m, loss=resolved_loss) for m in metrics or []]
+        resolved_loss = _resolve_loss(loss, loss_weights)
+        compiled_metrics = compile_metrics(metrics, loss, resolved_loss if isinstance(resolved_loss, CompileLoss)
+                                           else None)
         self.optimizer, self.loss, self.jit_compile = resolved_optimizer, resolved_loss, jit_compile
+        self._run_eagerly = run_eagerly
         self.steps_per_execution = steps_per_execution
         self._metric_identifiers, self._compiled_metrics = list(metrics or []), compiled_metrics
         self._compile_config = {
             "optimizer": serialize_optimizer(serialized_optimizer),
             "loss": serialize_loss(self.loss) if self.loss is not None else None,
-            "metrics": [m for m in self._metric_identifiers if isinstance(m, str)],
+            "metrics": [m for m in self._metric_identifiers if isinstance(m, str)]
+            if isinstance(metrics, (list, tuple)) else [],
         }
         if self.optimizer.built and self.placement is None:
             self.placement = self.strategy.setup_module(self.module, jit_compile=jit_compile)
+
+    @property
+    def run_eagerly(self) -> bool:
+        """Keras's debugging switch: True runs each step as plain PyTorch (``jit_compile`` off).
+
+        Set it (or pass ``compile(run_eagerly=True)``) before the first ``fit``: a module already
+        compiled by ``jit_compile=True`` stays compiled.
+        """
+        return self._run_eagerly
+
+    @run_eagerly.setter
+    def run_eagerly(self, value: bool) -> None:
+        check_bool("run_eagerly", value)
+        self._run_eagerly = value
+        if value:
+            self.jit_compile = False
 
     @property
     def compiled(self) -> bool:
@@ -139,12 +171,19 @@ class Model(StepsMixin, WeightsMixin):
 
     @property
     def metrics(self) -> list[Metric]:
-        """The loss tracker first, then the compiled metrics."""
-        return [self._loss_tracker, *self._compiled_metrics]
+        """The loss tracker first, then the compiled metrics, the per-output losses (``<output>_loss``,
+        with several losses) and the metrics assigned as the model's attributes (Keras 3 tracks those:
+        one updated in an overridden ``compute_loss`` is reset, reduced and logged as the others)."""
+        own = [self._loss_tracker, *self._compiled_metrics]
+        if isinstance(self.loss, CompileLoss):
+            own.extend(self.loss.metrics)
+        seen = {id(m) for m in own}
+        return own + [value for value in vars(self).values() if isinstance(value, Metric) and id(value) not in seen]
 
     def logged_metrics(self) -> list[Metric]:
         """The metrics that appear in logs (the loss tracker only when there is a loss)."""
-        return self.metrics if self.loss is not None else list(self._compiled_metrics)
+        metrics = self.metrics
+        return metrics if self.loss is not None else metrics[1:]
 
     def saveable_parts(self) -> dict[str, Any]:
         """The model's own parts of a backup: the module's weights and the optimizer's state."""
@@ -159,7 +198,7 @@ class Model(StepsMixin, WeightsMixin):
     def _require_compiled(self, what: str) -> None:
         if self.optimizer is None:
             raise RuntimeError(f"You must call model.compile(optimizer, loss, metrics) before model.{what}().")
-        if self.loss is None and type(self).train_step is Model.train_step and what == "fit":
+        if self.loss is None and type(self).train_step is Model.train_step and what in ("fit", "train_on_batch"):
             raise ValueError("Invalid `loss`: compile() was called without a loss; pass loss=... to compile().")
 
     # ---- building --------------------------------------------------------------------------
@@ -329,6 +368,17 @@ class Model(StepsMixin, WeightsMixin):
 
     def __repr__(self) -> str:
         return f"<meshfit.Model {self.name!r} on {self.strategy!r}>"
+
+
+def _resolve_loss(loss: Any, loss_weights: Any) -> Any:
+    """compile's ``loss``: one `Loss`, or a `CompileLoss` for losses keyed by output or ``loss_weights``."""
+    keyed = isinstance(loss, (list, tuple)) or (isinstance(loss, dict) and not is_serialized_loss(loss))
+    if loss is None:
+        if loss_weights is not None:
+            raise ValueError(f"Invalid `loss_weights`: received loss_weights={loss_weights!r} without a loss. "
+                             "Pass loss=... too, or drop loss_weights.")
+        return None
+    return CompileLoss(loss, loss_weights) if keyed or loss_weights is not None else get_loss(loss)
 
 
 def _communication_options(strategy: DistributionStrategy) -> str:

@@ -3,6 +3,8 @@ the helpers an override calls: ``compute_loss``, ``compute_metrics``, ``get_metr
 
 from __future__ import annotations
 
+import functools
+import inspect
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -11,9 +13,11 @@ import torch
 from torch import nn
 
 from meshfit import mixed_precision
+from meshfit._engine._outputs import CompileLoss, OutputMetric, detached, is_structured, zero_of
 from meshfit._engine._step_logs import MetricResults
 from meshfit._protocols import DistributionStrategy
 from meshfit.data import batch_size_of, unpack_batch
+from meshfit.losses import Loss, TorchModuleLoss
 from meshfit.metrics import Mean, Metric
 
 
@@ -35,19 +39,37 @@ class StepsMixin:
                      training: bool = True) -> torch.Tensor:
         """The loss of one (per-replica) batch: the mean over its examples (Keras's helper).
 
-        Like Keras 3's, it computes the loss only; the step updates the loss tracker.
+        Like Keras 3's, it computes the loss only; the step updates the loss tracker. Losses keyed by
+        output (``compile(loss={"logits": ...})``) read their outputs of a dict, tuple or Hugging Face
+        ``ModelOutput``; a single built-in loss meeting several outputs says which names to key it by.
         """
-        if self.loss is None:
+        loss = self.loss
+        if loss is None:
             raise ValueError("No loss to compute. Provide a `loss` argument in `compile()`.")
-        return self.loss(y, y_pred, sample_weight=sample_weight)
+        if is_structured(y_pred) and not isinstance(loss, CompileLoss) and type(loss).__call__ in _TENSOR_LOSS_CALLS:
+            loss = CompileLoss(loss)  # refuses, naming the outputs and the keyed form
+        return loss(y, y_pred, sample_weight=sample_weight)
 
     def compute_metrics(self, x: Any, y: Any, y_pred: Any, sample_weight: Any = None) -> Mapping[str, Any]:
         """Update the compiled metrics with one batch; returns `get_metrics_result()` (Keras's helper)."""
         if y is not None:
-            y_pred = y_pred.detach()
+            y_pred = detached(y_pred)
             for metric in self._compiled_metrics:
-                metric.update_state(y, y_pred, sample_weight=sample_weight)
+                if is_structured(y_pred) and not isinstance(metric, OutputMetric):
+                    metric.update_state(*self._sole_output(metric, y, y_pred, sample_weight))
+                else:
+                    metric.update_state(y, y_pred, sample_weight=sample_weight)
         return self.get_metrics_result()
+
+    def _sole_output(self, metric: Metric, y: Any, y_pred: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
+        """A metric of a flat ``metrics`` list reads the one output that has a loss (Keras: the one output)."""
+        loss = self.loss
+        if isinstance(loss, CompileLoss) and len(loss.keys) == 1:
+            return loss.pick(loss.keys[0], y, y_pred, sample_weight)
+        names = list(y_pred) if isinstance(y_pred, Mapping) else [f"output_{i}" for i in range(len(y_pred))]
+        raise ValueError(f"Invalid `metrics`: metric {metric.name!r} is not keyed by output, and the model returns "
+                         f"several outputs {names}. Pass metrics={{name: [...]}} keyed by those names (or a list "
+                         "with one entry per loss of a list of losses).")
 
     def get_metrics_result(self) -> Mapping[str, Any]:
         """``{name: result}`` of the logged metrics on this replica (``fit`` logs them reduced over all)."""
@@ -72,7 +94,7 @@ class StepsMixin:
             if batch_size_of(y_pred) == 0:
                 # This replica's share of a last, small global batch is empty: it still joins the
                 # gradient all-reduce (with zeros), so that every replica takes the same step.
-                (y_pred.sum() * 0.0).backward()
+                zero_of(y_pred).backward()
                 self.optimizer.step()
                 return None
             loss = self.compute_loss(x, y, y_pred, sample_weight)
@@ -112,13 +134,31 @@ class StepsMixin:
         x, y, sample_weight = unpack_batch(data)
         with mixed_precision.autocast(self.strategy.device):
             y_pred = self.module(x)
-            loss = self.compute_loss(x, y, y_pred, sample_weight) if self.loss is not None else None
+            loss = self._evaluation_loss(x, y, y_pred, sample_weight) if self.loss is not None else None
         if loss is not None:
             self._loss_tracker.update_state(loss.detach(), sample_weight=batch_size_of(y_pred))
         return self.compute_metrics(x, y, y_pred, sample_weight)
+
+    def _evaluation_loss(self, x: Any, y: Any, y_pred: Any, sample_weight: Any) -> torch.Tensor:
+        """``compute_loss(..., training=False)``, as Keras 3's ``test_step`` calls it; an override
+        written without ``training`` is called without it (Keras keeps those working too)."""
+        if _takes_training(type(self).compute_loss):
+            return self.compute_loss(x, y, y_pred, sample_weight, training=False)
+        return self.compute_loss(x, y, y_pred, sample_weight)
 
     def predict_step(self, data: Any) -> Any:
         """The module's output for one batch."""
         x, _, _ = unpack_batch(data)
         with mixed_precision.autocast(self.strategy.device):
             return mixed_precision.to_variable_dtype(self.module(x))
+
+
+@functools.lru_cache(maxsize=64)
+def _takes_training(compute_loss: Callable[..., Any]) -> bool:
+    parameters = inspect.signature(compute_loss).parameters
+    return "training" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
+#: The ``__call__`` of the losses that take one tensor (``y_pred.device``): a dict of outputs meets a
+#: clear error naming them. A `Loss` subclass with its own ``__call__`` gets the outputs as they are.
+_TENSOR_LOSS_CALLS = (Loss.__call__, TorchModuleLoss.__call__)
