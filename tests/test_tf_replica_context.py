@@ -753,3 +753,17 @@ def test_on_a_two_d_mesh_each_replica_group_sums_along_batch_only():
     assert [r["total"] for r in results] == [[2.0], [4.0], [2.0], [4.0]]
     assert [r["gathered"] for r in results] == [[0.0, 2.0, 2.0, 2.0], [1.0, 1.0, 3.0, 3.0, 3.0, 3.0]] * 2
     assert [r["gather"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+
+
+def test_run_hands_arguments_without_per_replica_values_as_they_are():
+    """``strategy.run`` unwraps `PerReplica` arguments only: other containers reach ``fn`` as the same objects
+    (a list it appends to, a dict subclass such as a tokenizer's batch)."""
+    class Batch(dict):
+        pass
+
+    strategy = mf.OneDeviceStrategy("cpu")
+    seen, batch = [], Batch(input_ids=torch.ones(2))
+    assert strategy.run(lambda s, b: (s.append(1), b)[1], args=(seen,), kwargs={"b": batch}) is batch
+    assert seen == [1]
+    per_replica = mf.distribute.PerReplica((torch.tensor(3.0),))
+    assert float(strategy.run(lambda x: x[0] * 2, args=([per_replica],))) == 6.0  # unwrapped inside the list

@@ -192,7 +192,10 @@ def regroup(result: object) -> object:
 
 def select_replica(value: object) -> object:
     """``value`` as this process's replica sees it: each `PerReplica` in the structure replaced by its
-    value (one replica per process), as ``strategy.run`` hands its arguments to the function."""
+    value (one replica per process), as ``strategy.run`` hands its arguments to the function. A
+    structure without one is returned as it is (the same object: no container is rebuilt)."""
+    if not _holds_per_replica(value):
+        return value
     if isinstance(value, PerReplica):
         return value.values[0]
     if isinstance(value, dict):
@@ -203,6 +206,16 @@ def select_replica(value: object) -> object:
     if isinstance(value, (tuple, list)):
         return type(value)(select_replica(v) for v in value)
     return value
+
+
+def _holds_per_replica(value: object) -> bool:
+    if isinstance(value, PerReplica):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_per_replica(v) for v in value.values())
+    if isinstance(value, (tuple, list)):
+        return any(_holds_per_replica(v) for v in value)
+    return False
 
 
 def local_results(value: object) -> tuple:
