@@ -767,3 +767,19 @@ def test_run_hands_arguments_without_per_replica_values_as_they_are():
     assert seen == [1]
     per_replica = mf.distribute.PerReplica((torch.tensor(3.0),))
     assert float(strategy.run(lambda x: x[0] * 2, args=([per_replica],))) == 6.0  # unwrapped inside the list
+
+
+def _default_context_in_a_bare_group(rank: int, world: int) -> str:
+    context = mf.distribute.get_replica_context()  # no strategy: the group run_distributed formed
+    try:
+        context.all_reduce("SUM", torch.tensor(1.0))
+    except RuntimeError as error:
+        return str(error)
+    return "returned"
+
+
+def test_the_default_context_refuses_in_a_group_formed_without_a_strategy():
+    """A torch process group of 2 formed by hand: the default context's all_reduce would be this process's
+    value alone, so it is refused as in a strategy's job."""
+    for message in run_distributed(_default_context_in_a_bare_group, timeout=120):
+        assert "2 processes" in message and "strategy.run" in message, message

@@ -20,6 +20,7 @@ from typing import Any
 from meshfit.distribute._cross_replica import gather_structure, reduce_structure
 from meshfit.distribute._scope import current_scope_strategy, process_world
 from meshfit.distribute._values import ReduceOp, as_reduce_op, regroup
+from meshfit.distribute._world import World
 
 
 class _Alone:
@@ -137,11 +138,15 @@ class ReplicaContext:
             return merge_fn(strategy, *args, **kwargs)
 
     def _refuse_default_in_a_job(self, method: str) -> None:
-        world = process_world() if self._default else None
-        if world is not None:
+        if not self._default:
+            return
+        world = process_world()
+        formed = World.process_group_shape()  # a group the user formed without a strategy counts too
+        size = world.size if world is not None else (formed[1] if formed is not None else 1)
+        if size > 1:
             raise RuntimeError(
                 f"Invalid {method} in the default replica context: get_replica_context() was called outside "
-                f"strategy.run, where it stands for this process alone, but this job has {world.size} processes; "
+                f"strategy.run, where it stands for this process alone, but this job has {size} processes; "
                 f"the result would be this worker's value only. Call it inside strategy.run(fn) (there it "
                 f"combines every replica's value), or outside it use strategy.reduce(op, value, axis=None) / "
                 f"strategy.gather(value, axis).")
