@@ -572,6 +572,21 @@ def integer_mean(strategy, task):
     assert float(reduced) == sum(range(n)) / n
 
 
+@case("all_reduce of different shapes on the replicas is refused on every replica, which stay in step")
+def all_reduce_mismatch(strategy, task):
+    if strategy.num_replicas_in_sync <= 1:
+        return
+    rid = strategy.replica_id
+
+    def replica_fn():
+        context = mf.distribute.get_replica_context()
+        return context.all_reduce("SUM", {"a": torch.ones(rid + 1), "b": torch.tensor(1)})
+
+    message = expect_raises(ValueError, "different structures", lambda: strategy.run(replica_fn))
+    assert f"({rid + 1},)" in message
+    assert float(strategy.reduce("SUM", torch.tensor(1.0))) == strategy.num_replicas_in_sync
+
+
 @case("gather and reduce_to belong to the cross-replica context")
 def cross_replica_only(strategy, task):
     expect_raises(RuntimeError, "get_replica_context().all_gather",

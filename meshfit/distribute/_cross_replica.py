@@ -10,6 +10,7 @@ replica's gradient for that piece.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -112,6 +113,7 @@ def reduce_structure(strategy: Any, op: ReduceOp, value: Any, method: str) -> An
     count = strategy.num_replicas_in_sync
     out: list[Any] = list(leaves)
     if count > 1:
+        _agree_on_structure(strategy, leaves, method)
         by_dtype: dict[torch.dtype, list[int]] = {}
         for index, leaf in enumerate(leaves):
             by_dtype.setdefault(leaf.dtype, []).append(index)
@@ -128,6 +130,21 @@ def reduce_structure(strategy: Any, op: ReduceOp, value: Any, method: str) -> An
     elif count == 1:
         out = [t.clone() if t.requires_grad else t.detach().clone() for t in out]  # never the caller's tensor
     return pack_as(value, out)
+
+
+def _agree_on_structure(strategy: Any, leaves: list[torch.Tensor], method: str) -> None:
+    """Raise on every replica when the replicas' leaves differ in number, dtype or shape (a collective on
+    mismatched sizes would abort the process in gloo, or hang). One 2-integer all-reduce (MAX) of a
+    checksum of the structure: a replica whose checksum is not the maximum, or not the minimum, differs."""
+    described = repr([(str(leaf.dtype), tuple(leaf.shape)) for leaf in leaves])
+    checksum = zlib.crc32(described.encode())
+    both = torch.tensor([checksum, -checksum], dtype=torch.int64, device=strategy.device)
+    with strategy.guard():
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=_data_group(strategy))
+    if both.tolist() != [checksum, -checksum]:
+        raise ValueError(f"Invalid `value` for {method}: the replicas pass different structures (the number, "
+                         f"dtypes or shapes of their tensors differ); this replica passes (dtype, shape) "
+                         f"{described[:300]}. Pass the same structure, dtypes and shapes on every replica.")
 
 
 # ---- all-gather -----------------------------------------------------------------------------------
