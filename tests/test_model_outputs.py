@@ -10,6 +10,7 @@ tensor structure of its own. One test runs the real ``GPT2LMHeadModel`` where tr
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections import OrderedDict
 
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import meshfit as mf
+from tests._multiproc import run_distributed
 
 VOCAB, SEQ = 11, 6
 
@@ -182,6 +184,46 @@ def test_a_single_loss_on_a_model_output_says_which_names_to_key():
     with pytest.raises(ValueError, match=r"names output 'logit', which the model does not produce.*"
                                          r"\['logits', 'past_key_values'\]"):
         model.evaluate(ids, ids, verbose=0)
+
+
+def _fit_causal_lm(kind: str) -> dict:
+    """fit, evaluate and train_on_batch of the ModelOutput model with ``loss={"logits": ...}``."""
+    ids = _ids(32)
+    if kind == "mirrored":
+        scope = mf.MultiWorkerMirroredStrategy().scope()
+    elif kind == "fully_sharded":
+        scope = mf.dtensor.LayoutMap.fully_sharded(mf.dtensor.create_mesh([("batch", 2)])).scope()
+    else:
+        scope = contextlib.nullcontext()
+    with scope:
+        torch.manual_seed(0)  # after the strategy is made: the same initial weights as one process
+        model = mf.Model(TinyCausalLM())
+        model.compile(optimizer=mf.optimizers.SGD(learning_rate=0.5), loss={"logits": causal_lm_loss})
+    history = model.fit(ids, ids, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    step = model.train_on_batch(ids[:8], ids[:8], return_dict=True)
+    logs = model.evaluate(ids, ids, return_dict=True, verbose=0)
+    return {"history": history, "step": step, "logs": logs,
+            "weights": [np.asarray(w).tolist() for w in model.get_weights()]}
+
+
+def _worker(rank: int, world: int, kind: str) -> dict:
+    return _fit_causal_lm(kind)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("kind", ["mirrored", "fully_sharded"])
+def test_model_output_on_two_workers_equals_one_process(kind):
+    """The keyed loss on a ModelOutput under MultiWorkerMirroredStrategy and fully sharded over 2
+    processes: each global batch split in two, the same losses and weights as one process. The local
+    ModelOutput does not register itself with torch's pytree (transformers' does): meshfit does, or
+    DDP's first, static-graph step would leave its gradients unreduced (losses off by ~1e-3)."""
+    single = _fit_causal_lm("single")
+    for result in run_distributed(_worker, world_size=2, args=(kind,), timeout=300):
+        np.testing.assert_allclose(result["history"]["loss"], single["history"]["loss"], rtol=1e-5)
+        assert result["step"]["loss"] == pytest.approx(single["step"]["loss"], rel=1e-5)
+        assert result["logs"]["loss"] == pytest.approx(single["logs"]["loss"], rel=1e-5)
+        for got, want in zip(result["weights"], single["weights"], strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.timeout(600)

@@ -31,7 +31,7 @@ from meshfit._engine._jit import check_jit_compile, resolve_jit_compile
 from meshfit._engine._loop import TrainingLoop, resolve_verbose
 from meshfit._engine._model_weights import WeightsMixin
 from meshfit._engine._on_batch import OnBatchMixin
-from meshfit._engine._outputs import CompileLoss, compile_metrics, is_serialized_loss
+from meshfit._engine._outputs import CompileLoss, compile_metrics, is_serialized_loss, register_output_type
 from meshfit._engine._state import LoopState
 from meshfit._engine._steps import StepsMixin
 from meshfit._protocols import DistributionStrategy, PlacementLike
@@ -79,6 +79,8 @@ class Model(StepsMixin, OnBatchMixin, WeightsMixin):
         self.strategy = get_strategy()
         if current_scope_strategy() is not None:  # a module built outside, wrapped in the scope
             adopt(module, self.strategy)
+        if self.strategy.num_replicas_in_sync > 1:  # DDP must see into a dict subclass of outputs
+            module.register_forward_hook(register_output_type)
         self.optimizer: Optimizer | None = None
         self.loss: Any = None
         self.jit_compile = False

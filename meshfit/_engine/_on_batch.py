@@ -19,7 +19,7 @@ from meshfit._protocols import DistributionStrategy
 from meshfit._runtime import flush_denormals
 from meshfit._validation import check_bool
 from meshfit.data import leaves, unpack_batch
-from meshfit.distribute import check_training_strategy
+from meshfit.distribute import agree_buffers, check_training_strategy
 
 
 def _batch_length(x: Any) -> int:
@@ -70,6 +70,8 @@ class OnBatchMixin:
                 returned = run_train_step(self, *fetched)  # type: ignore[arg-type]
                 logs, _ = reduce_logs(self)  # type: ignore[arg-type]
                 merge_returned(self, logs, returned)  # type: ignore[arg-type]
+                if self.strategy.num_replicas_in_sync > 1:  # as fit ends an epoch: one set of buffers
+                    agree_buffers(self.module, self.strategy)  # type: ignore[attr-defined]
             finally:
                 data.close()
         return self._as_result(logs, return_dict)

@@ -13,10 +13,12 @@ one output as ``<output>_<metric>``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as _pytree
 
 from meshfit.data import batch_size_of
 from meshfit.losses import Loss
@@ -328,3 +330,26 @@ def host_outputs(out: Any) -> Any:
             return items
         return tuple(items) if type(out) is tuple else type(out)(*items)  # type: ignore[arg-type]  # a namedtuple
     return out
+
+
+def register_output_type(module: Any, inputs: Any, output: Any) -> None:
+    """A forward hook: make a dict subclass the module returns (a ``ModelOutput`` of another library, a
+    user's own) a node of torch's pytree before DDP reads the output.
+
+    DDP runs meshfit's first step with ``static_graph=True``, and there it passes the output's tensors
+    through its sink to launch the gradient all-reduce; an output type pytree does not know is one
+    opaque leaf, so that step's gradients would stay unreduced and the replicas silently differ from
+    then on. transformers registers its own ``ModelOutput`` types for the same reason.
+    """
+    kind = type(output)
+    if isinstance(output, dict) and kind not in _pytree.SUPPORTED_NODES and not torch.compiler.is_compiling():
+        _pytree.register_pytree_node(kind, _pytree._dict_flatten, functools.partial(_rebuild_mapping, kind),
+                                     serialized_type_name=f"{kind.__module__}.{kind.__qualname__}")
+
+
+def _rebuild_mapping(kind: type, values: Any, keys: Any) -> Any:
+    fields = dict(zip(keys, values, strict=True))
+    try:
+        return kind(**fields)
+    except TypeError:
+        return kind(fields)
