@@ -29,6 +29,7 @@ the writer thread's CPU time per save) / (30 x its median quiet step). The 2-wor
 figure comes from ``bench/bench_backup.py --part A`` (target there <= 1.02 with the digest).
 
 Run:  .venv/bin/python bench/bench_digest.py [--part A|B|C|ABC] [--rounds R] [--steps S] [--quick]
+      [--layout replicated|fully_sharded]
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def part_a(rounds: int, parameters: int) -> None:
 
 
 # ---- part B ------------------------------------------------------------------------------------
-def _worker(rank: int, world: int, init_file: str, rounds: int, steps: int, queue) -> None:
+def _worker(rank: int, world: int, init_file: str, rounds: int, steps: int, queue, layout: str = "replicated") -> None:
     import torch
     import torch.distributed as dist
 
@@ -85,24 +86,30 @@ def _worker(rank: int, world: int, init_file: str, rounds: int, steps: int, queu
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=300))
     try:
-        queue.put((rank, _measure(rounds, steps)))
+        queue.put((rank, _measure(rounds, steps, layout)))
     finally:
         dist.destroy_process_group()
 
 
-def _measure(rounds: int, steps: int) -> dict:
+def _measure(rounds: int, steps: int, layout: str = "replicated") -> dict:
     import numpy as np
 
     import meshfit as mf
+    from meshfit.distribute._one_copy import AtRest
+    from meshfit.distribute._verify import named_state, resolve_state
 
-    strategy = mf.MultiWorkerMirroredStrategy()
+    if layout == "fully_sharded":  # every parameter shard in one copy: checked at rest and after gathering
+        scope = mf.dtensor.LayoutMap.fully_sharded(mf.dtensor.create_mesh([("batch", 2)])).scope()
+    else:
+        scope = mf.MultiWorkerMirroredStrategy().scope()
     x, y = C.load_train()
     batch = 128
     rows = steps * batch
     x, y = np.resize(x, (rows, *x.shape[1:])), np.resize(y, rows)
-    with strategy.scope():
+    with scope:
         model = mf.Model(C.seed_module())
         C.compile_seed(model)
+    strategy = model.strategy
 
     def fit(callbacks):
         def run():
@@ -114,22 +121,26 @@ def _measure(rounds: int, steps: int) -> dict:
     verify = mf.callbacks.VerifyReplicas(every_n_steps=EVERY, on_divergence="stop")
     times = C.interleave({"plain": fit([]), "verify": fit([verify])}, rounds)
     checks = []
-    for _ in range(10):
+    world = strategy.world
+    for _ in range(10):  # what a check costs the callback: the comparison, and the at-rest record and re-check
         strategy.barrier()
         start = time.perf_counter()
-        strategy.verify_replicas(model)
+        digest = strategy.verify_replicas(model)
+        if digest.one_copy:
+            record = AtRest.record(0, named_state(*resolve_state(model))[0], digest.one_copy, world.rank)
+            world.all_gather_object(record.changed(named_state(*resolve_state(model))[0], world.rank))
         checks.append((time.perf_counter() - start) * 1e3)
     return {"times": times, "check_ms": C.median(checks), "checks": verify.checks,
             "parameters": sum(p.numel() for p in model.module.parameters())}
 
 
-def part_b(rounds: int, steps: int, timeout: float) -> None:
-    print(f"\n== part B: VerifyReplicas(every_n_steps={EVERY}) in fit, seed CNN, 2 workers x 1 thread, global "
-          f"batch 128; {rounds} rounds x {steps} steps per variant after 1 warm-up round ==", flush=True)
+def part_b(rounds: int, steps: int, timeout: float, layout: str = "replicated") -> None:
+    print(f"\n== part B: VerifyReplicas(every_n_steps={EVERY}) in fit, seed CNN {layout}, 2 workers x 1 thread, "
+          f"global batch 128; {rounds} rounds x {steps} steps per variant after 1 warm-up round ==", flush=True)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, 2, os.path.join(tmp, "rendezvous"), rounds, steps, queue),
+        procs = [ctx.Process(target=_worker, args=(r, 2, os.path.join(tmp, "rendezvous"), rounds, steps, queue, layout),
                              daemon=True) for r in range(2)]
         for p in procs:
             p.start()
@@ -195,6 +206,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 round, 10 M parameters, 100 steps")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--threads", type=int, default=2, help="part C: torch threads of the one process")
+    parser.add_argument("--layout", default="replicated", choices=["replicated", "fully_sharded"],
+                        help="part B: data parallel, or LayoutMap.fully_sharded (one-copy checks)")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.parameters, args.steps = 1, 10_000_000, 100
@@ -202,7 +215,7 @@ def main() -> None:
     if "A" in args.part:
         part_a(args.rounds, args.parameters)
     if "B" in args.part:
-        part_b(args.rounds, args.steps, args.timeout)
+        part_b(args.rounds, args.steps, args.timeout, args.layout)
     if "C" in args.part:
         part_c(args.rounds, 60 if not args.quick else 30, args.timeout, args.threads)
     load = os.getloadavg()[0]

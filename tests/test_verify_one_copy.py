@@ -169,3 +169,50 @@ def test_max_rollbacks_below_one_is_refused():
     for bad in (0, -1):
         with pytest.raises(ValueError, match=rf"Invalid `max_rollbacks`.*max_rollbacks={bad}"):
             mf.callbacks.VerifyReplicas(max_rollbacks=bad)
+
+
+def _two_d(rank, world):
+    import meshfit as mf
+    from tests.dtensor import _two_d_model as lm
+
+    x, y = lm.data(lm.BATCH * 6)
+    flip = _callbacks(mf)
+
+    def fresh():
+        with lm.scope(mf, (2, 2)):
+            model = mf.Model(lm.module())
+            model.compile(optimizer=lm.optimizer(mf, "adamw"),
+                          loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    healthy = mf.callbacks.VerifyReplicas(every_n_steps=1, on_divergence="stop")
+    fresh().fit(x, y, batch_size=lm.BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[healthy])
+    covered = healthy.coverage
+    out = {"checks": healthy.checks, "compared": covered.compared, "one_copy": covered.one_copy}
+
+    class FlipQkv(flip):
+        def on_train_batch_begin(self, batch, logs=None):
+            model = self.model
+            if self.left and model.optimizer.iterations == self.at and mf.distribute.current_world().rank == 3:
+                _flip_local(model.module.layers[0].attn.qkv.weight)
+                self.left -= 1
+
+    stop = mf.callbacks.VerifyReplicas(every_n_steps=1, on_divergence="stop")
+    with pytest.raises(mf.ReplicaDivergenceError) as stopped:
+        fresh().fit(x, y, batch_size=lm.BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[FlipQkv(3, 1), stop])
+    out["stop"] = (stopped.value.step, stopped.value.path, stopped.value.ranks)
+    return out
+
+
+def test_on_a_2d_mesh_copies_along_batch_are_compared_and_two_d_shards_checked_at_rest():
+    """``(batch 2, model 2)``, the guide's map: weights split over both axes are held in one copy
+    (checked at rest and after gathering); the others, fully sharded over ``batch`` alone, have a copy
+    along ``model`` and are compared, as are the step counts; a healthy run raises no false alarm in 6 checks (at rest,
+    gathered and compared); a bit flipped at rest in rank 3's shard is found."""
+    results = run_distributed(_two_d, world_size=4, timeout=600)
+    for result in results:
+        assert result["checks"] == 6
+        assert "layers.0.attn.qkv.weight" in result["one_copy"]
+        assert "layers.0.norm1.weight" in result["compared"]  # fully sharded over `batch`: a copy along `model`
+        assert "optimizer/iterations" in result["compared"]
+        assert result["stop"] == (3, "layers.0.attn.qkv.weight", [3])

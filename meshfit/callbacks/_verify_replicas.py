@@ -143,8 +143,10 @@ class VerifyReplicas(Callback):
         if record is None:
             return
         strategy = self._require_loop().strategy
-        changed = record.changed(strategy.world.rank)
-        gathered = strategy.all_gather_object(changed) if strategy.num_processes > 1 else [changed]
+        module, optimizer = resolve_state(self._require_model())
+        changed = record.changed(named_state(module, optimizer)[0], strategy.world.rank)
+        world = strategy.world  # every process, whatever axes the mesh has: each holds its own shards
+        gathered = world.all_gather_object(changed) if world.distributed else [changed]
         found = first_changed(gathered)
         if found is None:
             return

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -62,20 +63,33 @@ class ReplicaCoverage:
 
 
 def holders(tensor: torch.Tensor, processes: int) -> int:
-    """How many processes hold a copy of each of the tensor's shards (a plain tensor: every process)."""
+    """How many processes hold a copy of each of the tensor's shards (a plain tensor: every process).
+
+    A DTensor is copied along the mesh axes it is replicated on (or holds a pending sum on), and a
+    sub-mesh of the processes (fully sharded's ``batch`` of a 2-D mesh) has one instance per
+    coordinate of the other axes. Any other placement (``Shard``; fully sharded's ``_StridedShard`` over
+    tensor parallelism, not a ``Shard`` subclass in torch 2.13) splits the tensor.
+    """
     from torch.distributed.tensor import DTensor
 
     if isinstance(tensor, DTensor):
         mesh = tensor.device_mesh
-        return math.prod(mesh.size(i) for i, p in enumerate(tensor.placements) if not p.is_shard())
+        along = math.prod(mesh.size(i) for i, p in enumerate(tensor.placements) if _copies(p))
+        return along * max(1, processes // mesh.size())
     return processes
 
 
+def _copies(placement: Any) -> bool:
+    from torch.distributed.tensor.placement_types import Partial, Replicate
+
+    return isinstance(placement, (Replicate, Partial))
+
+
 def is_gatherable(tensor: torch.Tensor) -> bool:
-    """A DTensor with a sharded placement: its full value is what each rank computes with."""
+    """A DTensor split along some mesh axis: its full value is what each rank computes with."""
     from torch.distributed.tensor import DTensor
 
-    return isinstance(tensor, DTensor) and any(p.is_shard() for p in tensor.placements)
+    return isinstance(tensor, DTensor) and not all(_copies(p) for p in tensor.placements)
 
 
 def coverage(state: Sequence[tuple[str, torch.Tensor]], parameters: set[str], processes: int) -> ReplicaCoverage:
@@ -100,11 +114,10 @@ def gathered_digests(tensors: Sequence[torch.Tensor]) -> list[int]:
 
 @dataclasses.dataclass
 class AtRest:
-    """Each rank's digest parts of the tensors it alone holds, recorded at ``step``."""
+    """Each rank's digest parts of the tensors it alone holds, recorded at ``step``, by path."""
 
     step: int
     paths: list[str]
-    tensors: list[torch.Tensor]
     values: list[int]
 
     @classmethod
@@ -113,12 +126,17 @@ class AtRest:
         wanted = set(one_copy)
         chosen = [(path, tensor) for path, tensor in state if path in wanted]
         values, _ = local_parts([tensor for _, tensor in chosen], rank)
-        return cls(step, [p for p, _ in chosen], [t for _, t in chosen], values)
+        return cls(step, [p for p, _ in chosen], values)
 
-    def changed(self, rank: int) -> list[str]:
-        """The paths whose shard on this rank changed since the record (no collective)."""
-        values, _ = local_parts(self.tensors, rank)
-        return [path for path, was, now in zip(self.paths, self.values, values, strict=True) if was != now]
+    def changed(self, state: Sequence[tuple[str, torch.Tensor]], rank: int) -> list[str]:
+        """The paths whose shard on this rank changed since the record (no collective). ``state`` is read
+        anew: a ``state_dict`` may hand out new tensors (a layout's view of its shards) each time."""
+        now = dict(state)
+        paths = [path for path in self.paths if path in now]
+        values, _ = local_parts([now[path] for path in paths], rank)
+        was = dict(zip(self.paths, self.values, strict=True))
+        gone = [path for path in self.paths if path not in now]
+        return gone + [path for path, value in zip(paths, values, strict=True) if was[path] != value]
 
 
 def first_changed(gathered: Sequence[Sequence[str]]) -> tuple[list[tuple[str, list[int]]], list[int]] | None:
