@@ -46,6 +46,7 @@ from meshfit.distribute import (
     check_training_strategy,
     current_scope_strategy,
     get_strategy,
+    placement_hook,
 )
 from meshfit.losses import get as get_loss
 from meshfit.losses import serialize as serialize_loss
@@ -80,7 +81,8 @@ class Model(StepsMixin, OnBatchMixin, WeightsMixin):
         if current_scope_strategy() is not None:  # a module built outside, wrapped in the scope
             adopt(module, self.strategy)
         if self.strategy.num_replicas_in_sync > 1:  # DDP must see into a dict subclass of outputs
-            module.register_forward_hook(register_output_type)
+            # A placement hook: it changes no math, so model.save still describes the module's layers.
+            module.register_forward_hook(placement_hook(register_output_type))
         self.optimizer: Optimizer | None = None
         self.loss: Any = None
         self.jit_compile = False

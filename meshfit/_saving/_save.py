@@ -12,16 +12,20 @@ or writer)::
       optimizer.safetensors    the optimizer's tensors (when it was built); header: CRC-32Cs
 
 A replicated model (every worker holds every weight) is saved by the chief alone, with no collective:
-``if task_id == 0: model.save(path)`` works, and so does every worker calling ``save`` on the same
-path (the others write nothing and return). A sharded model (DTensor weights) needs every worker to
-gather its shards: each checks first that the others came (`require_every_worker`, raising at once
-naming the fix otherwise); then the chief writes and the others wait for its outcome
-(`meshfit._storage._chief.chief_writes`), raising if the chief's write failed. Either way exactly one
-complete copy results and nobody reads a half-written one (`AtomicDirectory`).
+``if task_id == 0: model.save(path)`` works. When every worker calls ``save`` (TensorFlow's habit, on
+the same path or each on its own as TensorFlow's tutorial does), the others write nothing and return
+once the chief's matching save is complete (`meshfit._saving._save_barrier`, through the rendezvous
+store), so ``load_model(path)`` right after works on every worker. A sharded model (DTensor weights)
+needs every worker to gather its shards: each checks first that the others came
+(`require_every_worker`, raising at once naming the fix otherwise); then the chief writes and the
+others wait for its outcome (`meshfit._storage._chief.chief_writes`), raising if the chief's write
+failed. Either way exactly one complete copy results and nobody reads a half-written one
+(`AtomicDirectory`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -34,6 +38,7 @@ from torch import nn
 from meshfit._saving._architecture import module_to_config, plain_type
 from meshfit._saving._every_worker import is_sharded, require_every_worker
 from meshfit._saving._keras_archive import is_archive_path, pack, unpack
+from meshfit._saving._save_barrier import save_barrier
 from meshfit._saving._weights import (
     flatten_optimizer_state,
     load_state_dict_file,
@@ -109,20 +114,34 @@ def _gathered(value: Any) -> Any:
     return value
 
 
-def save_model(model: Any, filepath: str | os.PathLike, *, checked: bool = False) -> None:
+def _after_the_chief(model: Any, call: str, what: str) -> contextlib.AbstractContextManager[None]:
+    """A replicated model's save: every worker's call returns once the chief's is complete (`save_barrier`).
+
+    A sharded model's save is collective already (`chief_writes`): nothing more to wait for.
+    """
+    if is_sharded(model.module):
+        return contextlib.nullcontext()
+    return save_barrier(model.strategy, call, what)
+
+
+def save_model(model: Any, filepath: str | os.PathLike) -> None:
     path = os.path.abspath(os.fspath(filepath))
     if path.endswith((".h5", ".hdf5")):  # Keras 3 writes its legacy HDF5 here; meshfit has no such format
         raise ValueError("Invalid filepath extension for saving: meshfit does not write Keras's legacy HDF5 "
                          "format (.h5/.hdf5). Use a `.keras` extension (one file, recommended) or a folder "
                          f"path without an extension. Received: filepath={os.fspath(filepath)}")
-    if not checked:
-        _every_worker_if_sharded(model, "model.save")
+    _every_worker_if_sharded(model, "model.save")
+    with _after_the_chief(model, "model.save", f"save the model to {path!r}"):
+        _save_model(model, path)
+
+
+def _save_model(model: Any, path: str) -> None:
     if is_archive_path(path):  # one zip file holding this directory's files (meshfit._saving._keras_archive)
         # Beside the target, at a path every worker computes alike, under a scratch name that readers
         # (latest_checkpoint, SidecarEvaluator) skip as incomplete.
         staged = f"{path}.tmp"
         try:
-            save_model(model, staged, checked=True)  # the chief writes (with a sharded model every worker waits)
+            _save_model(model, staged)  # the chief writes (with a sharded model every worker waits)
             _chief_writes(model, lambda: pack(staged, path), f"save the model to {path!r}")
         finally:
             if model.strategy.is_chief:
@@ -167,8 +186,13 @@ def save_model(model: Any, filepath: str | os.PathLike, *, checked: bool = False
 
 def save_weights(model: Any, filepath: str | os.PathLike) -> None:
     path = os.path.abspath(os.fspath(filepath))
-    parent = os.path.dirname(path)
     _every_worker_if_sharded(model, "model.save_weights")
+    with _after_the_chief(model, "model.save_weights", f"save the weights to {path!r}"):
+        _save_weights(model, path)
+
+
+def _save_weights(model: Any, path: str) -> None:
+    parent = os.path.dirname(path)
     weights = _gathered(model.module.state_dict())
 
     def write() -> None:

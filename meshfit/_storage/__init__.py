@@ -15,13 +15,14 @@ from meshfit._storage._atomic import (
     remove_tree,
 )
 from meshfit._storage._checksum import ChecksumError, CorruptFileError, file_crc32, tensor_crc32, verify_file
-from meshfit._storage._chief import chief_writes
+from meshfit._storage._chief import ChiefWriteError, chief_writes
 from meshfit._storage._io import atomic_directory, atomic_write_bytes, atomic_write_json, fsync_directory
 from meshfit._storage._mismatch import StateMismatchError
 
 __all__ = [
     "AtomicDirectory",
     "ChecksumError",
+    "ChiefWriteError",
     "CorruptFileError",
     "StateMismatchError",
     "atomic_directory",

@@ -21,7 +21,8 @@ boundary (`Heartbeat.check`) or when a collective breaks (`Heartbeat.wait_for_fa
 thread has not picked it up ``_GRACE_SECONDS`` later (it is blocked in a collective), the watchdog
 prints the message and ends the process with `PEER_FAILURE_EXIT_CODE`, so that nothing ever hangs.
 A worker that ends cleanly posts a signed "left" key, and rank 0 keeps the store up until every
-peer has left or is known dead.
+peer has left or is known dead (having posted a signed "ending" key first, so that a peer waiting
+for it to act, such as a save, learns that it will not).
 """
 
 from __future__ import annotations
@@ -153,6 +154,10 @@ class Heartbeat:
     def _left_key(self, rank: int) -> str:
         return f"{_PREFIX}/{rank}/left.{self._mac(rank, 'left')}"
 
+    def _ending_key(self, rank: int) -> str:
+        """Posted by the store's host when its script has ended and it only keeps the store up for peers."""
+        return f"{_PREFIX}/{rank}/ending.{self._mac(rank, 'ending')}"
+
     # ---- the watchdog thread -----------------------------------------------------------------------
     def _beat(self, store: Any) -> None:
         self._count += 1
@@ -265,11 +270,16 @@ class Heartbeat:
                                                        "connection closed without a goodbye")
 
     def has_left(self, rank: int) -> bool:
-        """Whether ``rank`` said it left cleanly (its process ended or is ending), asked of the store now."""
+        """Whether ``rank`` said it left cleanly (its process ended or is ending), asked of the store now.
+
+        The store's host says so before it waits for its peers to finish (`stop`): a peer waiting for
+        it to act (a save, an every-worker call) learns that it will not.
+        """
         if rank in self._peers and self._peers[rank].left:
             return True
         try:
-            return bool(self._store.call(lambda store: store.check([self._left_key(rank)])))
+            return bool(self._store.call(lambda store: store.check([self._left_key(rank)])
+                                         or store.check([self._ending_key(rank)])))
         except Exception:  # noqa: BLE001 - the store did not answer: the watchdog names that failure
             return False
 
@@ -323,6 +333,8 @@ class Heartbeat:
         if self._stop.is_set():
             return
         if wait_for_peers > 0 and self.failure is None:
+            with contextlib.suppress(Exception):  # the store is ours: it answers, unless it is broken
+                self._store.call(lambda store: store.set(self._ending_key(self._rank), "1"))
             self._wait_for_peers(wait_for_peers)
         if self.liveness is not None:
             self.liveness.stop(goodbye=self.failure is None)
