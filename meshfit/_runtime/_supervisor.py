@@ -48,11 +48,23 @@ class Output:
         self._lock = threading.Lock()
         self._who = who
         self._open_line: tuple[object, bool] | None = None  # (writer, to_stderr) of an unfinished line
+        self._cut: set[object] = set()  # writers whose unfinished line another's output ended
 
-    def write(self, to_stderr: bool, data: bytes, writer: object = None) -> None:
+    def write(self, to_stderr: bool, data: bytes, writer: object = None, prefix: bytes = b"") -> None:
+        """Write ``data``; ``writer`` (a live child's pipe) may leave its line unfinished.
+
+        Another writer's output first ends that line. The rest of the cut line then starts a line of
+        its own with ``prefix`` (the child's ``[name] ``): without it, the rest would read as the
+        output of whoever wrote just before.
+        """
         with self._lock:
             if self._open_line is not None and self._open_line[0] is not writer:
                 self._write(self._open_line[1], b"\n")  # end another child's live bar before our line
+                self._cut.add(self._open_line[0])
+            if writer in self._cut:
+                self._cut.discard(writer)
+                if not data.startswith((b"\r", prefix)):  # a redraw is prefixed after its carriage return
+                    data = prefix + data
             self._write(to_stderr, data)
             self._open_line = None if data.endswith(b"\n") else (writer, to_stderr)
 
@@ -145,7 +157,7 @@ def _pump_live(pipe: IO[bytes], prefix: bytes, to_stderr: bool, output: Output) 
                     out += prefix if at_line_start else b""
                 out += piece
                 at_line_start = piece.endswith((b"\r", b"\n")) or (at_line_start and not piece)
-            output.write(to_stderr, bytes(out), writer=pipe)
+            output.write(to_stderr, bytes(out), writer=pipe, prefix=prefix)
 
 
 def _stdout_is_terminal() -> bool:
