@@ -40,8 +40,9 @@ def _everywhere(flag: bool) -> bool:
 
 def _wrap(variant: str, module: nn.Module) -> nn.Module:
     if variant == "probing":
-        return ProbingDataParallel(lambda find, static: DistributedDataParallel(
-            module, gradient_as_bucket_view=True, find_unused_parameters=find, static_graph=static), _everywhere)
+        return ProbingDataParallel(module, lambda bucketed, find, static: DistributedDataParallel(
+            bucketed, gradient_as_bucket_view=True, find_unused_parameters=find, static_graph=static), _everywhere,
+            torch.distributed.get_world_size())
     return DistributedDataParallel(module, gradient_as_bucket_view=True,
                                    find_unused_parameters=variant == "find_unused")
 

@@ -280,15 +280,16 @@ class CollectiveStrategy(Strategy):
         pack: dict[str, Any] = {"bucket_cap_mb": options.bytes_per_pack / 2**20} if options.bytes_per_pack else {}
         weight, world = self._gradient_weight, self.world
 
-        def build(find_unused: bool, static_graph: bool) -> DistributedDataParallel:
-            ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=world.group(),
+        def build(bucketed: torch.nn.Module, find_unused: bool, static_graph: bool) -> DistributedDataParallel:
+            ddp = DistributedDataParallel(bucketed, device_ids=device_ids, process_group=world.group(),
                                           gradient_as_bucket_view=True,
                                           find_unused_parameters=find_unused, static_graph=static_graph, **pack)
             if weight.compression == "bfloat16":
                 ddp.register_comm_hook(weight, bfloat16_allreduce_hook)
             return ddp
 
-        wrapped = ProbingDataParallel(build, self._on_every_replica)  # the search only if the model needs it
+        # the search only if the model needs it; one bucket layout for the run
+        wrapped = ProbingDataParallel(module, build, self._on_every_replica, self._world)
         sync = DataParallelSync(self._gradient_weight, self._world)
         sync.install(wrapped)  # the optimizer must not reduce these gradients again
         return Placement(wrapped, source, sync)

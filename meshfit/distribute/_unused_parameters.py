@@ -15,6 +15,10 @@ all-reduce on the control plane) and the module is re-wrapped: without the searc
 everywhere (later steps cost what plain DDP costs), else with ``find_unused_parameters=True`` for the
 rest of the run (a branch taken on some steps only, or on some replicas only, then works too). A model whose every parameter was used on
 the first step but not on a later one is refused with the fix (`UnusedParameterError`).
+
+With more than 2 replicas every wrapper reduces in one bucket layout from its first step on, the
+same for the first step's wrapper and the next, so that a resumed run adds the replicas' gradients
+in the order a run never stopped did (`meshfit.distribute._bucket_layout`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from meshfit.distribute._bucket_layout import bucketed, fix_layout
+
 _UNFINISHED = "Expected to have finished reduction in the prior iteration"
 
 
@@ -37,21 +43,24 @@ class UnusedParameterError(RuntimeError):
 
 
 class ProbingDataParallel(nn.Module):
-    """``build(find_unused)``'s DDP wrapper, searching for unused parameters only where needed.
+    """``build``'s DDP wrapper of ``module``, searching for unused parameters only where needed.
 
     Args:
-        build: makes the DDP wrapper (with its communication hook) for ``find_unused_parameters`` and
-            ``static_graph`` (the first step's).
+        module: the module to train (placed on its device, compiled if asked).
+        build: makes the DDP wrapper (with its communication hook) of the module it is given, for
+            ``find_unused_parameters`` and ``static_graph`` (the first step's).
         everywhere: whether a flag holds on every replica (one all-reduce of a CPU tensor on the
             strategy's control plane: no device round trip).
+        replicas: the size of the wrapper's process group (more than 2: one bucket layout for the run).
     """
 
-    def __init__(self, build: Callable[[bool, bool], DistributedDataParallel],
-                 everywhere: Callable[[bool], bool]) -> None:
+    def __init__(self, module: nn.Module, build: Callable[[nn.Module, bool, bool], DistributedDataParallel],
+                 everywhere: Callable[[bool], bool], replicas: int) -> None:
         super().__init__()
         self._build = build
         self._everywhere = everywhere
-        self.wrapped = build(False, True)
+        self._replicas = replicas
+        self.wrapped = self._wrap(bucketed(module, replicas), False, True)
         self._params = [p for p in self.wrapped.module.parameters() if p.requires_grad]
         self._used: set[int] = set()
         self._handles: list[Any] | None = [
@@ -85,11 +94,17 @@ class ProbingDataParallel(nn.Module):
         # The first step's wrapper goes, and its reducer's autograd hooks with it. Both are normally freed
         # here; only one kept by a reference cycle needs a collection of the whole heap (0.2-0.3 s of CPU
         # in a process that imported torch, paid by every fit).
+        module = self.wrapped.module  # the same module (or `LastFirst`) under the next wrapper
         left = [weakref.ref(self.wrapped), weakref.ref(self.wrapped.reducer)]
         self.wrapped = None  # type: ignore[assignment]
         if any(ref() is not None for ref in left):
             gc.collect()
-        self.wrapped = self._build(not all_used, False)
+        self.wrapped = self._wrap(module, not all_used, False)
+
+    def _wrap(self, module: nn.Module, find_unused: bool, static_graph: bool) -> DistributedDataParallel:
+        ddp = self._build(module, find_unused, static_graph)
+        fix_layout(ddp, self._replicas)
+        return ddp
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         training = torch.is_grad_enabled() and self.wrapped.require_backward_grad_sync

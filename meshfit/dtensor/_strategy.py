@@ -202,10 +202,10 @@ class MeshStrategy(CollectiveStrategy):
         device_ids = [self._device.index] if self._device.type == "cuda" else None
         group = self._group_of(self._batch)
         wrapped = ProbingDataParallel(  # searches for unused parameters only if the model has some
-            lambda find_unused, static: DistributedDataParallel(module, device_ids=device_ids, process_group=group,
-                                                                gradient_as_bucket_view=True, static_graph=static,
-                                                                find_unused_parameters=find_unused),
-            self._on_every_replica)
+            module, lambda bucketed, find_unused, static: DistributedDataParallel(
+                bucketed, device_ids=device_ids, process_group=group, gradient_as_bucket_view=True,
+                static_graph=static, find_unused_parameters=find_unused),
+            self._on_every_replica, self.num_replicas_in_sync)
         sync = DataParallelSync(self._gradient_weight, self.num_replicas_in_sync)
         sync.install(wrapped)  # a meshfit optimizer must not reduce these gradients again
         return Placement(wrapped, source, sync)

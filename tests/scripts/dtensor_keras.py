@@ -60,6 +60,8 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--fully-sharded", action="store_true",
                         help="LayoutMap.fully_sharded(mesh) instead of the seed's hand layouts (mesh batch=N)")
+    parser.add_argument("--no-keys", action="store_true",
+                        help="a LayoutMap without keys: every weight replicated, DDP's path (mesh batch=N)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(1337)  # every process starts from the same seed, as the seed tutorial asks
@@ -71,6 +73,8 @@ def main() -> None:
 
     if args.fully_sharded:
         layout_map = mf.dtensor.LayoutMap.fully_sharded(mesh)
+    elif args.no_keys:
+        layout_map = mf.dtensor.LayoutMap(mesh=mesh)
     else:
         layout_map = mf.dtensor.LayoutMap(mesh=mesh)
         layout_map["feature.*weight"] = mf.dtensor.Layout(["model", mf.dtensor.UNSHARDED], mesh)
