@@ -241,6 +241,15 @@ def test_partial_loss_partial_label():
     assert partial_logs["loss"] * 3 == pytest.approx(logs["loss"])
 
 
+def test_a_list_of_one_loss_for_the_one_output():
+    """Keras's single-output form of the lists: ``loss=["mse"]``, ``loss_weights=[0.5]``, targets ``[y]``."""
+    model = mf.Model(ExampleModule())
+    model.compile(optimizer=mf.optimizers.SGD(), loss=["mse"], loss_weights=[0.5], metrics=["mse"])
+    logs = model.test_on_batch(_ones(8, 4), [_zeros(8, 3)], return_dict=True)
+    assert logs == pytest.approx({"loss": 8.0, "mse": 16.0})  # one loss: no output_0_loss
+    assert model.train_on_batch(_ones(8, 4), _zeros(8, 3))[0] == pytest.approx(8.0)
+
+
 def test_evaluate_and_on_batch_with_dict_outputs():
     """The dict losses hold for evaluate, the *_on_batch methods and predict's structure too (Keras)."""
     model = mf.Model(StructModule())

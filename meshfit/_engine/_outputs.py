@@ -164,6 +164,8 @@ class CompileLoss(Loss):
                 raise ValueError(f"Invalid `loss`: it names output {key!r}, which the model does not produce: it "
                                  f"returns {_describe(y_pred)}. {fix}.")
             return y_pred[key]
+        if key == 0 and not is_structured(y_pred) and len(self._all_positions()) == 1:
+            return y_pred  # Keras: a list of one loss for the one output
         if not isinstance(y_pred, (list, tuple)) or key >= len(y_pred):
             raise ValueError(
                 f"Invalid `loss`: a list of {len(self._all_positions())} losses, but the model returns "
