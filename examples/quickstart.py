@@ -1,7 +1,7 @@
 """The short example of the README and the Getting started page: Keras's multi-worker tutorial with
 PyTorch layers. ``meshfit launch --workers 2 examples/quickstart.py``, or ``python examples/quickstart.py``
 for one process: 3 epochs of 70 steps, as the tutorial trains (22 s on two workers and 16 s in one process,
-starts included, on a 2-core machine; the test suite runs a copy with 4 steps an epoch)."""
+starts included, on a 2-core machine; the test suite runs a copy with 10 steps an epoch)."""
 
 # --8<-- [start:example]
 import torch.nn as nn
