@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # what type checkers and the reference read; `__getattr__` im
         utils,
     )
     from meshfit._engine import Model, SidecarEvaluator, load_model
+    from meshfit.nn import RematScope, remat
     from meshfit.distribute import (
         CommunicationImplementation,
         CommunicationOptions,
@@ -59,6 +60,7 @@ __all__ = [
     "OneDeviceStrategy",
     "PeerFailureError",
     "ReduceOp",
+    "RematScope",
     "ReplicaDivergenceError",
     "SidecarEvaluator",
     "callbacks",
@@ -76,6 +78,7 @@ __all__ = [
     "mixed_precision",
     "nn",
     "optimizers",
+    "remat",
     "train",
     "utils",
 ]
@@ -94,6 +97,7 @@ _HOMES = {
     **dict.fromkeys(("CommunicationImplementation", "CommunicationOptions", "InputContext", "MirroredStrategy",
                      "MultiWorkerMirroredStrategy", "OneDeviceStrategy", "PeerFailureError", "ReduceOp",
                      "ReplicaDivergenceError", "get_strategy"), "meshfit.distribute"),
+    **dict.fromkeys(("RematScope", "remat"), "meshfit.nn"),
 }
 
 

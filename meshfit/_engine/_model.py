@@ -51,6 +51,7 @@ from meshfit.distribute import (
 from meshfit.losses import get as get_loss
 from meshfit.losses import serialize as serialize_loss
 from meshfit.metrics import Mean, Metric
+from meshfit.nn import current_remat_scope
 from meshfit.optimizers import Optimizer
 from meshfit.optimizers import get as get_optimizer
 from meshfit.optimizers import serialize as serialize_optimizer
@@ -77,6 +78,9 @@ class Model(StepsMixin, OnBatchMixin, WeightsMixin):
             raise TypeError(f"Invalid `module`: expected a torch.nn.Module, received {type(module).__name__}.")
         self.module = module
         self.name = name or type(module).__name__
+        remat_scope = current_remat_scope()
+        if remat_scope is not None:  # before the strategy places it: TP, then activation checkpointing, then FSDP
+            remat_scope.apply(module)
         self.strategy = get_strategy()
         if current_scope_strategy() is not None:  # a module built outside, wrapped in the scope
             adopt(module, self.strategy)

@@ -24,9 +24,17 @@ from meshfit._protocols import DistributionStrategy
 from meshfit._validation import positive_int
 from meshfit.callbacks._callback import Callback
 from meshfit.callbacks._checkpoint_saver import CheckpointSaver
-from meshfit.distribute import ReplicaDivergenceError
-from meshfit.distribute._one_copy import AtRest, ReplicaCoverage, coverage, first_changed
-from meshfit.distribute._verify import ReplicaHistory, named_state, resolve_state, verify_replicas
+from meshfit.distribute import (
+    AtRest,
+    ReplicaCoverage,
+    ReplicaDivergenceError,
+    ReplicaHistory,
+    coverage,
+    first_changed,
+    named_state,
+    resolve_state,
+    verify_replicas,
+)
 
 _ACTIONS = ("restore", "stop")
 
@@ -46,7 +54,8 @@ class VerifyReplicas(Callback):
         checks: how many checks passed in this process (see ``coverage`` for what they compared).
         rollbacks: ``(error, backup path)`` of each roll-back, in order: what was found, where it went back to.
         coverage: which tensors of the state have copies to compare and which are held in one
-            copy (a `meshfit.distribute.ReplicaCoverage`), once known (when ``fit`` starts).
+            copy (``.compared``, ``.one_copy``, ``.gathered``: tuples of paths), once known (when ``fit``
+            starts).
 
     Raises:
         ReplicaDivergenceError: with ``"stop"`` (or with nothing to roll back to, or after

@@ -19,6 +19,10 @@ from meshfit.distribute._mirrored import form_local_world as form_local_world
 from meshfit.distribute._mirrored import local_devices as local_devices
 from meshfit.distribute._multi_worker import MultiWorkerMirroredStrategy
 from meshfit.distribute._multi_worker import form_cluster_world as form_cluster_world
+from meshfit.distribute._one_copy import AtRest as AtRest
+from meshfit.distribute._one_copy import ReplicaCoverage as ReplicaCoverage
+from meshfit.distribute._one_copy import coverage as coverage
+from meshfit.distribute._one_copy import first_changed as first_changed
 from meshfit.distribute._placement import GradientSync, Placement
 from meshfit.distribute._placement import PlacementHook as PlacementHook
 from meshfit.distribute._placement import PlacementPlan as PlacementPlan
@@ -60,10 +64,12 @@ from meshfit.distribute._values import (
     ValueContext,
 )
 from meshfit.distribute._verify import ReplicaDivergenceError, StateDigest
+from meshfit.distribute._verify import ReplicaHistory as ReplicaHistory
 from meshfit.distribute._verify import compare_replicas as compare_replicas
 from meshfit.distribute._verify import named_state as named_state
 from meshfit.distribute._verify import reduce_parts as reduce_parts
 from meshfit.distribute._verify import resolve_state as resolve_state
+from meshfit.distribute._verify import verify_replicas as verify_replicas
 from meshfit.distribute._world import World
 
 __all__ = [

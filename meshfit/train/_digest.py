@@ -93,7 +93,7 @@ def agreed_record(gathered: list[dict[str, list[Any]]], exempt: set[str], owners
         ReplicaDivergenceError: a tensor differs between ranks that should hold the same copy; the
             save is not committed.
     """
-    keys = list(gathered[0])
+    keys = [key for key in gathered[0] if all(key in g for g in gathered[1:])]  # a key one rank lacks: no record
     found = compare_replicas(keys, [([g[k][0] for k in keys], [g[k][1] for k in keys]) for g in gathered],
                              frozenset(exempt))
     if found is not None:
