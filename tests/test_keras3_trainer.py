@@ -175,6 +175,9 @@ def test_on_batch_methods_refuse_bad_input():
         model.train_on_batch(_ones(4, 4), _zeros(4, 3), return_dict="yes")
     with pytest.raises(ValueError, match="class_weight"):
         model.train_on_batch(_ones(4, 4), _zeros(4, 3), sample_weight=np.ones(4), class_weight={0: 1.0})
+    dataset = mf.data.Dataset.from_tensor_slices((_ones(4, 4), _zeros(4, 3))).batch(2)
+    with pytest.raises(ValueError, match=r"Invalid `x`: expected one batch of arrays.*received x of type Dataset"):
+        model.train_on_batch(dataset)
 
 
 # ---- loss_weights and several outputs -------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from meshfit._engine._data_handler import DataHandler
+from meshfit._engine._data_handler import DataHandler, _is_array_like
 from meshfit._engine._executions import next_batch
 from meshfit._engine._fit_arguments import ClassWeightedData, check_class_weight, check_loss_reduction
 from meshfit._engine._loop import run_train_step
@@ -23,11 +23,12 @@ from meshfit.distribute import agree_buffers, check_training_strategy
 
 
 def _batch_length(x: Any) -> int:
-    parts = leaves(x)
-    if not parts or not hasattr(parts[0], "__len__"):
-        raise ValueError(f"Invalid `x`: expected one batch of arrays or tensors (a leading batch dimension), "
-                         f"received x of type {type(x).__name__}.")
-    return len(parts[0])
+    """The number of examples in the batch ``x`` (arrays or tensors, or a dict / list of them)."""
+    if not _is_array_like(x):
+        raise ValueError(f"Invalid `x`: expected one batch of arrays or tensors (or a dict / list of them), as "
+                         f"Keras's *_on_batch methods take, received x of type {type(x).__name__}. Pass a "
+                         "dataset to fit / evaluate / predict instead.")
+    return len(leaves(x)[0])
 
 
 class OnBatchMixin:
