@@ -798,3 +798,36 @@ def test_the_default_context_refuses_in_a_group_formed_without_a_strategy():
     value alone, so it is refused as in a strategy's job."""
     for message in run_distributed(_default_context_in_a_bare_group, timeout=120):
         assert "2 processes" in message and "strategy.run" in message, message
+
+
+def _steps_in_replica_context(rank: int, world: int) -> dict[str, float]:
+    """TF Keras runs each step of ``fit`` and ``evaluate`` in ``strategy.run``: an overridden step reaches
+    the replica context and its cross-replica sums."""
+    strategy = mf.MultiWorkerMirroredStrategy()
+    seen: dict[str, float] = {}
+
+    class Summing(mf.Model):
+        def train_step(self, data):
+            context = mf.distribute.get_replica_context()
+            seen["train"] = float(context.all_reduce(mf.ReduceOp.SUM, torch.tensor(float(context.replica_id_in_sync_group + 1))))
+            return super().train_step(data)
+
+        def test_step(self, data):
+            context = mf.distribute.get_replica_context()
+            seen.setdefault("test", []).append(float(context.all_reduce(mf.ReduceOp.SUM, torch.ones(()))))
+            return super().test_step(data)
+
+    with strategy.scope():
+        model = Summing(nn.Linear(2, 1))
+        model.compile(optimizer=mf.optimizers.SGD(0.1), loss="mse")
+    x, y = np.ones((8, 2), "float32"), np.ones((8, 1), "float32")
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, validation_data=(x, y))  # validation: every worker
+    model.evaluate(x, y, batch_size=4, verbose=0)  # outside fit, a replicated model: this worker alone
+    return seen
+
+
+def test_fit_and_evaluate_run_each_step_in_the_replica_context():
+    """tf-keras ``Model.make_train_function`` runs ``train_step`` through ``strategy.run``. meshfit's
+    ``evaluate`` of a replicated model outside ``fit`` runs on the calling worker alone (one replica)."""
+    for seen in run_distributed(_steps_in_replica_context, world_size=2, timeout=300):
+        assert seen == {"train": 3.0, "test": [2.0, 2.0, 1.0, 1.0]}

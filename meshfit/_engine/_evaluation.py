@@ -15,7 +15,7 @@ from meshfit._engine._step_logs import MetricResults, as_logs, merge_returned, o
 from meshfit._protocols import CallbackListLike, Trainable
 from meshfit._saving import is_sharded, require_every_worker
 from meshfit.data import batch_size_of
-from meshfit.distribute import DistributedDataset, LoaderPlan, OneDeviceStrategy
+from meshfit.distribute import DistributedDataset, LoaderPlan, OneDeviceStrategy, replica_context_scope
 
 
 @contextlib.contextmanager
@@ -97,7 +97,8 @@ def _executions(trainable: Trainable, data: Any, on_begin: Callable[[int], None]
                     break
             batch = fetched[0]
             if empty_ok or batch_size_of(batch):
-                returned = step_fn(strategy.distribute_batch(batch))
+                with replica_context_scope(strategy):  # as TF Keras runs each step in `strategy.run`
+                    returned = step_fn(strategy.distribute_batch(batch))
             step += 1
         yield begin + n - 1, returned
         if fetched is None:

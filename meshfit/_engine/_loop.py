@@ -17,7 +17,7 @@ from meshfit._engine._step_logs import agree, as_logs, merge_returned, reduce_lo
 from meshfit._protocols import CallbackListLike, Stateful, Trainable
 from meshfit._runtime import PREEMPTED_EXIT_CODE, keep_freed_memory
 from meshfit.data import batch_size_of
-from meshfit.distribute import agree_buffers
+from meshfit.distribute import agree_buffers, replica_context_scope
 
 
 class ReplicaState:
@@ -279,7 +279,7 @@ def run_train_step(trainable: Trainable, batch: Any, global_size: int) -> Any:
     replicas' gradients weighted by their shares); returns what ``train_step`` returned. ``fit``'s loop
     and ``train_on_batch`` both step through here."""
     strategy = trainable.strategy
-    with strategy.batch_weight(batch_size_of(batch), global_size):
+    with strategy.batch_weight(batch_size_of(batch), global_size), replica_context_scope(strategy):
         return trainable.train_step(strategy.distribute_batch(batch))
 
 
