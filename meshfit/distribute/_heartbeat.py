@@ -22,7 +22,8 @@ thread has not picked it up ``_GRACE_SECONDS`` later (it is blocked in a collect
 prints the message and ends the process with `PEER_FAILURE_EXIT_CODE`, so that nothing ever hangs.
 A worker that ends cleanly posts a signed "left" key, and rank 0 keeps the store up until every
 peer has left or is known dead (having posted a signed "ending" key first, so that a peer waiting
-for it to act, such as a save, learns that it will not).
+for it to act, such as a save, learns that it will not). A worker whose interpreter ends while a
+failure is known is ended `EXIT_SECONDS` later if its cleanup still runs (`_exit_deadline.py`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from typing import Any
 
 from meshfit._runtime import PEER_FAILURE_EXIT_CODE
 from meshfit.distribute._bounded_store import BoundedStore
+from meshfit.distribute._exit_deadline import EXIT_SECONDS, end_within, interpreter_exiting, tell_at_exit
 from meshfit.distribute._failure import FailureState
 
 __all__ = ["PEER_FAILURE_EXIT_CODE", "Heartbeat", "PeerFailureError"]
@@ -138,6 +140,7 @@ class Heartbeat:
         self.liveness: Any = None  # a `Liveness` (its connections' ends name killed peers at once), if any
         self._thread = threading.Thread(target=self._run, daemon=True, name="meshfit-heartbeat")
         self._thread.start()
+        tell_at_exit(self)  # `ending`, when the interpreter begins to end
 
     def _new_store(self) -> BoundedStore:
         self._stores = [s for s in self._stores if s.alive()]
@@ -262,6 +265,8 @@ class Heartbeat:
                    f"{self._names[self._rank]}, is at step {step}). {where}")
         with self._lock:
             self.failure = PeerFailureError(message, rank=peer)
+        if interpreter_exiting():  # found while this process ends: its cleanup may wait on that peer
+            self.ending()
 
     def peer_ended(self, rank: int) -> None:
         """``rank``'s process is gone: its liveness connection closed without a goodbye (`Liveness`)."""
@@ -282,6 +287,12 @@ class Heartbeat:
                                          or store.check([self._ending_key(rank)])))
         except Exception:  # noqa: BLE001 - the store did not answer: the watchdog names that failure
             return False
+
+    def ending(self) -> None:
+        """This process's interpreter is ending: with a failure known, give its cleanup `EXIT_SECONDS`,
+        then end it (`end_within`), for that cleanup may wait on a collective that never completes."""
+        if self.failure is not None and not self._stop.is_set():
+            end_within(EXIT_SECONDS, f"this worker ({self._names[self._rank]})")
 
     def _end_if_blocked(self) -> None:
         """The main thread did not pick the failure up while in a watched region: it is blocked in a

@@ -19,9 +19,12 @@ import torch.distributed as dist
 
 from meshfit._runtime import LocalReplicas, free_ports, replica_identity, spawn_local_replicas, watch_parent
 from meshfit.distribute._collective import CollectiveStrategy, group_resolver, join_world, local_resolver
+from meshfit.distribute._exit_deadline import EXIT_SECONDS, extend_deadline
 from meshfit.distribute._strategy import _parse_device
 from meshfit.distribute._values import CommunicationImplementation, CommunicationOptions
 from meshfit.distribute._world import World
+
+_AFTER_FAILURE_S = 2 * EXIT_SECONDS  # how long replica 0 waits for its replicas after a peer failure
 
 
 class MirroredStrategy(CollectiveStrategy):
@@ -102,6 +105,8 @@ def form_local_world(devices: list[torch.device], options: CommunicationOptions)
 
 
 def _wait_for_replicas(replicas: LocalReplicas, timeout: float) -> None:
+    if extend_deadline(_AFTER_FAILURE_S + 15):  # ending after a peer failure: each replica ends within
+        timeout = min(timeout, _AFTER_FAILURE_S)  # EXIT_SECONDS of its own exit; stay up to report them
     failed = replicas.wait(timeout)
     if failed:
         print("meshfit: MirroredStrategy: " + "; ".join(failed), file=sys.stderr, flush=True)
