@@ -18,6 +18,7 @@ from meshfit.dtensor._inputs import accept_inputs
 from meshfit.dtensor._layout import Layout
 from meshfit.dtensor._layout_map import LayoutMap
 from meshfit.dtensor._mesh import Mesh
+from meshfit.dtensor._ties import keyed_layouts
 
 _SUBCLASSES: dict[type, type] = {}
 _T = TypeVar("_T", bound=torch.Tensor)
@@ -53,18 +54,22 @@ def resolve_layouts(module: nn.Module, layouts: LayoutMap | Mapping[str, Layout]
                     mesh: Mesh | None = None) -> dict[str, Layout]:
     """Each parameter path of ``module`` and its layout (matched, else replicated), checked against its shape.
 
+    Every path of a tied parameter gets the tie's one layout (`keyed_layouts`).
+
     Raises:
         ValueError: two keys match one path, a layout's rank or divisibility does not fit its
-            parameter, or a parameter is still lazy.
+            parameter, a parameter is still lazy, or one tied parameter is keyed with two layouts.
     """
     layout_map = as_layout_map(layouts, mesh)
-    resolved: dict[str, Layout] = {}
-    for path, param in module.named_parameters():
+    params = dict(module.named_parameters(remove_duplicate=False))
+    for path, param in params.items():
         if is_lazy(param):
             raise ValueError(f"Parameter {path!r} is still lazy (uninitialized): run one forward pass first "
                              "(Model.fit does) so its shape is known before it gets a layout.")
-        layout = layout_map.layout_for(path, param.dim())
-        layout.check_shape(param.shape, f"parameter {path!r}")
+    resolved: dict[str, Layout] = {}
+    for path, keyed in keyed_layouts(module, layout_map.__getitem__).items():
+        layout = keyed if keyed is not None else Layout.replicated(layout_map.mesh, params[path].dim())
+        layout.check_shape(params[path].shape, f"parameter {path!r}")
         resolved[path] = layout
     return resolved
 
@@ -117,7 +122,7 @@ def apply_layouts(module: nn.Module, layout_map: LayoutMap | Mapping[str, Layout
     replaced: dict[int, nn.Parameter] = {}
     for path, param in list(module.named_parameters(remove_duplicate=False)):
         owner, name = _owner(module, path)
-        layout = layouts.get(path) or layout_map.layout_for(path, param.dim())
+        layout = layouts[path]  # a tied parameter's paths share one layout: it is replaced once, below
         if id(param) not in replaced and isinstance(param, DTensor) and param.device_mesh == device_mesh \
                 and tuple(param.placements) == tuple(layout.placements):
             replaced[id(param)] = attach_layout(param, layout)  # laid out already: the same parameter

@@ -143,7 +143,7 @@ def fully_shard_module(module: nn.Module, layout_map: Any, world: World, batch_a
 
 def _check_keys(module: nn.Module, layout_map: Any) -> None:
     """Refuse a key that matches no parameter: it shards nothing (a hand layout is refused above)."""
-    paths = [path for path, _ in module.named_parameters()]
+    paths = [path for path, _ in module.named_parameters(remove_duplicate=False)]  # a tie's every path
     unmatched = layout_map.unmatched_keys(paths)
     if unmatched:
         raise ValueError(f"Invalid LayoutMap key {unmatched[0]!r} in a LayoutMap.fully_sharded map: expected a weight "
@@ -162,15 +162,27 @@ def _materialise(module: nn.Module, world: World, skip: Sequence[str] = ()) -> N
     Module by module in ``named_modules()`` order, the order ``__init__`` ran ``reset_parameters`` in
     an eager build: with the same seed the values equal the eager build's.
 
+    A tied parameter (one meta tensor held by two modules) is materialised by the first module that
+    holds it; a later holder still runs its ``reset_parameters()`` (drawing what the eager build drew
+    before the tie replaced its own weight), then gets the first one's tensor back, so the tie stays.
     """
     device = world.device
+    made: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id -> (meta parameter kept alive, its tensor)
     for path, sub in module.named_modules():
         if any(path == b or path.startswith(b + ".") for b in skip):
             continue
+        tied = {name: made[id(p)][1] for name, p in sub._parameters.items() if p is not None and id(p) in made}
         if _has_meta(sub):
+            before = dict(sub._parameters)
             sub.to_empty(device=device, recurse=False)
             sub.reset_parameters()  # checked by _check_meta
-            world.broadcast_tensors([*sub.parameters(recurse=False), *sub.buffers(recurse=False)])
+            for name, param in sub._parameters.items():
+                if param is not None and name not in tied:
+                    made[id(before[name])] = (before[name], param)
+            world.broadcast_tensors([p for name, p in sub._parameters.items() if p is not None and name not in tied]
+                                    + list(sub.buffers(recurse=False)))
+        for name, param in tied.items():
+            sub.register_parameter(name, param)
 
 
 def _has_meta(module: nn.Module) -> bool:

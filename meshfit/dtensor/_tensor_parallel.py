@@ -13,6 +13,11 @@ torchtitan composes it with FSDP):
   Its bias is not split.
 - ``nn.Embedding`` weight ``["model", UNSHARDED]`` (vocabulary rows, outputs summed over ``model``) or
   ``[UNSHARDED, "model"]`` (embedding columns, gathered over ``model``).
+- A weight tied to another (``output.weight = tok_embeddings.weight``) stays one parameter: both
+  paths take its one layout (`meshfit.dtensor._ties`), each holding module its style, and the tie is
+  restored after ``parallelize_module``, as torch's tensor-parallel transformer ties its output
+  projection. A column-wise ``nn.Linear`` tied to an ``nn.Embedding`` is the vocabulary head: its
+  logits are gathered over ``model`` (torch's plan for that head), since the loss needs them whole.
 
 Activations between layers stay plain tensors of this process's rows, so a user's reshapes and
 ``F.scaled_dot_product_attention`` run on local tensors for any batch size (DTensor's reshape rule
@@ -29,8 +34,10 @@ from torch import nn
 
 from meshfit.distribute import placement_hook
 from meshfit.dtensor._layout import UNSHARDED, Layout
+from meshfit.dtensor._ties import keyed_layouts, retie, tied_groups
 
 _COLUMN, _ROW = "column-wise", "row-wise"
+_HEAD = "column-wise, gathered"  # a column-wise Linear tied to an Embedding: whole logits out
 _FIX = ("Tensor parallelism over {axis!r} splits nn.Linear weights (Layout([{axis!r}, UNSHARDED], mesh) "
         "column-wise, Layout([UNSHARDED, {axis!r}], mesh) row-wise) and nn.Embedding weights")
 
@@ -59,29 +66,38 @@ class TensorParallel:
             if kind is nn.Embedding:
                 plan[path] = RowwiseParallel(input_layouts=Replicate()) if style == _ROW \
                     else ColwiseParallel(output_layouts=Replicate())
+            elif style == _HEAD:
+                plan[path] = ColwiseParallel(output_layouts=Replicate())
             else:
                 plan[path] = ColwiseParallel() if style == _COLUMN else RowwiseParallel()
                 if style == _ROW:
                     layer = module.get_submodule(path)
                     if isinstance(layer, nn.Linear):  # what tensor_parallel_styles keyed
                         _check_row_inputs(layer, path, self.axis, self.sub_mesh.size())
-        parallelize_module(module, self.sub_mesh, plan)
+        groups = tied_groups(module)
+        parallelize_module(module, self.sub_mesh, plan)  # one new parameter per holding module
+        retie(module, groups)  # one layout per tie (keyed_layouts): the copies are alike, keep the first
         return module
 
 
 def tensor_parallel_styles(module: nn.Module, layout_map: Any, batch_axis: str) -> tuple[str | None, dict]:
     """The axis the keyed weights are split over and each keyed module's style; bad keys are refused.
 
+    Every path of a tied weight gets the tie's one layout, so each module holding it gets its style.
+
     Raises:
         ValueError: a key's layout names ``batch`` or no axis, keys name two different axes, a split
             does not divide its dimension, a keyed weight belongs to a module tensor parallelism
-            cannot split that way, or a bias is keyed without (or against) its weight.
+            cannot split that way, a bias is keyed without (or against) its weight, or one tied
+            weight is keyed with two layouts.
     """
     axes: dict[str, str] = {}
     styles: dict[str, tuple[str, type]] = {}
     biases: dict[str, tuple[str, Layout]] = {}
-    for path, param in module.named_parameters():
-        layout = layout_map[path]
+    params = dict(module.named_parameters(remove_duplicate=False))
+    heads = _vocabulary_heads(module)
+    for path, layout in keyed_layouts(module, layout_map.__getitem__).items():
+        param = params[path]
         if layout is None:
             continue
         named = [spec for spec in layout.sharding_specs if spec != UNSHARDED]
@@ -105,15 +121,26 @@ def tensor_parallel_styles(module: nn.Module, layout_map: Any, batch_axis: str) 
         if attribute == "bias" and isinstance(owner, nn.Linear):
             biases[owner_path] = (path, layout)
             continue
-        styles[owner_path] = (_style_of(owner, attribute, layout, path, axis), type(owner))
+        kind = _style_of(owner, attribute, layout, path, axis)
+        styles[owner_path] = (_HEAD if kind == _COLUMN and path in heads else kind, type(owner))
     for owner_path, (path, layout) in biases.items():
         style = styles.get(owner_path)
-        if style is None or style[0] != _COLUMN:
+        if style is None or style[0] not in (_COLUMN, _HEAD):
             raise ValueError(f"Invalid layout {list(layout.sharding_specs)} for parameter {path!r}: a bias is split "
                              f"over {layout.sharding_specs[0]!r} only with its column-wise weight. Key "
                              f"{owner_path + '.weight'!r} with Layout([{layout.sharding_specs[0]!r}, UNSHARDED], mesh) "
                              "(its bias follows), or remove the bias key.")
     return (next(iter(axes)) if axes else None), styles
+
+
+def _vocabulary_heads(module: nn.Module) -> set[str]:
+    """The ``nn.Linear`` weight paths tied to an ``nn.Embedding`` weight (a language model's head)."""
+    heads: set[str] = set()
+    for paths in tied_groups(module):
+        owners = [(path, module.get_submodule(path.rpartition(".")[0])) for path in paths]
+        if any(isinstance(owner, nn.Embedding) for _, owner in owners):
+            heads.update(path for path, owner in owners if isinstance(owner, nn.Linear))
+    return heads
 
 
 def _style_of(owner: nn.Module, attribute: str, layout: Layout, path: str, axis: str) -> str:
