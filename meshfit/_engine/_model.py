@@ -185,8 +185,29 @@ class Model(StepsMixin, OnBatchMixin, WeightsMixin):
         own = [self._loss_tracker, *self._compiled_metrics]
         if isinstance(self.loss, CompileLoss):
             own.extend(self.loss.metrics)
+        assigned = self.__dict__.get("_assigned_metrics")
+        if not assigned:
+            return own
         seen = {id(m) for m in own}
-        return own + [value for value in vars(self).values() if isinstance(value, Metric) and id(value) not in seen]
+        return own + [value for value in assigned.values() if id(value) not in seen]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Track the metrics assigned as attributes, as Keras 3 does (read at every step: no walk of the
+        attributes there)."""
+        assigned = self.__dict__.get("_assigned_metrics")
+        if isinstance(value, Metric) and name != "_loss_tracker":  # the loss tracker leads `metrics` anyway
+            if assigned is None:
+                assigned = self.__dict__["_assigned_metrics"] = {}
+            assigned[name] = value
+        elif assigned and name in assigned:
+            del assigned[name]
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        assigned = self.__dict__.get("_assigned_metrics")
+        if assigned and name in assigned:
+            del assigned[name]
+        object.__delattr__(self, name)
 
     def logged_metrics(self) -> list[Metric]:
         """The metrics that appear in logs (the loss tracker only when there is a loss)."""

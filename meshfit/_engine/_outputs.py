@@ -31,7 +31,7 @@ Key = str | int | None  # an output's name, its position in a tuple, or None (th
 
 def is_structured(value: Any) -> bool:
     """Whether a module's output is several outputs (a mapping, a tuple or a list), not one tensor."""
-    return isinstance(value, (Mapping, list, tuple))
+    return not isinstance(value, torch.Tensor) and isinstance(value, (Mapping, list, tuple))  # a tensor: fast
 
 
 def output_name(key: Key) -> str:

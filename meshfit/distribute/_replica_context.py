@@ -14,6 +14,7 @@ As in TensorFlow, three places:
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -211,15 +212,38 @@ def in_replica_context() -> bool:
     return bool(_CONTEXT_STACK)
 
 
-@contextlib.contextmanager
-def replica_context_scope(strategy: Any) -> Iterator[ReplicaContext]:
-    """Within: code runs as ``strategy``'s replica (``strategy.run`` enters it; so may a training loop)."""
-    context = ReplicaContext(strategy, int(strategy.replica_id))
-    _CONTEXT_STACK.append(context)
-    try:
-        yield context
-    finally:
+class _ReplicaScope:
+    """Enters one replica context (a plain class: ``fit`` enters it at every step, where a generator
+    context manager costs several Python calls more)."""
+
+    __slots__ = ("context",)
+
+    def __init__(self, context: ReplicaContext) -> None:
+        self.context = context
+
+    def __enter__(self) -> ReplicaContext:
+        _CONTEXT_STACK.append(self.context)
+        return self.context
+
+    def __exit__(self, *exc: object) -> None:
         _CONTEXT_STACK.pop()
+
+
+_SCOPES: weakref.WeakKeyDictionary[Any, _ReplicaScope] = weakref.WeakKeyDictionary()  # one per strategy
+
+
+def replica_context_scope(strategy: Any) -> _ReplicaScope:
+    """Within: code runs as ``strategy``'s replica (``strategy.run`` enters it; so may a training loop).
+
+    A strategy's replica id is fixed for its life: its scope is made once.
+    """
+    try:
+        return _SCOPES[strategy]
+    except (KeyError, TypeError):  # TypeError: a strategy that cannot be weakly referenced
+        scope = _ReplicaScope(ReplicaContext(strategy, int(strategy.replica_id)))
+        with contextlib.suppress(TypeError):
+            _SCOPES[strategy] = scope
+        return scope
 
 
 @contextlib.contextmanager
