@@ -96,6 +96,7 @@ def tensor_parallel_styles(module: nn.Module, layout_map: Any, batch_axis: str) 
     biases: dict[str, tuple[str, Layout]] = {}
     params = dict(module.named_parameters(remove_duplicate=False))
     heads = _vocabulary_heads(module)
+    ties = {path: paths for paths in tied_groups(module) for path in paths}
     for path, layout in keyed_layouts(module, layout_map.__getitem__).items():
         param = params[path]
         if layout is None:
@@ -121,7 +122,8 @@ def tensor_parallel_styles(module: nn.Module, layout_map: Any, batch_axis: str) 
         if attribute == "bias" and isinstance(owner, nn.Linear):
             biases[owner_path] = (path, layout)
             continue
-        kind = _style_of(owner, attribute, layout, path, axis)
+        keyed = next((p for p in ties.get(path, [path]) if layout_map[p] is not None), path)
+        kind = _style_of(owner, attribute, layout, path, axis, keyed)
         styles[owner_path] = (_HEAD if kind == _COLUMN and path in heads else kind, type(owner))
     for owner_path, (path, layout) in biases.items():
         style = styles.get(owner_path)
@@ -143,7 +145,8 @@ def _vocabulary_heads(module: nn.Module) -> set[str]:
     return heads
 
 
-def _style_of(owner: nn.Module, attribute: str, layout: Layout, path: str, axis: str) -> str:
+def _style_of(owner: nn.Module, attribute: str, layout: Layout, path: str, axis: str, keyed: str) -> str:
+    """``keyed``: the path whose key gave the layout (another path of a tied weight, or ``path``)."""
     specs = layout.sharding_specs
     if attribute == "weight" and isinstance(owner, (nn.Linear, nn.Embedding)) and len(specs) == 2:
         if specs == (axis, UNSHARDED):
@@ -151,8 +154,9 @@ def _style_of(owner: nn.Module, attribute: str, layout: Layout, path: str, axis:
         return _ROW if isinstance(owner, nn.Linear) else _COLUMN
     raise ValueError(f"Invalid layout {list(specs)} for parameter {path!r} ({attribute} of a "
                      f"{type(owner).__name__}): DTensor cannot split that operation over {axis!r} here. "
-                     f"{_FIX.format(axis=axis)}. Remove the key that matches {path!r} (the weight is then "
-                     "sharded over 'batch' only), or key the weight of a Linear or Embedding.")
+                     f"{_FIX.format(axis=axis)}. Remove the key that matches {keyed!r}"
+                     f"{'' if keyed == path else f' (the weight it is tied to, whose layout {path!r} shares)'} "
+                     "(the weight is then sharded over 'batch' only), or key the weight of a Linear or Embedding.")
 
 
 def _check_row_inputs(layer: nn.Linear, path: str, axis: str, size: int) -> None:

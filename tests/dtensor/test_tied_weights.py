@@ -63,6 +63,19 @@ class TiedPair(nn.Module):
         return self.fc(torch.tanh(self.embedding(tokens)))
 
 
+class TiedRaw(nn.Module):
+    """A tie tensor parallelism cannot split: the embedding's weight also held by the root and used
+    through ``F.linear`` (no module style knows that use)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, D_MODEL)
+        self.unembed = self.embedding.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(self.embedding(tokens), self.unembed)
+
+
 def _keys(mf, layout_map, mesh, keys):
     U = mf.dtensor.UNSHARDED
     for key, specs in keys:
@@ -214,6 +227,16 @@ def _refused(rank, world):
         else:
             out[name] = None
             del built
+    mesh = mf.dtensor.create_mesh([("batch", 2), ("model", 2)])
+    layout_map = _keys(mf, mf.dtensor.LayoutMap.fully_sharded(mesh, blocks=[]), mesh,
+                       [(r"embedding\.weight", ["model", "U"])])
+    try:
+        with layout_map.scope():
+            mf.Model(TiedRaw())
+    except ValueError as error:
+        out["raw"] = str(error)
+    else:
+        out["raw"] = None
     return out
 
 
@@ -230,3 +253,7 @@ def test_different_layouts_for_one_tied_weight_are_refused_by_name():
         # the default blocks hold the tie in two units: refused by name, as before
         message = out["default blocks"]
         assert message is not None and "'tok_embeddings.weight' is shared with 'output.weight'" in message, message
+        # a tied use no tensor-parallel style splits: refused by its path and the key that laid it out
+        message = out["raw"]
+        assert message is not None and "for parameter 'unembed'" in message, message
+        assert "Remove the key that matches 'embedding.weight' (the weight it is tied to" in message, message
