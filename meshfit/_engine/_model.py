@@ -34,6 +34,7 @@ from meshfit._engine._on_batch import OnBatchMixin
 from meshfit._engine._outputs import CompileLoss, compile_metrics, is_serialized_loss, register_output_type
 from meshfit._engine._state import LoopState
 from meshfit._engine._steps import StepsMixin
+from meshfit._engine._tracked_metrics import TrackedMetricsMixin
 from meshfit._protocols import DistributionStrategy, PlacementLike
 from meshfit._runtime import flush_denormals
 from meshfit._validation import check_bool, non_negative_int, positive_int
@@ -57,7 +58,7 @@ from meshfit.optimizers import get as get_optimizer
 from meshfit.optimizers import serialize as serialize_optimizer
 
 
-class Model(StepsMixin, OnBatchMixin, WeightsMixin):
+class Model(TrackedMetricsMixin, StepsMixin, OnBatchMixin, WeightsMixin):
     """A ``torch.nn.Module`` trained the Keras way, on whatever strategy it was created under.
 
     Args:
@@ -177,52 +178,11 @@ class Model(StepsMixin, OnBatchMixin, WeightsMixin):
     def compiled(self) -> bool:
         return self.optimizer is not None
 
-    @property
-    def metrics(self) -> list[Metric]:
-        """The loss tracker first, then the compiled metrics, the per-output losses (``<output>_loss``,
-        with several losses) and the metrics assigned as the model's attributes (Keras 3 tracks those:
-        one updated in an overridden ``compute_loss`` is reset, reduced and logged as the others)."""
-        own = [self._loss_tracker, *self._compiled_metrics]
-        if isinstance(self.loss, CompileLoss):
-            own.extend(self.loss.metrics)
-        assigned = self.__dict__.get("_assigned_metrics")
-        if not assigned:
-            return own
-        seen = {id(m) for m in own}
-        return own + [value for value in assigned.values() if id(value) not in seen]
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        """Track the metrics assigned as attributes, as Keras 3 does (read at every step: no walk of the
-        attributes there)."""
-        assigned = self.__dict__.get("_assigned_metrics")
-        if isinstance(value, Metric) and name != "_loss_tracker":  # the loss tracker leads `metrics` anyway
-            if assigned is None:
-                assigned = self.__dict__["_assigned_metrics"] = {}
-            assigned[name] = value
-        elif assigned and name in assigned:
-            del assigned[name]
-        object.__setattr__(self, name, value)
-
-    def __delattr__(self, name: str) -> None:
-        assigned = self.__dict__.get("_assigned_metrics")
-        if assigned and name in assigned:
-            del assigned[name]
-        object.__delattr__(self, name)
-
-    def logged_metrics(self) -> list[Metric]:
-        """The metrics that appear in logs (the loss tracker only when there is a loss)."""
-        metrics = self.metrics
-        return metrics if self.loss is not None else metrics[1:]
-
     def saveable_parts(self) -> dict[str, Any]:
         """The model's own parts of a backup: the module's weights and the optimizer's state."""
         if self.optimizer is not None and not self.optimizer.built:  # a module without parameters
             return {"module": self.module}
         return {"module": self.module, "optimizer": self.optimizer}
-
-    @property
-    def metrics_names(self) -> list[str]:
-        return [m.name for m in self.metrics]
 
     def _require_compiled(self, what: str) -> None:
         if self.optimizer is None:
@@ -253,10 +213,6 @@ class Model(StepsMixin, OnBatchMixin, WeightsMixin):
             params = list(self.module.named_parameters())  # names: exclude_from_weight_decay
             if params:  # nothing to optimise: no optimizer (train_step skips the update)
                 self.optimizer.build(params)
-
-    def reset_metrics(self) -> None:
-        for metric in self.metrics:
-            metric.reset_state()
 
     def finish_training(self) -> None:
         """Keras's fit: the optimizer's moving averages (``use_ema``) replace the weights before
