@@ -36,7 +36,6 @@ if TYPE_CHECKING:  # what type checkers and the reference read; `__getattr__` im
         utils,
     )
     from meshfit._engine import Model, SidecarEvaluator, load_model
-    from meshfit.nn import RematScope, remat
     from meshfit.distribute import (
         CommunicationImplementation,
         CommunicationOptions,
@@ -49,6 +48,7 @@ if TYPE_CHECKING:  # what type checkers and the reference read; `__getattr__` im
         ReplicaDivergenceError,
         get_strategy,
     )
+    from meshfit.nn import RematScope, remat
 
 __all__ = [
     "CommunicationImplementation",
