@@ -147,3 +147,29 @@ def test_bad_arguments_are_refused_by_name():
         mf.RematScope(layer_names="blocks.0")
     with pytest.raises(TypeError, match=r"Invalid `module`.*received function"):
         mf.remat(lambda x: x)
+
+
+def _two_d(rank, world, remat):
+    import meshfit as mf
+    from tests.dtensor import _two_d_model as lm
+
+    x, y = lm.data(lm.BATCH * 4)
+    with lm.scope(mf, (2, 2)):
+        if remat:
+            with mf.RematScope(mode="full"):
+                model = mf.Model(lm.module())
+        else:
+            model = mf.Model(lm.module())
+        model.compile(optimizer=lm.optimizer(mf, "sgd"), loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=lm.BATCH, epochs=1, shuffle=False, verbose=0)
+    return model.get_weights(), sorted(mf.nn.rematerialized(model.module))
+
+
+def test_remat_composes_with_tensor_parallel_on_a_2d_mesh_bitwise():
+    """``(batch 2, model 2)`` with the guide's map (tensor parallel inside each block, fully sharded over
+    ``batch``): remat's blocks recompute through the tensor-parallel collectives, values unchanged."""
+    plain, _ = run_distributed(_two_d, world_size=4, args=(False,), timeout=400)[0]
+    remat, paths = run_distributed(_two_d, world_size=4, args=(True,), timeout=400)[0]
+    assert paths == ["embed", "head", "layers.0", "layers.1", "norm"]
+    for got, want in zip(remat, plain, strict=True):
+        np.testing.assert_array_equal(got, want)
