@@ -61,11 +61,12 @@ def load_train():
     return x, y
 
 
-def compile_seed(model, learning_rate: float = 0.01) -> None:
+def compile_seed(model, learning_rate: float = 0.01, gradient_accumulation_steps: int | None = None) -> None:
     """What a user of the tutorial writes: SGD, sparse CE from logits, accuracy."""
     import meshfit as mf
 
-    model.compile(optimizer=mf.optimizers.SGD(learning_rate=learning_rate),
+    model.compile(optimizer=mf.optimizers.SGD(learning_rate=learning_rate,
+                                              gradient_accumulation_steps=gradient_accumulation_steps),
                   loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
 
 

@@ -11,6 +11,11 @@ Modes:
                  each rank taking its 64 rows of the same global batches;
           fit1w: rank 0 alone runs ``fit`` of a one-device model on the same global batches of 128
                  while rank 1 waits at the closing barrier (idle: its CPU time is reported).
+  accumulate  fitacc: ``fit`` under MultiWorkerMirroredStrategy with ``SGD(0.01,
+          gradient_accumulation_steps=4)``, the global batch of 128 (an update every 4 batches);
+          ddpacc: a hand-written DDP loop that accumulates the same way: 3 batches' ``backward`` of
+                  ``loss / 4`` under ``ddp.no_sync()``, the 4th synced (one all-reduce per 4 batches),
+                  ``step``, ``zero_grad``.
   backup  plain: ``fit`` without callbacks; sync: with ``BackupAndRestore(save_freq=30)``;
           async: with ``BackupAndRestore(save_freq=30, async_save=True)``; a fresh backup dir per
           block, ``delete_checkpoint=True`` (the deletion at the end of fit is part of the block).
@@ -45,11 +50,12 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 import meshfit as mf  # noqa: E402
 
 GLOBAL_BATCH = 128
+ACCUMULATE = 4  # accumulate mode: batches per update
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=("ddp", "backup"), required=True)
+    parser.add_argument("--mode", choices=("ddp", "backup", "accumulate"), required=True)
     parser.add_argument("--rounds", type=int, required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--save-freq", type=int, default=30)
@@ -83,7 +89,7 @@ def main() -> None:
         start = offset + k * args.steps
         return dataset.skip(start)  # a fresh wrapper every block: its first pass (a re-iterated dataset reshuffles)
 
-    def fit_model(distributed: bool) -> mf.Model:
+    def fit_model(distributed: bool, accumulate: int | None = None) -> mf.Model:
         if distributed:
             with strategy.scope():
                 model = mf.Model(copy.deepcopy(base))
@@ -91,7 +97,7 @@ def main() -> None:
             # refused while a multi-replica strategy runs in the process)
             with mf.OneDeviceStrategy("cpu").scope():
                 model = mf.Model(copy.deepcopy(base))
-        C.compile_seed(model)
+        C.compile_seed(model, gradient_accumulation_steps=accumulate)
         return model
 
     def timed(run, only_rank0: bool = False):
@@ -144,6 +150,39 @@ def main() -> None:
         models = {"fit2w": fit2w.module, "ddp2w": ddp.module}
         if fit1w is not None:
             models["fit1w"] = fit1w.module
+    elif args.mode == "accumulate":
+        fitacc = fit_model(True, ACCUMULATE)
+        count = {"fitacc": 0, "ddpacc": 0}
+
+        def run_fitacc():
+            k = count["fitacc"]
+            count["fitacc"] += 1
+            fitacc.fit(block_data(k), steps_per_epoch=args.steps, epochs=1, verbose=0)
+
+        index_stream = (mf.data.Dataset.from_tensor_slices(np.arange(n)).shuffle(n, seed=0).repeat()
+                        .batch(GLOBAL_BATCH))
+        indices = [b[rank * local:(rank + 1) * local].clone()
+                   for b in itertools.islice(iter(index_stream), blocks * args.steps)]
+        ddp = DistributedDataParallel(copy.deepcopy(base))
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        done = [0]  # batches over the whole run: the windows go on across blocks, as fit's do
+
+        def run_ddpacc():
+            k = count["ddpacc"]
+            count["ddpacc"] += 1
+            for idx in indices[k * args.steps:(k + 1) * args.steps]:
+                xb, yb = x_t[idx], y_t[idx]
+                done[0] += 1
+                if done[0] % ACCUMULATE:
+                    with ddp.no_sync():
+                        (F.cross_entropy(ddp(xb), yb) / ACCUMULATE).backward()
+                    continue
+                (F.cross_entropy(ddp(xb), yb) / ACCUMULATE).backward()
+                opt.step()
+                opt.zero_grad()
+
+        variants = {"fitacc": lambda: timed(run_fitacc), "ddpacc": lambda: timed(run_ddpacc)}
+        models = {"fitacc": fitacc.module, "ddpacc": ddp.module}
     else:
         base_dir = args.backup_base
         specs = {"plain": None, "sync": False, "async": True}

@@ -75,6 +75,8 @@ class GradientSyncLike(Protocol):
 
     def reduced(self, param: torch.Tensor) -> bool: ...  # the placement reduced this gradient already
 
+    def deferred(self) -> AbstractContextManager[None]: ...  # a step whose gradients stay local (accumulation)
+
 
 class PlacementLike(Protocol):
     """A module as a strategy placed it (see `meshfit.distribute.Placement`)."""

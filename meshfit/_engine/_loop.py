@@ -7,24 +7,29 @@ The loop is `Stateful`: a backup is its state plus its trainable's parts (see `c
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 from meshfit._engine._executions import next_batch, steps_per_execution
 from meshfit._engine._preemption import PreemptionWatch
 from meshfit._engine._state import LoopState, RandomState
 from meshfit._engine._step_logs import agree, as_logs, merge_returned, reduce_logs
-from meshfit._protocols import CallbackListLike, Stateful, Trainable
+from meshfit._protocols import CallbackListLike, PlacementLike, Stateful, Trainable
 from meshfit._runtime import PREEMPTED_EXIT_CODE, keep_freed_memory
 from meshfit.data import batch_size_of
 from meshfit.distribute import agree_buffers, replica_context_scope
+from meshfit.optimizers._accumulation import AccumulatedGradients, defers_update, inside_window
 
 
 class ReplicaState:
-    """The state that differs between replicas: RNG streams and the metrics' running accumulators.
+    """The state that differs between replicas: RNG streams, the metrics' running accumulators and,
+    inside a gradient accumulation window, the gradients summed so far.
 
     Saved once per rank (``meshfit.train.PerRank``): each replica's metric sums cover its own
-    share of the batches, and its random streams are its own.
+    share of the batches, its random streams are its own, and so are its gradient sums (its own
+    batches', not yet all-reduced; `meshfit.optimizers._accumulation.AccumulatedGradients`).
     """
 
     def __init__(self, trainable: Trainable) -> None:
@@ -33,7 +38,17 @@ class ReplicaState:
 
     def state_dict(self) -> dict[str, Any]:
         metrics = {f"{i}:{m.name}": m.state_dict() for i, m in enumerate(self._trainable.metrics)}
-        return {"rng": self._random.state_dict(), "metrics": metrics}
+        state = {"rng": self._random.state_dict(), "metrics": metrics}
+        gradients = self._gradients()
+        if gradients is not None:
+            state["gradients"] = gradients.state_dict()
+        return state
+
+    def _gradients(self) -> AccumulatedGradients | None:
+        optimizer = getattr(self._trainable, "optimizer", None)
+        if getattr(optimizer, "gradient_accumulation_steps", None) and getattr(optimizer, "built", False):
+            return AccumulatedGradients(optimizer)
+        return None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state["metrics"]
@@ -44,6 +59,9 @@ class ReplicaState:
                                  "compile the model with the same metrics as the run that made it.")
             metric.load_state_dict(saved[key])
         self._random.load_state_dict(state["rng"])
+        gradients = self._gradients()
+        if gradients is not None and "gradients" in state:
+            gradients.load_state_dict(state["gradients"])
 
 
 class TrainingLoop:
@@ -239,10 +257,13 @@ class TrainingLoop:
             counters.iterations += 1
             strategy.failure.step = counters.iterations
         preemption_requested = self._preemption is not None and self._preemption.requested
-        logs, (preempt, stop) = reduce_logs(trainable, [float(preemption_requested),
-                                                        float(trainable.stop_training)], with_metrics=batch_logs)
+        if batch_logs or strategy.num_processes == 1 or not inside_window(getattr(trainable, "optimizer", None)):
+            logs, (preempt, stop) = reduce_logs(trainable, [float(preemption_requested),
+                                                            float(trainable.stop_training)], with_metrics=batch_logs)
+            trainable.stop_training = stop > 0
+        else:  # inside a gradient accumulation window: no collective, the replicas agree at its last batch
+            logs, preempt, stop = {}, 0.0, 0.0
         merge_returned(trainable, logs, returned, convert=batch_logs)  # read (a host sync) only where logs are
-        trainable.stop_training = stop > 0
         # Keras's nominal index: the execution's last step, also when it ran fewer.
         cbs.on_train_batch_end(begin + steps_per_execution(trainable) - 1, logs)
         if preempt > 0:
@@ -279,8 +300,19 @@ def run_train_step(trainable: Trainable, batch: Any, global_size: int) -> Any:
     replicas' gradients weighted by their shares); returns what ``train_step`` returned. ``fit``'s loop
     and ``train_on_batch`` both step through here."""
     strategy = trainable.strategy
-    with strategy.batch_weight(batch_size_of(batch), global_size), replica_context_scope(strategy):
+    with strategy.batch_weight(batch_size_of(batch), global_size), replica_context_scope(strategy), \
+            _gradient_window(trainable):
         return trainable.train_step(strategy.distribute_batch(batch))
+
+
+def _gradient_window(trainable: Trainable) -> AbstractContextManager[None]:
+    """Where the optimizer's next step only accumulates (``gradient_accumulation_steps``), the step's
+    gradients stay on this replica (its placement's `deferred`: DDP's ``no_sync``), so that the
+    replicas reduce once per update."""
+    placement: PlacementLike | None = getattr(trainable, "placement", None)
+    if placement is None or not defers_update(getattr(trainable, "optimizer", None)):
+        return contextlib.nullcontext()
+    return placement.gradient_sync.deferred()
 
 
 def resolve_verbose(verbose: Any, is_chief: bool) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,6 +28,9 @@ class ReplicatedSync:
     def reduced(self, param: torch.Tensor) -> bool:
         return False  # the optimizer step sums the gradients (TF's apply_gradients)
 
+    def deferred(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # an accumulating optimizer step does not sum (once per update)
+
 
 @dataclasses.dataclass
 class DataParallelSync(ReplicatedSync):
@@ -35,19 +39,23 @@ class DataParallelSync(ReplicatedSync):
     weight: GradientWeight
     replicas: int
     _reduced: WeakIdKeyDictionary = dataclasses.field(default_factory=WeakIdKeyDictionary, repr=False)
+    _wrapper: Any = dataclasses.field(default=None, repr=False)  # a weak reference to the DDP wrapper
 
     def install(self, wrapper: nn.Module) -> None:
         """Whenever the wrapper runs a training forward: record its parameters as reduced, and on an
         uneven step have their gradients weighted before DDP's reducer reads them."""
         params = [p for p in wrapper.parameters() if p.requires_grad]
         weight, reduced = self.weight, self._reduced
+        self._wrapper = weakref.ref(wrapper)
         register_placement(params, self)
 
         def pre_hook(module: nn.Module, args: Any) -> None:
-            if torch.is_grad_enabled() and getattr(module, "require_backward_grad_sync", True):
+            if not torch.is_grad_enabled():
+                return
+            if getattr(module, "require_backward_grad_sync", True):
                 for p in params:
                     reduced[p] = True
-                scale_accumulated_gradients(weight, params)
+            scale_accumulated_gradients(weight, params)  # also a step kept local (gradient accumulation)
 
         wrapper.register_forward_pre_hook(pre_hook)
 
@@ -60,6 +68,12 @@ class DataParallelSync(ReplicatedSync):
 
     def in_step(self) -> bool:
         return self.weight.in_step
+
+    def deferred(self) -> contextlib.AbstractContextManager[None]:
+        """DDP's ``no_sync``: the backward adds into ``.grad`` without an all-reduce; the next synced
+        step all-reduces the sum (once per gradient accumulation window)."""
+        wrapper = self._wrapper() if self._wrapper is not None else None
+        return wrapper.no_sync() if wrapper is not None else contextlib.nullcontext()
 
     @staticmethod
     @contextlib.contextmanager

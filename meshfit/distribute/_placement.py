@@ -100,6 +100,12 @@ class GradientSync(Protocol):
         """Whether ``param``'s current gradient was reduced by the placement (asked once per step)."""
         ...
 
+    def deferred(self) -> contextlib.AbstractContextManager[None]:
+        """A step whose gradients stay on this replica, added to the next step's (a batch of a gradient
+        accumulation window before its last): DDP's ``no_sync``; a sync that reduces in the optimizer
+        step needs nothing (the step does not reduce then); fully sharded reduce-scatters anyway."""
+        ...
+
 
 class Transform(Protocol):
     """One step of a `PlacementPlan`: changes a module in place (or wraps it) and returns it."""

@@ -16,6 +16,11 @@ everywhere (later steps cost what plain DDP costs), else with ``find_unused_para
 rest of the run (a branch taken on some steps only, or on some replicas only, then works too). A model whose every parameter was used on
 the first step but not on a later one is refused with the fix (`UnusedParameterError`).
 
+A gradient accumulation step that stays local (`no_sync`, a batch of a window before its last) runs
+the module itself, outside DDP: its gradients add into ``.grad`` with no collective at all (DDP's own
+``no_sync`` still broadcasts buffers every forward, and refuses to start a static graph's first step
+there); the window's last step all-reduces the sum through the wrapper.
+
 With more than 2 replicas every wrapper reduces in one bucket layout from its first step on, the
 same for the first step's wrapper and the next, so that a resumed run adds the replicas' gradients
 in the order a run never stopped did (`meshfit.distribute._bucket_layout`).
@@ -66,6 +71,7 @@ class ProbingDataParallel(nn.Module):
         self._handles: list[Any] | None = [
             p.register_post_accumulate_grad_hook(self._record) for p in self._params]
         self._probed = False  # a training forward ran with the hooks on; decide at the next one
+        self._local = False  # inside `no_sync`: forwards run the module itself
 
     @property
     def find_unused_parameters(self) -> bool:
@@ -74,12 +80,17 @@ class ProbingDataParallel(nn.Module):
 
     @property
     def require_backward_grad_sync(self) -> bool:
-        return bool(self.wrapped.require_backward_grad_sync)
+        return not self._local and bool(self.wrapped.require_backward_grad_sync)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        with self.wrapped.no_sync():
+        """Forwards inside run the module itself: their gradients add into ``.grad`` on this replica
+        alone, and the next forward through the wrapper's backward all-reduces the sum."""
+        local, self._local = self._local, True
+        try:
             yield
+        finally:
+            self._local = local
 
     def _record(self, param: torch.Tensor) -> None:
         self._used.add(id(param))
@@ -107,6 +118,8 @@ class ProbingDataParallel(nn.Module):
         return ddp
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._local:
+            return self.wrapped.module(*args, **kwargs)
         training = torch.is_grad_enabled() and self.wrapped.require_backward_grad_sync
         if training and self._probed and self._handles is not None:
             self._decide()

@@ -85,6 +85,11 @@ class LossScaleOptimizer(Optimizer):
         if isinstance(inner, LossScaleOptimizer):
             raise ValueError("Invalid `inner_optimizer`: expected an optimizer that does not scale the loss, "
                              "received a LossScaleOptimizer; wrap its inner_optimizer instead.")
+        if getattr(inner, "gradient_accumulation_steps", None) not in (None, 1):
+            raise ValueError("Invalid `inner_optimizer`: a LossScaleOptimizer does not accumulate gradients yet, "
+                             "received an inner optimizer with gradient_accumulation_steps="
+                             f"{inner.gradient_accumulation_steps!r}. Use the 'mixed_bfloat16' policy (no loss "
+                             "scale) with gradient accumulation, or accumulate without mixed_float16.")
         self.inner_optimizer = inner
         self.initial_scale = float(initial_scale)
         self.dynamic_growth_steps = dynamic_growth_steps

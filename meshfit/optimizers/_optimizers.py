@@ -10,6 +10,7 @@ from torch.nn.parameter import is_lazy
 
 from meshfit._validation import invalid_argument
 from meshfit.distribute import synchronize_gradients
+from meshfit.optimizers._accumulation import check_accumulation_steps, defers_update
 from meshfit.optimizers._clipping import GradientClipping
 from meshfit.optimizers._ema import MovingAverage, check_ema
 from meshfit.optimizers._torch_build import (
@@ -76,10 +77,19 @@ class Optimizer:
             (`finalize_variable_values`).
         ema_momentum: ``average = ema_momentum * average + (1 - ema_momentum) * weight``.
         ema_overwrite_frequency: Overwrite the weights with their averages every this many updates.
+        gradient_accumulation_steps: None (an update every batch), or N: Keras 3's gradient
+            accumulation. Every batch's gradient is added up; the update applies on every N-th batch
+            with the mean of the N batches' gradients (clipping and weight decay apply to that mean;
+            the moving average folds in the weights at updates only). `iterations` counts the
+            updates, as Keras 3's; `batches` counts every batch, and a schedule reads it (Keras 3
+            reads its batch counter too). A ``zero_grad`` inside a window keeps the sums. In ``fit``
+            under data parallel the replicas all-reduce once per update (DDP's ``no_sync`` on the
+            other batches); see the Microbatches guide.
 
     Raises:
-        ValueError: If `learning_rate` is not a positive number or a schedule, or the clipping or
-            EMA arguments are invalid (two clipping arguments together).
+        ValueError: If `learning_rate` is not a positive number or a schedule, or the clipping,
+            EMA or accumulation arguments are invalid (two clipping arguments together, a
+            ``gradient_accumulation_steps`` below 1).
 
     Example:
         >>> import torch, meshfit.optimizers as optimizers
@@ -95,7 +105,9 @@ class Optimizer:
 
     def __init__(self, learning_rate: float | _schedules.LearningRateSchedule, *, clipnorm: float | None = None,
                  clipvalue: float | None = None, global_clipnorm: float | None = None, use_ema: bool = False,
-                 ema_momentum: float = 0.99, ema_overwrite_frequency: int | None = None) -> None:
+                 ema_momentum: float = 0.99, ema_overwrite_frequency: int | None = None,
+                 gradient_accumulation_steps: int | None = None) -> None:
+        self.gradient_accumulation_steps = check_accumulation_steps(gradient_accumulation_steps)
         self._clipping = GradientClipping(clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm)
         self.use_ema, self.ema_momentum, self.ema_overwrite_frequency = check_ema(
             use_ema, ema_momentum, ema_overwrite_frequency)
@@ -109,7 +121,17 @@ class Optimizer:
             self._learning_rate = _check_number("learning_rate", learning_rate, _POSITIVE)
         self._torch_optimizer: torch.optim.Optimizer | None = None
         self._param_ids: list[int] = []
-        self.iterations = 0
+        self.batches = 0  # every step (Keras 3's ``_iterations``); `iterations` counts the updates
+
+    @property
+    def iterations(self) -> int:
+        """The updates applied (Keras 3's ``optimizer.iterations``): with ``gradient_accumulation_steps``
+        N, the batches stepped over divided by N (rounded down); else every step."""
+        return self.batches // (self.gradient_accumulation_steps or 1)
+
+    @iterations.setter
+    def iterations(self, value: int) -> None:
+        self.batches = int(value) * (self.gradient_accumulation_steps or 1)
 
     clipnorm = property(lambda self: self._clipping.clipnorm, doc="Keras's per-gradient norm limit, or None.")
     clipvalue = property(lambda self: self._clipping.clipvalue, doc="Keras's per-element limit, or None.")
@@ -221,13 +243,18 @@ class Optimizer:
         """Apply one update to the parameters and count it in `iterations`.
 
         Under a multi-replica strategy, the gradients of parameters created in its scope are
-        summed across replicas first (not those DDP reduced already).
+        summed across replicas first (not those DDP reduced already). With
+        ``gradient_accumulation_steps``, a batch before a window's last only counts (its gradients
+        stay in ``.grad``, summed with the next ones, and are not reduced yet).
         """
         optimizer = self._require_built("step()")
         loss = None
         if closure is not None:  # evaluated once here, so that its gradients can be synchronised
             with torch.enable_grad():
                 loss = closure()
+        if defers_update(self):
+            self.batches += 1
+            return loss
         # A generator: with one process (no group) synchronize_gradients returns before reading it.
         synchronize_gradients(p for group in optimizer.param_groups for p in group["params"])
         self._apply_update()
@@ -236,15 +263,21 @@ class Optimizer:
     def _apply_update(self) -> None:
         """Clip the (already summed) gradients, then the torch optimizer's step at the schedule's rate."""
         optimizer = self._require_built("step()")
+        steps = self.gradient_accumulation_steps
+        if steps and steps > 1:  # the window's sum -> its mean, before clipping (Keras 3)
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.div_(steps)
         if self._clipping.active:  # after the reduction: every replica clips the global gradient
             self._clipping.clip_([p.grad for group in optimizer.param_groups for p in group["params"]
                                   if p.grad is not None])
         if self._schedule is not None:
-            self._set_rate(float(self._schedule(self.iterations)))
+            self._set_rate(float(self._schedule(self.batches)))
         optimizer.step()
         if self._moving_average is not None:
             self._moving_average.update(self.iterations)
-        self.iterations += 1
+        self.batches += 1
 
     def scale_loss(self, loss: Any) -> Any:
         """The loss to call ``backward`` on: ``loss`` itself (a `LossScaleOptimizer` scales it), as
@@ -263,14 +296,16 @@ class Optimizer:
 
         Builds the optimizer on the variables the first time. Under a multi-replica strategy the
         gradients are summed across replicas first (TensorFlow's semantics); only the given
-        variables are updated.
+        variables are updated. With ``gradient_accumulation_steps`` the gradients add onto the
+        window's sum, and the update applies on its last batch (summed across replicas once then).
 
         Args:
             grads_and_vars: ``(gradient, variable)`` pairs, e.g. ``zip(grads, module.parameters())``;
                 a ``None`` gradient leaves its variable unchanged.
 
         Returns:
-            `iterations` after the update.
+            The batches stepped over (Keras 3 returns its ``_iterations``): `iterations` without
+            accumulation.
 
         Raises:
             ValueError: if a variable is not optimised by this (already built) optimizer, or a
@@ -289,11 +324,16 @@ class Optimizer:
                 raise ValueError(f"Invalid `grads_and_vars`: a gradient of shape {tuple(grad.shape)} was given "
                                  f"for a variable of shape {tuple(var.shape)}.")
         given = {id(v): g for g, v in pairs}
+        steps = self.gradient_accumulation_steps
+        starts = not steps or self.batches % steps == 0  # else add onto the window's sum
         for p in self._params():
             g = given.get(id(p))
-            p.grad = None if g is None else g.detach().to(p.dtype).clone()
+            if starts or p.grad is None:
+                p.grad = None if g is None else g.detach().to(p.dtype).clone()
+            elif g is not None:
+                p.grad.add_(g.detach().to(p.dtype))
         self.step()
-        return self.iterations
+        return self.batches
 
     def minimize(self, loss: torch.Tensor, global_step: Any = None, var_list: Any = None) -> Any:
         """TF1's ``optimizer.minimize(loss, global_step)`` for an Estimator's ``model_fn``.
@@ -306,14 +346,19 @@ class Optimizer:
         return minimize(self, loss, global_step, var_list)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients of the optimised parameters."""
-        self._require_built("zero_grad()").zero_grad(set_to_none=set_to_none)
+        """Clear the gradients of the optimised parameters; inside a gradient accumulation window
+        (after its first batch) keep them: they hold the window's sum."""
+        optimizer = self._require_built("zero_grad()")
+        steps = self.gradient_accumulation_steps
+        if steps and self.batches % steps != 0:
+            return
+        optimizer.zero_grad(set_to_none=set_to_none)
 
     @property
     def learning_rate(self) -> float:
         """The current learning rate (read from the torch optimizer once built; a schedule's next value)."""
         if self._schedule is not None:
-            return float(self._schedule(self.iterations))
+            return float(self._schedule(self.batches))
         if self._torch_optimizer is not None:
             return float(self._torch_optimizer.param_groups[0]["lr"])
         return self._learning_rate
@@ -332,8 +377,10 @@ class Optimizer:
 
     def state_dict(self) -> dict[str, Any]:
         """`{"iterations": int, "optimizer": torch_optimizer.state_dict()}`, and ``"ema"`` (the moving
-        averages by parameter index) with `use_ema`."""
-        state = {"iterations": self.iterations, "optimizer": self._require_built("state_dict()").state_dict()}
+        averages by parameter index) with `use_ema`. ``"iterations"`` is the batch count `batches`
+        (Keras 3 saves its ``_iterations``): `iterations` without accumulation. The gradients summed in
+        an accumulation window are not part of it (they differ per replica; see `AccumulatedGradients`)."""
+        state = {"iterations": self.batches, "optimizer": self._require_built("state_dict()").state_dict()}
         if self._moving_average is not None:
             state["ema"] = self._moving_average.state_dict()
         return state
@@ -348,7 +395,7 @@ class Optimizer:
         opt = self._require_built("load_state_dict()")
         if "optimizer" in state_dict:
             opt.load_state_dict(state_dict["optimizer"])
-            self.iterations = int(state_dict.get("iterations", 0))
+            self.batches = int(state_dict.get("iterations", 0))
             if self._moving_average is not None and "ema" in state_dict:
                 self._moving_average.load_state_dict(state_dict["ema"])
         elif "param_groups" in state_dict:
@@ -369,7 +416,7 @@ class Optimizer:
         ema = {"use_ema": self.use_ema, "ema_momentum": self.ema_momentum,
                "ema_overwrite_frequency": self.ema_overwrite_frequency}
         return {"learning_rate": learning_rate, **{key: getattr(self, key) for key in self.config_keys},
-                **self._clipping.config(), **ema}
+                **self._clipping.config(), **ema, "gradient_accumulation_steps": self.gradient_accumulation_steps}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Optimizer:
