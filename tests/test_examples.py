@@ -248,6 +248,21 @@ def test_mixed_precision(tmp_path):
     _assert_learns("mixed_precision.py", losses[-1], reference)
 
 
+def test_microbatches_on_two_workers(tmp_path):
+    out = _run(tmp_path, "microbatches.py", launch_workers=2)
+    assert "all workers finished successfully" in out, out
+    # 1438 digits in batches of 16 (8 a worker): 90 a pass, 2 passes; an update every 4 batches
+    assert "[worker 0] batches 180, updates 45" in out and "[worker 1] batches 180, updates 45" in out, out
+    assert "rematerialized: ['0', '2', '4']" in out, out
+    losses = _fit_losses(out)
+    assert len(losses) == 2, out
+    # 4 accumulated batches of 16 make the updates of one batch of 64 (the windows run on across passes)
+    reference = _plain_torch(lambda: nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
+                                                   nn.Linear(256, 10)),
+                             *_digits(), optimizer=_adam(), batch_size=64, epochs=2)
+    _assert_learns("microbatches.py", losses[-1], reference)
+
+
 def test_custom_train_step(tmp_path):
     out = _run(tmp_path, "custom_train_step.py")
     history = re.search(r"\{'loss': \[([0-9., ]+)\], 'mae': \[([0-9., ]+)\]\}", out)

@@ -2,9 +2,11 @@
 
 Accumulating 4 batches equals one batch 4 times as large (SGD within 1e-5 relative, AdamW rtol 1e-5) in
 one process, on 2 workers (MultiWorkerMirroredStrategy) and fully sharded on 2 processes; ``iterations``
-counts as Keras 3 counts; DDP all-reduces once per update (a counting communication hook); a backup
-taken inside a window resumes bitwise equal to a run never stopped (1 process and 2 workers); bad
-input is refused by name. The first tests port Keras 3's own (keras/src/optimizers/optimizer_test.py,
+counts as Keras 3 counts; DDP all-reduces once per update (a counting communication hook) and a custom
+loop sums once per update; a small last batch inside a window weighs by its shares; a backup taken
+inside a window resumes bitwise equal to a run never stopped (1 process, 2 workers, fully sharded on
+2), and one resumed on another number of processes drops its sums with a warning; bad input is
+refused by name. The first tests port Keras 3's own (keras/src/optimizers/optimizer_test.py,
 keras-team/keras commit 3422977a5e38fb2f7709aaa9a08e47f0c43d0f60).
 """
 
@@ -301,7 +303,9 @@ class _Stop(Exception):
 
 def _resumable(rank, world, backup, stop_at, workers):
     """2 epochs of 12 batches with a backup after every batch; raise before batch ``stop_at`` (counted
-    over the run), or run to the end; the weights and the optimizer's counters."""
+    over the run), or run to the end; the weights, the optimizer's counters and the warnings."""
+    import warnings
+
     import meshfit as mf
 
     class Interrupt(mf.callbacks.Callback):
@@ -309,27 +313,46 @@ def _resumable(rank, world, backup, stop_at, workers):
             if stop_at is not None and self.model.optimizer.batches == stop_at:
                 raise _Stop
 
-    scope = mf.MultiWorkerMirroredStrategy().scope() if workers else None
+    if workers == "fully_sharded":
+        scope = mf.dtensor.LayoutMap.fully_sharded(mf.dtensor.create_mesh([("batch", world)])).scope()
+    else:
+        scope = mf.MultiWorkerMirroredStrategy().scope() if workers else None
     callbacks = [mf.callbacks.BackupAndRestore(backup, save_freq=1, async_save=False, delete_checkpoint=False),
                  Interrupt()]
     try:
-        model = _fit("adamw", STEPS, scope, callbacks=callbacks, epochs=2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = _fit("adamw", STEPS, scope, callbacks=callbacks, epochs=2)
     except _Stop:
         return None
-    return model.get_weights(), model.optimizer.batches, model.optimizer.iterations
+    return model.get_weights(), model.optimizer.batches, model.optimizer.iterations, [str(w.message) for w in caught]
 
 
-@pytest.mark.parametrize("world", [1, 2], ids=["one-process", "two-workers"])
-def test_a_backup_inside_a_window_resumes_bitwise_equal_to_a_run_never_stopped(tmp_path, world):
+@pytest.mark.parametrize(("world", "workers"), [(1, False), (2, True), (2, "fully_sharded")],
+                         ids=["one-process", "two-workers", "fully-sharded-two"])
+def test_a_backup_inside_a_window_resumes_bitwise_equal_to_a_run_never_stopped(tmp_path, world, workers):
     stop_at = STEPS * UPDATES + STEPS + 2  # 18: the second epoch's second window, after 2 of its 4 batches
-    workers = world > 1
     whole = run_distributed(_resumable, world_size=world, args=(str(tmp_path / "whole"), None, workers),
                             timeout=400)
     backup = str(tmp_path / "backup")
     stopped = run_distributed(_resumable, world_size=world, args=(backup, stop_at, workers), timeout=400)
     assert stopped == [None] * world
     resumed = run_distributed(_resumable, world_size=world, args=(backup, None, workers), timeout=400)
-    for (weights, batches, iterations), (want, *_) in zip(resumed, whole, strict=True):
+    for (weights, batches, iterations, caught), (want, *_) in zip(resumed, whole, strict=True):
         assert (batches, iterations) == (2 * STEPS * UPDATES, 2 * UPDATES)
+        assert not [w for w in caught if "accumulation" in w], caught
         for got, expected in zip(weights, want, strict=True):
             np.testing.assert_array_equal(got, expected)
+
+
+def test_sums_saved_by_other_processes_are_dropped_with_a_warning(tmp_path):
+    """Two workers' sums cannot be split again for one process: the window restarts its sums, said once."""
+    backup = str(tmp_path / "backup")
+    assert run_distributed(_resumable, world_size=2, args=(backup, STEPS * UPDATES + 2, True),
+                           timeout=400) == [None, None]
+    (weights, batches, iterations, caught), = run_distributed(_resumable, world_size=1, args=(backup, None, False),
+                                                              timeout=400)
+    assert (batches, iterations) == (2 * STEPS * UPDATES, 2 * UPDATES)
+    dropped = [w for w in caught if "inside a gradient accumulation window by 2 processes; 1 resume it" in w]
+    assert len(dropped) == 1, caught
+    assert all(np.isfinite(w).all() for w in weights)

@@ -47,7 +47,7 @@ class ReplicaState:
     def _gradients(self) -> AccumulatedGradients | None:
         optimizer = getattr(self._trainable, "optimizer", None)
         if getattr(optimizer, "gradient_accumulation_steps", None) and getattr(optimizer, "built", False):
-            return AccumulatedGradients(optimizer)
+            return AccumulatedGradients(optimizer, self._trainable.strategy.num_processes)
         return None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

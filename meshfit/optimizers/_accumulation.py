@@ -17,6 +17,7 @@ shared state.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -66,31 +67,43 @@ class AccumulatedGradients:
     """The gradients summed so far in the current window, as this rank holds them (a ``Stateful``).
 
     ``state_dict()`` holds each parameter's ``.grad`` by its index in the optimizer (this rank's shard
-    of a fully sharded one), and only inside a window; ``load_state_dict`` puts them back as the
-    parameters' ``.grad`` (None where none was saved), so the next batches add onto them.
+    of a fully sharded one), only inside a window, and the number of processes that summed them;
+    ``load_state_dict`` puts them back as the parameters' ``.grad`` (None where none was saved), so the
+    next batches add onto them. Sums saved by another number of processes cannot be split again: they
+    are dropped with a warning (the window's update then holds its later batches only).
 
     Args:
         optimizer: a built meshfit `Optimizer` with ``gradient_accumulation_steps``.
+        processes: the processes training now (each holds its own sums).
     """
 
-    def __init__(self, optimizer: Any) -> None:
+    def __init__(self, optimizer: Any, processes: int = 1) -> None:
         self._optimizer = optimizer
+        self._processes = processes
 
     def state_dict(self) -> dict[str, Any]:
         optimizer = self._optimizer
         steps = optimizer.gradient_accumulation_steps
         if not steps or optimizer.batches % steps == 0:  # at a window's start nothing is held
-            return {}
-        return {str(i): _local(p.grad).detach() for i, p in enumerate(optimizer._params()) if p.grad is not None}
+            return {"processes": self._processes, "sums": {}}
+        sums = {str(i): _local(p.grad).detach() for i, p in enumerate(optimizer._params()) if p.grad is not None}
+        return {"processes": self._processes, "sums": sums}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         params = self._optimizer._params()
-        unknown = [key for key in state if not key.isdigit() or int(key) >= len(params)]
+        sums = state["sums"]
+        if sums and int(state["processes"]) != self._processes:
+            warnings.warn(f"The backup was taken inside a gradient accumulation window by {state['processes']} "
+                          f"processes; {self._processes} resume it, so the window's gradient sums are dropped and "
+                          "its update holds its later batches only. Resume on as many processes, or from a backup "
+                          "at a window's end, for an exact resume.", stacklevel=2)
+            sums = {}
+        unknown = [key for key in sums if not key.isdigit() or int(key) >= len(params)]
         if unknown:
             raise ValueError(f"The backup's accumulated gradients name parameter {unknown[0]!r}, but the optimizer "
                              f"has {len(params)} parameters: resume with the model and optimizer that made it.")
         for i, param in enumerate(params):
-            saved = state.get(str(i))
+            saved = sums.get(str(i))
             if saved is None:
                 param.grad = None
                 continue
