@@ -1,8 +1,9 @@
 """Keras's learning-rate schedules: the rate as a pure function of the optimizer's step count.
 
 A schedule passed as ``learning_rate=`` to a meshfit optimizer sets the rate before every update
-from ``optimizer.iterations`` (the updates applied so far). The schedule itself holds no state: its
-position is the optimizer's ``iterations``, saved in the optimizer's ``state_dict``, so a backup
+from ``optimizer.batches`` (the steps taken so far: ``optimizer.iterations``, the updates applied,
+unless the optimizer accumulates gradients, whose schedule reads every batch as Keras 3's does). The
+schedule itself holds no state: its position is saved in the optimizer's ``state_dict``, so a backup
 carries it and a resumed run continues on the same curve. Formulas are Keras's.
 """
 
