@@ -356,3 +356,26 @@ def test_sums_saved_by_other_processes_are_dropped_with_a_warning(tmp_path):
     dropped = [w for w in caught if "inside a gradient accumulation window by 2 processes; 1 resume it" in w]
     assert len(dropped) == 1, caught
     assert all(np.isfinite(w).all() for w in weights)
+
+
+def _stops(rank, world, at, reads_logs):
+    """Rank 0 alone asks to stop at the end of batch ``at``; the batches each worker ran."""
+    import meshfit as mf
+
+    class Stop(mf.callbacks.Callback):
+        reads_batch_logs = reads_logs  # a callback reading per-batch logs has them reduced every batch
+
+        def on_train_batch_end(self, batch, logs=None):
+            if rank == 0 and self.model.optimizer.batches == at:
+                self.model.stop_training = True
+
+    model = _fit("sgd", STEPS, mf.MultiWorkerMirroredStrategy().scope(), callbacks=[Stop()])
+    return model.optimizer.batches
+
+
+@pytest.mark.parametrize(("reads_logs", "stopped_at"), [(False, 2 * STEPS), (True, 6)])
+def test_on_two_workers_a_stop_inside_a_window_takes_effect_at_its_last_batch(reads_logs, stopped_at):
+    """No collective inside a window: the replicas agree on a stop asked at batch 5 with the window's last
+    batch (8), and every worker stops there (none waits for a peer that stopped). With per-batch logs
+    reduced anyway, the stop travels with the next batch's reduction, as without accumulation."""
+    assert run_distributed(_stops, world_size=2, args=(5, reads_logs), timeout=400) == [stopped_at] * 2
