@@ -20,7 +20,7 @@ from meshfit._protocols import CallbackListLike, PlacementLike, Stateful, Traina
 from meshfit._runtime import PREEMPTED_EXIT_CODE, keep_freed_memory
 from meshfit.data import batch_size_of
 from meshfit.distribute import agree_buffers, replica_context_scope
-from meshfit.optimizers._accumulation import AccumulatedGradients, defers_update, inside_window
+from meshfit.optimizers import AccumulatedGradients, defers_update, inside_window
 
 
 class ReplicaState:
@@ -29,7 +29,7 @@ class ReplicaState:
 
     Saved once per rank (``meshfit.train.PerRank``): each replica's metric sums cover its own
     share of the batches, its random streams are its own, and so are its gradient sums (its own
-    batches', not yet all-reduced; `meshfit.optimizers._accumulation.AccumulatedGradients`).
+    batches', not yet all-reduced; `AccumulatedGradients`).
     """
 
     def __init__(self, trainable: Trainable) -> None:

@@ -11,6 +11,7 @@ from torch.nn.parameter import is_lazy
 from meshfit._validation import invalid_argument
 from meshfit.distribute import synchronize_gradients
 from meshfit.optimizers._accumulation import check_accumulation_steps, defers_update
+from meshfit.optimizers._apply_gradients import AppliesGradients
 from meshfit.optimizers._clipping import GradientClipping
 from meshfit.optimizers._ema import MovingAverage, check_ema
 from meshfit.optimizers._torch_build import (
@@ -48,7 +49,7 @@ def _check_bool(name: str, value: Any) -> bool:
 _TORCH_NAMES = {"rho": "alpha", "epsilon": "eps"}  # Keras argument -> torch argument
 
 
-class Optimizer:
+class Optimizer(AppliesGradients):
     """Base of meshfit optimizers: a spec that builds a `torch.optim.Optimizer` on `build(params)`.
 
     In a custom training loop under a strategy (TensorFlow's contract), `step()` and
@@ -290,60 +291,6 @@ class Optimizer:
         own parameters are the ones averaged."""
         if self._moving_average is not None:
             self._moving_average.finalize()
-
-    def apply_gradients(self, grads_and_vars: Iterable[tuple[torch.Tensor | None, torch.Tensor]]) -> int:
-        """Apply gradients to variables, as Keras's ``optimizer.apply_gradients``.
-
-        Builds the optimizer on the variables the first time. Under a multi-replica strategy the
-        gradients are summed across replicas first (TensorFlow's semantics); only the given
-        variables are updated. With ``gradient_accumulation_steps`` the gradients add onto the
-        window's sum, and the update applies on its last batch (summed across replicas once then).
-
-        Args:
-            grads_and_vars: ``(gradient, variable)`` pairs, e.g. ``zip(grads, module.parameters())``;
-                a ``None`` gradient leaves its variable unchanged.
-
-        Returns:
-            The batches stepped over (Keras 3 returns its ``_iterations``): `iterations` without
-            accumulation.
-
-        Raises:
-            ValueError: if a variable is not optimised by this (already built) optimizer, or a
-                gradient's shape differs from its variable's.
-        """
-        pairs = list(grads_and_vars)
-        variables = [v for _, v in pairs]
-        if not self.built:
-            self.build(variables)
-        known = {id(p) for p in self._params()}
-        for grad, var in pairs:
-            if id(var) not in known:
-                raise ValueError(f"Invalid `grads_and_vars`: a variable of shape {tuple(var.shape)} is not "
-                                 f"optimised by this {type(self).__name__}; create one optimizer per model.")
-            if grad is not None and tuple(grad.shape) != tuple(var.shape):
-                raise ValueError(f"Invalid `grads_and_vars`: a gradient of shape {tuple(grad.shape)} was given "
-                                 f"for a variable of shape {tuple(var.shape)}.")
-        given = {id(v): g for g, v in pairs}
-        steps = self.gradient_accumulation_steps
-        starts = not steps or self.batches % steps == 0  # else add onto the window's sum
-        for p in self._params():
-            g = given.get(id(p))
-            if starts or p.grad is None:
-                p.grad = None if g is None else g.detach().to(p.dtype).clone()
-            elif g is not None:
-                p.grad.add_(g.detach().to(p.dtype))
-        self.step()
-        return self.batches
-
-    def minimize(self, loss: torch.Tensor, global_step: Any = None, var_list: Any = None) -> Any:
-        """TF1's ``optimizer.minimize(loss, global_step)`` for an Estimator's ``model_fn``.
-
-        Returns the train op (`meshfit.estimator.TrainOp`) that the Estimator runs after
-        ``model_fn`` returns: backward, gradients averaged over replicas, this optimizer's step.
-        """
-        from meshfit.estimator import minimize
-
-        return minimize(self, loss, global_step, var_list)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of the optimised parameters; inside a gradient accumulation window
