@@ -7,7 +7,6 @@ The loop is `Stateful`: a backup is its state plus its trainable's parts (see `c
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -300,18 +299,21 @@ def run_train_step(trainable: Trainable, batch: Any, global_size: int) -> Any:
     replicas' gradients weighted by their shares); returns what ``train_step`` returned. ``fit``'s loop
     and ``train_on_batch`` both step through here."""
     strategy = trainable.strategy
-    with strategy.batch_weight(batch_size_of(batch), global_size), replica_context_scope(strategy), \
-            _gradient_window(trainable):
-        return trainable.train_step(strategy.distribute_batch(batch))
+    with strategy.batch_weight(batch_size_of(batch), global_size), replica_context_scope(strategy):
+        window = _gradient_window(trainable)
+        if window is None:  # the common case: no third context manager entered at every step
+            return trainable.train_step(strategy.distribute_batch(batch))
+        with window:
+            return trainable.train_step(strategy.distribute_batch(batch))
 
 
-def _gradient_window(trainable: Trainable) -> AbstractContextManager[None]:
+def _gradient_window(trainable: Trainable) -> AbstractContextManager[None] | None:
     """Where the optimizer's next step only accumulates (``gradient_accumulation_steps``), the step's
     gradients stay on this replica (its placement's `deferred`: DDP's ``no_sync``), so that the
-    replicas reduce once per update."""
+    replicas reduce once per update; None where the step updates."""
     placement: PlacementLike | None = getattr(trainable, "placement", None)
     if placement is None or not defers_update(getattr(trainable, "optimizer", None)):
-        return contextlib.nullcontext()
+        return None
     return placement.gradient_sync.deferred()
 
 

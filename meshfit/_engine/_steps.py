@@ -54,10 +54,11 @@ class StepsMixin:
         """Update the compiled metrics with one batch; returns `get_metrics_result()` (Keras's helper)."""
         if y is not None:
             y_pred = detached(y_pred)
-            if not is_structured(y_pred) and isinstance(y, (list, tuple)) and len(y) == 1:
+            structured = is_structured(y_pred)
+            if not structured and isinstance(y, (list, tuple)) and len(y) == 1:
                 y = y[0]  # Keras: a list of one target for the one output
             for metric in self._compiled_metrics:
-                if is_structured(y_pred) and not isinstance(metric, OutputMetric):
+                if structured and not isinstance(metric, OutputMetric):
                     metric.update_state(*self._sole_output(metric, y, y_pred, sample_weight))
                 else:
                     metric.update_state(y, y_pred, sample_weight=sample_weight)
