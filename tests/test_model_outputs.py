@@ -243,3 +243,131 @@ def test_real_gpt2_lm_head_model_when_transformers_is_installed():
     expected = _plain_torch_loop(reference, ids, batch_size=8, epochs=2, lr=0.5)
     np.testing.assert_allclose(history.history["loss"], expected, rtol=1e-4)
     assert model.predict(ids, verbose=0)["logits"].shape == (16, SEQ, VOCAB)
+
+
+# ---- the (batch 2, model 2) mesh: GPT-, Llama- and ResNet-shaped outputs ------------------------------
+class ImageClassifierOutputWithNoAttention(ModelOutput):
+    pass
+
+
+def _gpt_like():
+    """tests/dtensor/_two_d_model.py's transformer LM returning what ``GPT2LMHeadModel`` returns: logits and
+    a cache object (no tensor structure), its hidden states and attentions None."""
+    from tests.dtensor import _two_d_model as lm
+
+    class GPTLike(lm.TransformerLM):
+        def forward(self, tokens):
+            logits = super().forward(tokens)
+            return CausalLMOutputWithPast(loss=None, logits=logits, past_key_values=DynamicCache(logits),
+                                          hidden_states=None, attentions=None)
+
+    torch.manual_seed(0)
+    return GPTLike()
+
+
+def _llama_like():
+    """The same LM returning what ``LlamaForCausalLM(use_cache=False, output_hidden_states=True)`` returns:
+    logits, ``past_key_values`` None (absent) and a tuple of hidden states that no loss reads."""
+    from tests.dtensor import _two_d_model as lm
+
+    class LlamaLike(lm.TransformerLM):
+        def forward(self, tokens):
+            x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+            hidden = [x]
+            for layer in self.layers:
+                x = layer(x)
+                hidden.append(x)
+            return CausalLMOutputWithPast(loss=None, logits=self.head(self.norm(x)), past_key_values=None,
+                                          hidden_states=tuple(hidden), attentions=None)
+
+    torch.manual_seed(0)
+    return LlamaLike()
+
+
+class _ResNetLike(nn.Module):
+    """An image classifier returning ``ImageClassifierOutputWithNoAttention(logits=...)`` alone: a stem, one
+    residual block (GroupNorm: a BatchNorm's per-replica statistics would differ from one process's) and
+    a pooled linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(1, 8, 3, padding=1)
+        self.block = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(),
+                                   nn.Conv2d(8, 8, 3, padding=1))
+        self.classifier = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
+
+    def forward(self, pixel_values):
+        x = torch.relu(self.stem(pixel_values))
+        x = torch.relu(x + self.block(x))
+        return ImageClassifierOutputWithNoAttention(loss=None, logits=self.classifier(x), hidden_states=None)
+
+
+def _resnet_like():
+    torch.manual_seed(0)
+    return _ResNetLike()
+
+
+def _fit_shapes(rank, world, shape):
+    """Each model with ``loss={"logits": ...}`` (no override) on ``shape`` (None: one plain process):
+    4 full batches of 8 and one of 5 (3 and 2 on the mesh's two replicas)."""
+    from tests.dtensor import _two_d_model as lm
+
+    mesh = None if shape is None else mf.dtensor.create_mesh(
+        [("batch", shape[0]), ("model", shape[1])],
+        communication_options=mf.CommunicationOptions(heartbeat_timeout_seconds=60))
+    tokens, labels = lm.data(lm.BATCH * 4 + 5)
+    images = np.random.RandomState(3).randn(lm.BATCH * 4 + 5, 1, 6, 6).astype("float32")
+    classes = np.random.RandomState(4).randint(0, 5, lm.BATCH * 4 + 5)
+    out = {}
+    for name, build, x, y in (("gpt", _gpt_like, tokens, labels), ("llama", _llama_like, tokens, labels),
+                              ("resnet", _resnet_like, images, classes)):
+        if mesh is None:
+            scope = mf.get_strategy().scope()
+        else:  # the image classifier has no attention or MLP weight to key on `model`
+            scope = (mf.dtensor.LayoutMap.fully_sharded(mesh) if name == "resnet" else lm.two_d_map(mf, mesh)).scope()
+        with scope:
+            model = mf.Model(build())
+            model.compile(optimizer=mf.optimizers.SGD(0.1),
+                          loss={"logits": mf.losses.SparseCategoricalCrossentropy(from_logits=True)},
+                          metrics={"logits": ["accuracy"]})
+        history = model.fit(x, y, batch_size=lm.BATCH, epochs=1, shuffle=False, verbose=0).history
+        logs = model.evaluate(x, y, batch_size=lm.BATCH, return_dict=True, verbose=0)
+        predicted = model.predict(x[:13], batch_size=lm.BATCH, verbose=0)
+        first = next(iter(model.module.parameters())) if name == "resnet" else model.module.layers[0].attn.qkv.weight
+        local = tuple(first.to_local().shape) if hasattr(first, "to_local") else tuple(first.shape)
+        out[name] = {"history": history, "logs": logs, "weights": model.get_weights(), "local": local,
+                     "predicted": {k: v for k, v in predicted.items() if k == "logits"},
+                     "predicted_keys": sorted(predicted)}
+    return out
+
+
+@pytest.mark.crowded
+@pytest.mark.timeout(900)
+def test_gpt_llama_and_resnet_shaped_outputs_on_a_two_by_two_mesh_equal_one_process():
+    """The (batch 2, model 2) mesh of tests/dtensor/_two_d_model.py (attention and MLP weights split over
+    ``model``, every weight fully sharded over ``batch``; the image classifier, with no such weight, fully
+    sharded over ``batch`` alone): the three output shapes, trained with the keyed loss and metric alone,
+    give one process's losses, metrics, predictions and weights (SGD, rtol 1e-5)."""
+    from tests.dtensor import _two_d_model as lm
+
+    single = _fit_shapes(0, 1, None)
+    assert single["gpt"]["predicted_keys"] == ["logits"]  # the cache holds no tensor structure
+    assert single["llama"]["predicted_keys"] == ["hidden_states", "logits"]
+    assert single["resnet"]["predicted_keys"] == ["logits"]
+    for result in run_distributed(_fit_shapes, world_size=4, args=((2, 2),), timeout=600):
+        for name, want in single.items():
+            got = result[name]
+            # qkv (48, 16): a quarter of its rows here (model, then batch); the stem (8, 1, 3, 3): half
+            assert got["local"] == ((12, 16) if name != "resnet" else (4, 1, 3, 3)), (name, got["local"])
+            assert set(got["history"]) == {"loss", "logits_accuracy"}, name
+            np.testing.assert_allclose(got["history"]["loss"], want["history"]["loss"], rtol=1e-5, err_msg=name)
+            assert got["history"]["logits_accuracy"] == pytest.approx(want["history"]["logits_accuracy"]), name
+            assert got["logs"] == pytest.approx(want["logs"], rel=1e-5), name
+            assert got["predicted_keys"] == want["predicted_keys"], name
+            np.testing.assert_allclose(got["predicted"]["logits"], want["predicted"]["logits"], rtol=1e-4,
+                                       atol=1e-5, err_msg=name)
+            if name == "resnet":  # no weight keyed on `model`: every one fully sharded over `batch`
+                for a, b in zip(got["weights"], want["weights"], strict=True):
+                    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
+            else:
+                lm.assert_weights_match(got["weights"], want["weights"], "sgd")

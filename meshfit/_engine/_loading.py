@@ -23,11 +23,26 @@ from meshfit.metrics import CLASSES as METRIC_CLASSES
 from meshfit.optimizers import deserialize as deserialize_optimizer
 
 
-def _metrics_from_config(entries: list[Any], path: str) -> list[Any]:
-    """The metrics `_metric_config` described; ones that cannot be rebuilt are reported and skipped."""
+def _loss_from_config(config: Any) -> Any:
+    """compile's ``loss`` from the saved config: one loss, or a dict / list of them keyed by output."""
+    if isinstance(config, dict) and "class_name" not in config:
+        return {key: None if value is None else deserialize_loss(value) for key, value in config.items()}
+    if isinstance(config, list):
+        return [None if value is None else deserialize_loss(value) for value in config]
+    return deserialize_loss(config)
+
+
+def _metrics_from_config(entries: Any, path: str) -> Any:
+    """The metrics `_metric_config` described (a dict keyed by output keeps its shape, a list of one list
+    per output too); ones that cannot be rebuilt are reported and skipped."""
+    if isinstance(entries, dict):
+        return {key: _metrics_from_config(value if isinstance(value, list) else [value], path)
+                for key, value in entries.items()}
     out: list[Any] = []
     for entry in entries:
-        if isinstance(entry, str):
+        if isinstance(entry, list):
+            out.append(_metrics_from_config(entry, path))
+        elif isinstance(entry, str):
             out.append(entry)
         elif isinstance(entry, dict) and isinstance(entry.get("config"), dict):
             cls = METRIC_CLASSES.get(str(entry.get("class_name")))
@@ -63,8 +78,9 @@ def load_model(filepath: str | os.PathLike, module: nn.Module | None = None, com
         filepath: the directory ``Model.save`` wrote, or its ``.keras`` file.
         module: the module to load the weights into. Needed when the module is not made of
             standard ``torch.nn`` layers (its architecture cannot be rebuilt without running code).
-        compile: restore the compile config (optimizer, loss, metrics) and the optimizer state,
-            when they were saved.
+        compile: restore the compile config (optimizer, loss, ``loss_weights``, metrics; losses and
+            metrics keyed by output as ``compile`` took them) and the optimizer state, when they were
+            saved. A loss given as a function cannot be rebuilt: the model then loads uncompiled.
 
     Returns:
         A `meshfit.Model`.
@@ -99,11 +115,12 @@ def load_model(filepath: str | os.PathLike, module: nn.Module | None = None, com
     if compile and compile_config and compile_config.get("optimizer") and compile_config.get("loss"):
         try:
             optimizer = deserialize_optimizer(compile_config["optimizer"])
-            loss = deserialize_loss(compile_config["loss"])
+            loss = _loss_from_config(compile_config["loss"])
             metrics = _metrics_from_config(compile_config.get("metrics") or [], path)
         except (TypeError, ValueError) as error:
             raise ValueError(f"Cannot restore the compile config from {config_path!r}: {error}") from error
-        model.compile(optimizer=optimizer, loss=loss, metrics=metrics or None)
+        model.compile(optimizer=optimizer, loss=loss, loss_weights=compile_config.get("loss_weights"),
+                      metrics=metrics or None)
         if config.get("optimizer_state") is not None:
             model.build(None)  # place the module first (a mesh's layouts replace parameters), then the optimizer
             optimizer_file = os.path.join(path, "optimizer.safetensors")

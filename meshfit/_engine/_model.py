@@ -31,7 +31,13 @@ from meshfit._engine._jit import check_jit_compile, resolve_jit_compile
 from meshfit._engine._loop import TrainingLoop, resolve_verbose
 from meshfit._engine._model_weights import WeightsMixin
 from meshfit._engine._on_batch import OnBatchMixin
-from meshfit._engine._outputs import CompileLoss, compile_metrics, is_serialized_loss, register_output_type
+from meshfit._engine._outputs import (
+    CompileLoss,
+    compile_metrics,
+    is_serialized_loss,
+    loss_config,
+    register_output_type,
+)
 from meshfit._engine._state import LoopState
 from meshfit._engine._steps import StepsMixin
 from meshfit._engine._tracked_metrics import TrackedMetricsMixin
@@ -50,7 +56,6 @@ from meshfit.distribute import (
     placement_hook,
 )
 from meshfit.losses import get as get_loss
-from meshfit.losses import serialize as serialize_loss
 from meshfit.metrics import Mean, Metric
 from meshfit.nn import current_remat_scope
 from meshfit.optimizers import Optimizer
@@ -94,7 +99,7 @@ class Model(TrackedMetricsMixin, StepsMixin, OnBatchMixin, WeightsMixin):
         self._run_eagerly = False
         self.stop_training = False
         self.history: Any = None
-        self._metric_identifiers: list[Any] = []
+        self._metric_identifiers: list[Any] | dict[str, Any] = []
         self._compiled_metrics: list[Metric] = []
         self._loss_tracker = Mean(name="loss")
         self.placement: PlacementLike | None = None  # how the strategy placed the module (set when built)
@@ -148,10 +153,11 @@ class Model(TrackedMetricsMixin, StepsMixin, OnBatchMixin, WeightsMixin):
         self.optimizer, self.loss, self.jit_compile = resolved_optimizer, resolved_loss, jit_compile
         self._run_eagerly = run_eagerly
         self.steps_per_execution = steps_per_execution
-        self._metric_identifiers, self._compiled_metrics = list(metrics or []), compiled_metrics
+        # the metrics as compile took them (a dict keyed by output stays one): the saved config's shape
+        self._metric_identifiers = metrics if isinstance(metrics, dict) else list(metrics or [])
+        self._compiled_metrics = compiled_metrics
         self._compile_config = {
-            "optimizer": serialize_optimizer(serialized_optimizer),
-            "loss": serialize_loss(self.loss) if self.loss is not None else None,
+            "optimizer": serialize_optimizer(serialized_optimizer), **loss_config(self.loss),
             "metrics": [m for m in self._metric_identifiers if isinstance(m, str)]
             if isinstance(metrics, (list, tuple)) else [],
         }

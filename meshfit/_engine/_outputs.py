@@ -23,6 +23,7 @@ import torch.utils._pytree as _pytree
 from meshfit.data import batch_size_of
 from meshfit.losses import Loss
 from meshfit.losses import get as get_loss
+from meshfit.losses import serialize as serialize_loss
 from meshfit.metrics import Mean, Metric
 from meshfit.metrics import get as get_metric
 
@@ -70,6 +71,7 @@ class CompileLoss(Loss):
 
     def __init__(self, loss: Any, loss_weights: Any = None) -> None:
         super().__init__("loss")
+        self._user_loss, self._user_loss_weights = loss, loss_weights  # compile's arguments, for get_config
         if isinstance(loss, Mapping) and not is_serialized_loss(loss):
             if not loss:
                 raise ValueError("Invalid `loss`: received an empty dict. Pass {output name: loss}, e.g. "
@@ -120,6 +122,36 @@ class CompileLoss(Loss):
                              f"{[output_name(k) for k in keys]}), received loss_weights={loss_weights!r}. "
                              "Pass a dict or list with one weight per loss.")
         return [weight]
+
+    def get_config(self) -> dict[str, Any] | None:  # type: ignore[override]
+        """compile's ``loss`` and ``loss_weights`` as plain JSON, in the shapes compile took them (Keras 3's
+        ``CompileLoss.get_config``): each loss as `meshfit.losses.serialize` describes it, the weights as
+        floats. None when a loss is a function, a torch module or a class of the user's (not rebuildable
+        without running code)."""
+        def describe(ident: Any) -> Any:
+            return None if ident is None else serialize_loss(ident)
+
+        user = self._user_loss
+        loss: Any
+        if isinstance(user, Mapping) and not is_serialized_loss(user):
+            loss = {k: describe(v) for k, v in user.items()}
+            described, given = list(loss.values()), list(user.values())
+        elif isinstance(user, (list, tuple)):
+            loss = [describe(v) for v in user]
+            described, given = loss, list(user)
+        else:
+            loss = describe(user)
+            described, given = [loss], [user]
+        if any(d is None and g is not None for d, g in zip(described, given, strict=True)):
+            return None
+        weights = self._user_loss_weights
+        if isinstance(weights, Mapping):
+            weights = {k: float(v) for k, v in weights.items()}
+        elif isinstance(weights, (list, tuple)):
+            weights = [float(v) for v in weights]
+        elif weights is not None:
+            weights = float(weights)
+        return {"loss": loss, "loss_weights": weights}
 
     @property
     def keys(self) -> list[Key]:
@@ -207,6 +239,14 @@ class CompileLoss(Loss):
 
     def __repr__(self) -> str:
         return f"CompileLoss({[(output_name(k) if k is not None else None, fn, w) for k, fn, w in self.entries]!r})"
+
+
+def loss_config(loss: Any) -> dict[str, Any]:
+    """compile's resolved loss as the saved compile config's ``loss`` and ``loss_weights`` (None for
+    either when there is none, or when the loss cannot be rebuilt from JSON)."""
+    if isinstance(loss, CompileLoss):
+        return loss.get_config() or {"loss": None, "loss_weights": None}
+    return {"loss": serialize_loss(loss) if loss is not None else None, "loss_weights": None}
 
 
 def _first_key(y_pred: Any) -> Key:

@@ -6,7 +6,8 @@ or writer)::
 
     <path>/
       config.json              format, module class, architecture (when rebuildable), compile config
-                               (optimizer, loss, metrics: names or {"class_name", "config"}),
+                               (optimizer, loss, loss_weights, metrics: names or {"class_name",
+                               "config"}; losses and metrics keyed by output keep compile's shape),
                                optimizer state layout
       model.safetensors        the module's state_dict; header: CRC-32C of every tensor
       optimizer.safetensors    the optimizer's tensors (when it was built); header: CRC-32Cs
@@ -79,9 +80,14 @@ def _named_os_error(error: OSError, path: str) -> OSError:
 
 
 def _metric_config(identifier: Any) -> Any:
-    """A compiled metric as JSON: a string as is, a built-in metric object as {"class_name", "config"}."""
+    """A compiled metric as JSON: a string as is, a built-in metric object as {"class_name", "config"};
+    metrics keyed by output (a dict, or one list per output) keep their shape."""
     if isinstance(identifier, str):
         return identifier
+    if isinstance(identifier, dict):
+        return {key: _metric_config(value) for key, value in identifier.items()}
+    if isinstance(identifier, (list, tuple)):
+        return [_metric_config(value) for value in identifier]
     cls = type(identifier)
     if METRIC_CLASSES.get(cls.__name__) is not cls:
         return {"class_name": cls.__name__, "config": None}  # not rebuildable without running code
@@ -161,7 +167,7 @@ def _save_model(model: Any, path: str) -> None:
     def write() -> None:
         compile_config = dict(model._compile_config) if model._compile_config else None
         if compile_config is not None:
-            compile_config["metrics"] = [_metric_config(m) for m in model._metric_identifiers]
+            compile_config["metrics"] = _metric_config(model._metric_identifiers)
         config: dict[str, Any] = {
             "format": FORMAT,
             "name": model.name,
