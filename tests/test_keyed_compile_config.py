@@ -138,3 +138,95 @@ def test_a_keyed_function_loss_is_not_recompiled(tmp_path):
     assert not loaded.compiled
     for got, want in zip(loaded.get_weights(), model.get_weights(), strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+# ---- Keras 3's CompileLoss cases ------------------------------------------------------------------
+# keras-team/keras at commit 012a78760fac9de457afc110903c6eb12bcc6feb, keras/src/trainers/compile_utils_test.py,
+# class TestCompileLoss; numbers are Keras's. Its broadcast variants (one loss for every output) are
+# refused by meshfit on purpose (see tests/test_keras3_trainer.py::test_bad_loss_structure_is_refused_by_name).
+_A_TRUE = np.array([[0.1, 0.2], [0.3, 0.4], [0.5, 0.6]], "float32")
+_B_TRUE = np.array([[0.7, 0.8], [0.9, 1.0], [1.1, 1.2]], "float32")
+_A_PRED = np.array([[1.2, 1.1], [1.0, 0.9], [0.8, 0.7]], "float32")
+_B_PRED = np.array([[0.6, 0.5], [0.4, 0.3], [0.2, 0.1]], "float32")
+
+
+def _t(*arrays):
+    import torch
+
+    return [torch.from_numpy(a) for a in arrays]
+
+
+def _ab(a, b):
+    """``{"a": a, "b": b}`` as torch tensors."""
+    first, second = _t(a, b)
+    return {"a": first, "b": second}
+
+
+def _round_trip(compile_loss):
+    """The CompileLoss rebuilt from its config through JSON, as load_model rebuilds it."""
+    from meshfit._engine._outputs import CompileLoss
+
+    config = json.loads(json.dumps(compile_loss.get_config()))
+    return CompileLoss(config["loss"], config["loss_weights"])
+
+
+def test_compile_loss_single_output_case():
+    """compile_utils_test.py::TestCompileLoss::test_single_output_case (and its config round trip)."""
+    from meshfit._engine._outputs import CompileLoss
+
+    y_true, y_pred = _t(_A_TRUE, np.array([[0.4, 0.1], [0.2, 0.6], [0.6, 0.1]], "float32"))
+    compile_loss = CompileLoss(mf.losses.MeanSquaredError())
+    for loss in (compile_loss, _round_trip(compile_loss)):
+        assert float(loss(y_true, y_pred)) == pytest.approx(0.068333, abs=1e-5)
+
+
+def test_compile_loss_list_output_case():
+    """compile_utils_test.py::TestCompileLoss::test_list_output_case (broadcast=False)."""
+    from meshfit._engine._outputs import CompileLoss
+
+    compile_loss = CompileLoss(["mse", "mse"])
+    for loss in (compile_loss, _round_trip(compile_loss)):
+        assert float(loss(_t(_A_TRUE, _B_TRUE), _t(_A_PRED, _B_PRED))) == pytest.approx(0.953333, abs=1e-5)
+
+
+def test_compile_loss_dict_output_case():
+    """compile_utils_test.py::TestCompileLoss::test_dict_output_case (broadcast=False): sample weights keyed
+    by output."""
+    from meshfit._engine._outputs import CompileLoss
+
+    y_true, y_pred = _ab(_A_TRUE, _B_TRUE), _ab(_A_PRED, _B_PRED)
+    sample_weight = _ab(np.array([1.0, 2.0, 3.0], "float32"), np.array([3.0, 2.0, 1.0], "float32"))
+    compile_loss = CompileLoss({"a": "mse", "b": "mse"})
+    for loss in (compile_loss, _round_trip(compile_loss)):
+        assert float(loss(y_true, y_pred, sample_weight)) == pytest.approx(1.266666, abs=1e-5)
+
+
+def test_compile_loss_struct_loss_valid_weights():
+    """compile_utils_test.py::TestCompileLoss::test_struct_loss_valid_weights, its weights as numbers (Keras
+    passes arrays of ones and zeros): the total weighs, the per-output trackers stay unweighted."""
+    from meshfit._engine._outputs import CompileLoss
+
+    y_true = _ab(np.array([1.0, 2.0], "float32"), np.array([1.0, 2.0], "float32"))
+    y_pred = _ab(np.array([3.0, 4.0], "float32"), np.array([3.0, 4.0], "float32"))
+    original = CompileLoss({"a": "mse", "b": "mse"}, loss_weights={"a": 1.0, "b": 0.0})
+    assert original.get_config()["loss_weights"] == {"a": 1.0, "b": 0.0}
+    for loss in (original, _round_trip(original)):
+        assert float(loss(y_true, y_pred)) == pytest.approx(4.0)
+        a_loss_mean, b_loss_mean = loss.metrics
+        assert float(a_loss_mean.result()) == 4.0 and float(b_loss_mean.result()) == 4.0
+
+
+@pytest.mark.parametrize("loss_conf", [["mse", None, None], [None, "mse", None], [None, None, "mse"],
+                                       [None, "mse", "mse"], ["mse", None, "mse"]])
+def test_compile_loss_y_true_partial_y_pred_span(loss_conf):
+    """compile_utils_test.py::TestCompileLoss::test_y_true_partial_y_pred_span: targets for the outputs
+    with a loss only (one tensor when one has a loss); the config keeps the None entries."""
+    from meshfit._engine._outputs import CompileLoss
+
+    y_pred = _t(np.zeros((320, 3), "float32"), np.ones((320, 3), "float32"), np.full((320, 3), 2.0, "float32"))
+    y_true = [y for y, loss in zip(y_pred, loss_conf, strict=True) if loss is not None]
+    y_true = y_true[0] if len(y_true) == 1 else y_true
+    compile_loss = CompileLoss(loss_conf)
+    assert [entry is None for entry in compile_loss.get_config()["loss"]] == [c is None for c in loss_conf]
+    for loss in (compile_loss, _round_trip(compile_loss)):
+        assert float(loss(y_true, y_pred)) == 0.0
