@@ -173,3 +173,26 @@ def test_remat_composes_with_tensor_parallel_on_a_2d_mesh_bitwise():
     assert paths == ["embed", "head", "layers.0", "layers.1", "norm"]
     for got, want in zip(remat, plain, strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_deep_copy_of_a_rematerialized_model_runs_its_own_weights():
+    """``copy.deepcopy`` (the Estimator's ``model_to_estimator``, a user's teacher or EMA copy) gives a
+    module that computes with the copy's parameters, rematerialized as the original."""
+    import copy
+
+    for scope in (mf.RematScope(mode="full"), mf.RematScope(mode=None, layer_names=["0"])):
+        with scope:
+            model = mf.Model(_mlp())
+        twin = copy.deepcopy(model.module)
+        with torch.no_grad():
+            for parameter in twin.parameters():
+                parameter.zero_()
+        x = torch.randn(4, 8)
+        twin.eval()
+        assert torch.count_nonzero(twin(x)) == 0  # zero weights, zero output: the copy's own
+        assert list(mf.nn.rematerialized(twin)) == list(mf.nn.rematerialized(model.module))
+        assert not torch.equal(model.module.eval()(x), twin(x))
+        twin.train()
+        twin(torch.randn(4, 8, requires_grad=True)).sum().backward()
+        assert all(p.grad is not None for p in twin.parameters())  # the copy's parameters get the gradients
+        assert all(p.grad is None for p in model.module.parameters())

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import functools
+import types
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -150,14 +151,16 @@ def rematerialized(module: nn.Module) -> Iterator[str]:
         ['0']
     """
     for path, child in module.named_modules():
-        if _REMAT_ATTRIBUTE not in vars(child):
+        plan = vars(child).get(_REMAT_ATTRIBUTE)
+        if not isinstance(plan, _Plan):
             continue
-        if isinstance(child, nn.Sequential):
-            names = [name for name, c in child.named_children() if _has_parameters(c)
-                     and not isinstance(c, (nn.Sequential, nn.ModuleList, nn.ModuleDict))]
-            yield from (f"{path}.{name}" if path else name for name in names)
-        else:
+        if plan.segments is None:
             yield path
+            continue
+        names = list(child._modules)
+        for start, _, decision in plan.segments:
+            if decision is not None:
+                yield f"{path}.{names[start]}" if path else names[start]
 
 
 def _remat_layers(module: nn.Module, prefix: str, threshold: int | None) -> list[str]:
@@ -190,42 +193,54 @@ def _remat_sequential(module: nn.Sequential, prefix: str, threshold: int | None)
                 done.append(f"{prefix}{name}")
         else:
             segments[-1].append(child)
-    if _REMAT_ATTRIBUTE in vars(module):
+    if _REMAT_ATTRIBUTE in vars(module) or "forward" in vars(module):  # done, or wrapped by another: its layers
         return done
-    units: list[tuple[_Segment | None, list[nn.Module]]] = []
+    plan: list[tuple[int, int, _Decision | None]] = []
+    start = 0
     for segment in segments:
         head = segment[0]
         joined = _has_parameters(head) and not isinstance(head, (nn.Sequential, nn.ModuleList, nn.ModuleDict))
-        units.append((_Segment(segment, threshold) if joined else None, segment))
-
-    def segmented_forward(x: Any) -> Any:
-        for segment, modules in units:
-            if segment is not None:
-                x = segment(x)
-            else:
-                for child in modules:
-                    x = child(x)
-        return x
-
-    setattr(module, _REMAT_ATTRIBUTE, module.forward)
-    module.forward = segmented_forward  # type: ignore[method-assign]
+        plan.append((start, start + len(segment), _Decision(threshold) if joined else None))
+        start += len(segment)
+    _install(module, _Plan(None, plan), _segmented_forward)
     return done
 
 
-class _Segment:
-    """Consecutive modules of a ``nn.Sequential`` run as one checkpoint (the first has parameters)."""
+@dataclasses.dataclass
+class _Plan:
+    """How a rematerialized module runs, kept in the module (copied with it: a deep copy runs its own
+    weights). ``decision``: one checkpoint around the module's forward; ``segments``: a
+    ``nn.Sequential``'s children ``[start, stop)`` run as one checkpoint each (None: run plainly)."""
 
-    def __init__(self, modules: list[nn.Module], threshold: int | None) -> None:
-        self.modules = modules
-        self.decision = _Decision(threshold)
+    decision: _Decision | None
+    segments: list[tuple[int, int, _Decision | None]] | None = None
 
-    def run(self, x: Any) -> Any:
-        for child in self.modules:
-            x = child(x)
-        return x
 
-    def __call__(self, x: Any) -> Any:
-        return self.decision.call(self.run, (x,), {})
+def _install(module: nn.Module, plan: _Plan, forward: Any) -> None:
+    """Run ``module`` through ``forward`` bound to it (a method: ``copy.deepcopy`` binds it to the copy)."""
+    setattr(module, _REMAT_ATTRIBUTE, plan)
+    module.forward = types.MethodType(forward, module)
+
+
+def _remat_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    plan: _Plan = vars(self)[_REMAT_ATTRIBUTE]
+    forward = functools.partial(type(self).forward, self)
+    return plan.decision.call(forward, args, kwargs) if plan.decision is not None else forward(*args, **kwargs)
+
+
+def _segmented_forward(self: nn.Module, x: Any) -> Any:
+    plan: _Plan = vars(self)[_REMAT_ATTRIBUTE]
+    children = list(self.children())
+    for start, stop, decision in plan.segments or []:
+        run = functools.partial(_run, children[start:stop])
+        x = decision.call(run, (x,), {}) if decision is not None else run(x)
+    return x
+
+
+def _run(modules: list[nn.Module], x: Any) -> Any:
+    for module in modules:
+        x = module(x)
+    return x
 
 
 class _Decision:
@@ -252,15 +267,10 @@ def _has_parameters(module: nn.Module) -> bool:
 def _rematerialize(module: nn.Module, threshold: int | None) -> None:
     if _REMAT_ATTRIBUTE in vars(module):
         return
-    forward = module.forward
-    decision = _Decision(threshold)
-
-    @functools.wraps(forward)
-    def rematerialized_forward(*args: Any, **kwargs: Any) -> Any:
-        return decision.call(forward, args, kwargs)
-
-    setattr(module, _REMAT_ATTRIBUTE, forward)
-    module.forward = rematerialized_forward
+    if "forward" in vars(module):
+        raise ValueError(f"Cannot rematerialize {type(module).__name__}: its forward was replaced on the instance "
+                         "(another wrapper). Apply meshfit.nn.remat (or RematScope) to the module before that wrapper.")
+    _install(module, _Plan(_Decision(threshold)), _remat_forward)
 
 
 def _numel(output: Any) -> int:
