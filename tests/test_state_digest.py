@@ -293,3 +293,18 @@ def test_a_backup_records_the_digest_under_state_digests_names_with_its_total(tm
     assert {k: int(v, 16) for k, v in recorded["tensors"].items()} == dict(at_step_4)
     assert int(recorded["total"], 16) == at_step_4.total
     assert recorded["keys"]["optimizer/0.weight/exp_avg"] == "optimizer/optimizer/state/0/exp_avg"
+
+
+def test_a_shared_tensor_some_ranks_lack_is_a_divergence_not_left_out():
+    """Replicas whose optimizer state differs in which tensors exist have diverged: the save names the
+    tensor and the ranks that lack it (before, the record silently left it out)."""
+    from meshfit.train._digest import agreed_record
+
+    full = {"model/w": [5, [], True, 1], "optimizer/exp_avg": [7, [], True, 2]}
+    lacking = {"model/w": [5, [], True, 1]}
+    for gathered, ranks in (([full, lacking], [1]), ([lacking, full], [0])):
+        with pytest.raises(mf.ReplicaDivergenceError, match=r"Cannot checkpoint 'optimizer'.*'optimizer/exp_avg' "
+                                                            r"differs on rank\(s\) " + str(ranks[0])) as refused:
+            agreed_record(gathered, set(), {"model/w": "model", "optimizer/exp_avg": "optimizer"}, 3)
+        assert refused.value.ranks == ranks and refused.value.step == 3
+    assert set(agreed_record([full, full], set(), {}, 3)["tensors"]) == {"model/w", "optimizer/exp_avg"}

@@ -93,7 +93,8 @@ def agreed_record(gathered: list[dict[str, list[Any]]], exempt: set[str], owners
         ReplicaDivergenceError: a tensor differs between ranks that should hold the same copy; the
             save is not committed.
     """
-    keys = [key for key in gathered[0] if all(key in g for g in gathered[1:])]  # a key one rank lacks: no record
+    keys = list(gathered[0])
+    _refuse_missing(gathered, owners, step)
     found = compare_replicas(keys, [([g[k][0] for k in keys], [g[k][1] for k in keys]) for g in gathered],
                              frozenset(exempt))
     if found is not None:
@@ -113,6 +114,22 @@ def agreed_record(gathered: list[dict[str, list[Any]]], exempt: set[str], owners
     if names:
         record["keys"] = {path: key for key, path in names.items() if path != key}
     return record
+
+
+def _refuse_missing(gathered: list[dict[str, list[Any]]], owners: dict[str, str], step: int) -> None:
+    """Every rank must hold the same shared tensors: one that some ranks lack is a divergence (optimizer
+    state one replica built and another did not), refused by name instead of left out of the record."""
+    every = set().union(*(set(g) for g in gathered))
+    for key in sorted(every):
+        lacking = [rank for rank, g in enumerate(gathered) if key not in g]
+        if lacking:
+            name = owners.get(key, key.split("/", 1)[0])
+            raise ReplicaDivergenceError(
+                step, key, lacking,
+                f" (held by the other ranks, absent on these). A Checkpoint stores one copy of a shared tensor, so "
+                f"the save is not committed. If {name!r} is meant to differ per rank, wrap it: "
+                f"Checkpoint({name}=meshfit.train.PerRank(...)); else the replicas lost their agreement: restore "
+                "the last checkpoint.", prefix=f"Cannot checkpoint {name!r}: ")
 
 
 def verify_loaded(destinations: dict[str, torch.Tensor], recorded: Any, world: Any, path: str) -> None:
