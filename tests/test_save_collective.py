@@ -16,7 +16,7 @@ import re
 
 import pytest
 import torch
-from _procs import child_env, finish, free_ports, start, tf_config
+from _procs import child_env, finish, free_ports, kill_group, start, tf_config
 from torch import nn
 
 import meshfit as mf
@@ -30,7 +30,11 @@ def _two_workers(out: str, *args: str) -> list[dict]:
     """Run tests/scripts/save_dance.py on 2 TF_CONFIG workers; each worker's record."""
     ports = free_ports(2)
     procs = [start([SCRIPT, "--out", out, *args], child_env(TF_CONFIG=tf_config(ports, i))) for i in range(2)]
-    results = [finish(proc, timeout=300) for proc in procs]
+    try:
+        results = [finish(proc, timeout=300) for proc in procs]
+    finally:  # a worker that timed out leaves its peer waiting: end both, by their groups
+        for proc in procs:
+            kill_group(proc)
     for code, output in results:
         assert code == 0, output
     return [json.load(open(os.path.join(out, f"worker{i}.json"))) for i in range(2)]

@@ -78,12 +78,13 @@ def save_barrier(strategy: DistributionStrategy, call: str, what: str) -> Iterat
             store.set(f"{_PREFIX}/outcome/{number}", outcome)
             store.add(f"{_PREFIX}/done", 1)
         return
-    number = int(store.add(f"{_PREFIX}/calls/{world.rank}", 1))
-    target = max(number, int(store.add(f"{_PREFIX}/started", 0)))
-    yield  # a replicated model: nothing to write here
     with strategy.guard():  # a chief that dies meanwhile is named, and a frozen store cannot hang us
+        number = int(store.add(f"{_PREFIX}/calls/{world.rank}", 1))
+        target = max(number, int(store.add(f"{_PREFIX}/started", 0)))
+    yield  # a replicated model: nothing to write here
+    with strategy.guard():
         _wait_for_chief(world, store, target, call)
-    failure = store.get(f"{_PREFIX}/outcome/{target}").decode(errors="replace")
+        failure = store.get(f"{_PREFIX}/outcome/{target}").decode(errors="replace")
     if failure:
         raise ChiefWriteError(f"Could not {what}: the chief's matching {call} failed with {failure}")
 
