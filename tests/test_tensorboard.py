@@ -70,16 +70,16 @@ class _FlipBefore(mf.callbacks.Callback):
 
 @pytest.mark.parametrize("update_freq", [1, "epoch"])
 def test_a_roll_back_writes_no_step_twice(tmp_path, update_freq):
-    """`VerifyReplicas` rolls one process back across an epoch's end (its at-rest check finds the flipped bit
-    before step 6 uses it; the backup is from step 4): TensorBoard, `CSVLogger` and `History` hold each
-    step and epoch once, with the values of a run never disturbed."""
+    """`VerifyReplicas` rolls one process back across an epoch's end (5 steps an epoch; its at-rest check
+    finds the bit flipped after step 6 before step 7 uses it; the backup is from step 4): TensorBoard,
+    `CSVLogger` and `History` hold each step and epoch once, with the values of a run never disturbed."""
     clean = tmp_path / "clean"
     undisturbed = _fit([mf.callbacks.TensorBoard(log_dir=clean, update_freq=update_freq)])
     logs, csv = tmp_path / "logs", tmp_path / "log.csv"
     verify = mf.callbacks.VerifyReplicas(every_n_steps=1, on_divergence="restore")
-    history = _fit([_FlipBefore(5), mf.callbacks.TensorBoard(log_dir=logs, update_freq=update_freq),
+    history = _fit([_FlipBefore(6), mf.callbacks.TensorBoard(log_dir=logs, update_freq=update_freq),
                     mf.callbacks.CSVLogger(csv), verify, mf.callbacks.BackupAndRestore(tmp_path / "backup", save_freq=4)])
-    assert [(e.step, e.path) for e, _ in verify.rollbacks] == [(5, "1.weight")]
+    assert [(e.step, e.path) for e, _ in verify.rollbacks] == [(6, "1.weight")]
     assert history.epoch == [0, 1, 2] and history.history == undisturbed.history
     assert len(csv.read_text().splitlines()) == 1 + 3
     for name in ("train", "validation"):

@@ -221,3 +221,23 @@ def test_on_a_2d_mesh_copies_along_batch_are_compared_and_two_d_shards_checked_a
         assert "layers.0.norm1.weight" in result["compared"]  # fully sharded over `batch`: a copy along `model`
         assert "optimizer/iterations" in result["compared"]
         assert result["stop"] == (3, "layers.0.attn.qkv.weight", [3])
+
+
+def test_weights_changed_at_an_epoch_end_are_not_a_divergence():
+    """A callback that changes the weights on purpose at an epoch's end (here: halves them) is no fault:
+    the at-rest record is not carried across the epoch end. One process, every step checked."""
+    import meshfit as mf
+
+    class Halve(mf.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            with torch.no_grad():
+                for parameter in self.model.module.parameters():
+                    parameter.mul_(0.5)
+
+    torch.manual_seed(0)
+    model = mf.Model(nn.Sequential(nn.Linear(8, 4)))
+    model.compile(optimizer=mf.optimizers.SGD(0.1), loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data()
+    verify = mf.callbacks.VerifyReplicas(every_n_steps=1, on_divergence="stop")
+    model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=[Halve(), verify])
+    assert verify.checks == 3 * EXAMPLES // BATCH

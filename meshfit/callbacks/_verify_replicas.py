@@ -83,6 +83,7 @@ class VerifyReplicas(Callback):
         self.rollbacks: list[tuple[ReplicaDivergenceError, str]] = []
         self.coverage: ReplicaCoverage | None = None
         self._history = ReplicaHistory()
+        self._found_at: list[int] = []  # the loop's batch count at each roll-back's finding
         self._at_rest: AtRest | None = None
         self._saver: CheckpointSaver | None = None
         self._savers: list[CheckpointSaver] = []
@@ -165,12 +166,18 @@ class VerifyReplicas(Callback):
             record.step, path, differing[0][1],
             f": it is held in one copy, so no replica holds it to compare, and it changed at rest on rank(s) "
             f"{', '.join(map(str, ranks))}: after step {record.step}'s check passed and before step "
-            f"{record.step + 1} used it (nothing in training writes it there).",
+            f"{record.step + 1} used it (no training step writes it there; a callback that changes weights "
+            "in on_train_batch_begin would, and is found the same way).",
             differing=differing)
         self.diverged(error)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self.before_save()
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        """An epoch's end may change weights on purpose (a callback that averages or prunes them, or loads
+        weights): the at-rest record is not carried across it."""
+        self._at_rest = None
 
     def on_train_end(self, logs: dict | None = None) -> None:
         for saver in self._savers:
@@ -208,11 +215,12 @@ class VerifyReplicas(Callback):
         saver = self._saver
         if saver is None:
             raise error
-        repeats = sum(1 for earlier, _ in self.rollbacks if earlier.step == error.step)
+        found_at = self._require_loop().counters.iterations  # batches: the optimizer's step may count updates
+        repeats = self._found_at.count(found_at)
         if repeats >= self.max_rollbacks:
             raise ReplicaDivergenceError(
                 error.step, error.path, error.ranks,
-                f"{error.detail} Found at step {error.step} again after {repeats} roll-back(s) there "
+                f"{error.detail} Found at the same batch ({found_at}) again after {repeats} roll-back(s) there "
                 f"(max_rollbacks={self.max_rollbacks}): a fault that comes back at the same step is in the computation "
                 "or the data, not a transient flip, so every worker stops. Look for what differs between the "
                 "workers at that step (a rank's hardware, its data, a non-deterministic op).",
@@ -232,6 +240,7 @@ class VerifyReplicas(Callback):
         self._verified_at = loop.counters.iterations
         self._begin = loop.counters.iterations
         self.rollbacks.append((error, restored))
+        self._found_at.append(found_at)
         if strategy.is_chief:
             print(f"VerifyReplicas: {error} Every worker restored {restored} (step {loop.counters.iterations}) "
                   "and training goes on.", flush=True)
