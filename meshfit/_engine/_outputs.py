@@ -375,8 +375,8 @@ def host_outputs(out: Any) -> Any:
 
 
 def register_output_type(module: Any, inputs: Any, output: Any) -> None:
-    """A forward hook: make a dict subclass the module returns (a ``ModelOutput`` of another library, a
-    user's own) a node of torch's pytree before DDP reads the output.
+    """A forward hook: make a mapping type the module returns (a ``ModelOutput`` of another library, a
+    user's own dict subclass or read-only ``Mapping``) a node of torch's pytree before DDP reads the output.
 
     DDP runs meshfit's first step with ``static_graph=True``, and there it passes the output's tensors
     through its sink to launch the gradient all-reduce; an output type pytree does not know is one
@@ -384,7 +384,7 @@ def register_output_type(module: Any, inputs: Any, output: Any) -> None:
     then on. transformers registers its own ``ModelOutput`` types for the same reason.
     """
     kind = type(output)
-    if isinstance(output, dict) and kind not in _pytree.SUPPORTED_NODES and not torch.compiler.is_compiling():
+    if isinstance(output, Mapping) and kind not in _pytree.SUPPORTED_NODES and not torch.compiler.is_compiling():
         _pytree.register_pytree_node(kind, _pytree._dict_flatten, functools.partial(_rebuild_mapping, kind),
                                      serialized_type_name=f"{kind.__module__}.{kind.__qualname__}")
 
