@@ -379,3 +379,42 @@ def test_on_two_workers_a_stop_inside_a_window_takes_effect_at_its_last_batch(re
     batch (8), and every worker stops there (none waits for a peer that stopped). With per-batch logs
     reduced anyway, the stop travels with the next batch's reduction, as without accumulation."""
     assert run_distributed(_stops, world_size=2, args=(5, reads_logs), timeout=400) == [stopped_at] * 2
+
+
+class _FirstOfWindow(nn.Module):
+    """A layer used only on the first batch of each 2-batch window: it gets gradients on batches that stay
+    on the replica, never on a batch that goes through the DDP wrapper."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.extra = nn.Linear(FEATURES, CLASSES), nn.Linear(FEATURES, CLASSES)
+        self.calls = 0
+
+    def forward(self, x):
+        out = self.body(x)
+        if self.training and torch.is_grad_enabled():
+            self.calls += 1
+            if self.calls % 2 == 1:
+                out = out + self.extra(x)
+        return out
+
+
+def _first_of_window(rank, world):
+    import meshfit as mf
+
+    x, y = _data()
+    with mf.MultiWorkerMirroredStrategy().scope() if world > 1 else mf.get_strategy().scope():
+        model = mf.Model(_FirstOfWindow())
+        model.compile(optimizer=mf.optimizers.SGD(0.5, gradient_accumulation_steps=2),
+                      loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=SMALL, epochs=1, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+def test_a_layer_used_only_on_batches_that_stay_local_trains_as_in_one_process():
+    """The unused-parameter probe counts what the wrapper's own batches use: a layer trained only inside
+    windows makes DDP look for unused parameters (it raised torch's 'mark a variable ready only once')."""
+    want = run_distributed(_first_of_window, world_size=1, timeout=400)[0]
+    for weights in run_distributed(_first_of_window, world_size=2, timeout=400):
+        _assert_close("sgd", weights, want)

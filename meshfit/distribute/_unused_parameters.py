@@ -93,7 +93,8 @@ class ProbingDataParallel(nn.Module):
             self._local = local
 
     def _record(self, param: torch.Tensor) -> None:
-        self._used.add(id(param))
+        if not self._local:  # a batch that stays on this replica (accumulation) is not what the wrapper runs
+            self._used.add(id(param))
 
     def _decide(self) -> None:
         """After the first step: search every step only if some replica left a parameter unused."""
