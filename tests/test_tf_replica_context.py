@@ -672,6 +672,17 @@ def test_automatic_master_read():
     assert resolver.master() == "ps0:2222"
 
 
+def test_a_cluster_of_one_task_has_no_master():
+    """tfconfig_cluster_resolver.py's master(): "Return an empty string if we are the only job in the
+    ClusterSpec" (one job of one task), before any task type or index is read."""
+    resolver = mf.cluster.TFConfigClusterResolver({"cluster": {"worker": ["h1:2222"]},
+                                                   "task": {"type": "worker", "index": 0}, "rpc_layer": "grpc"})
+    assert resolver.master() == "" and resolver.master("worker", 0) == ""
+    two = mf.cluster.TFConfigClusterResolver({"cluster": {"worker": ["h1:2222", "h2:2222"]},
+                                              "task": {"type": "worker", "index": 0}})
+    assert two.master() == "h1:2222"
+
+
 def test_specified_task_type_and_index_master_read():
     """tfconfig_cluster_resolver_test.py::testSpecifiedTaskTypeAndIndexMasterRead"""
     resolver = mf.cluster.TFConfigClusterResolver({"cluster": _CLUSTER, "task": {"type": "chief", "index": 0}})

@@ -159,8 +159,9 @@ class TFConfigClusterResolver(ClusterResolver):
         self._session_master = _optional_text(config, "session_master")
 
     def master(self, task_type: str | None = None, task_id: int | None = None, rpc_layer: str | None = None) -> str:
-        """``TF_CONFIG``'s ``"session_master"`` when set, else the address of the task (see
-        `ClusterResolver.master`), as TensorFlow's.
+        """``TF_CONFIG``'s ``"session_master"`` when set; ``""`` for a cluster of one task (a process
+        alone: TensorFlow's ``TFConfigClusterResolver`` returns no master there, whatever the
+        arguments); else the address of the task (see `ClusterResolver.master`), as TensorFlow's.
 
         Example:
             >>> r = TFConfigClusterResolver({"cluster": {"chief": ["c:2222"], "worker": ["w:2222"]},
@@ -170,6 +171,9 @@ class TFConfigClusterResolver(ClusterResolver):
         """
         if self._session_master is not None:
             return self._session_master
+        jobs = self.cluster_spec().as_dict()
+        if not jobs or (len(jobs) == 1 and len(next(iter(jobs.values()))) == 1):
+            return ""
         return super().master(task_type, task_id, rpc_layer)
 
 
