@@ -4,7 +4,12 @@ A distribution set globally (`set_distribution`, or inside ``distribution.scope(
 ``mf.get_strategy()`` returns outside every strategy scope, so a model created and fitted then trains
 on its mesh: `DataParallel` replicates every weight and splits each batch over the data axis
 (torch DDP, as ``mf.dtensor`` does for a map without keys); `ModelParallel` lays the weights out as
-its `LayoutMap` says (``mf.dtensor``'s layout path). The mesh's processes are formed when the first
+its `LayoutMap` says, on the same placement as the ``mf.dtensor`` spelling: keyed ``nn.Linear`` /
+``nn.Embedding`` weights split over one axis other than the data axis run tensor parallel with plain
+local activations (tensors made inside ``forward`` meet them as they are), every weight sharded over
+the data axis (``mf.dtensor.LayoutMap.fully_sharded`` with the same keys); other layouts make DTensor
+parameters on the whole mesh. ``LayoutMap.fully_sharded(device_mesh)`` is fully sharded data
+parallel in these names. The mesh's processes are formed when the first
 model, optimizer or metric asks for the strategy, not before: building the objects needs none.
 """
 
@@ -22,6 +27,7 @@ from meshfit.distribute import global_distribution, set_global_distribution
 from meshfit.distribution import _devices
 from meshfit.distribution._layout_map import LayoutMap
 from meshfit.distribution._mesh import DeviceMesh, TensorLayout
+from meshfit.dtensor import LayoutMap as DTensorLayoutMap
 
 DEFAULT_BATCH_DIM_NAME = "batch"
 
@@ -184,7 +190,8 @@ class ModelParallel(Distribution):
         device_mesh: accepted and ignored, as Keras 3 does (the mesh is the layout map's).
 
     Raises:
-        ValueError: no `LayoutMap`, or more processes than replicas without dividing evenly.
+        ValueError: no `LayoutMap`, ``batch_dim_name`` or a layout's axis is not one of the mesh's, a
+            layout names one axis twice, or more processes than replicas without dividing evenly.
     """
 
     def __init__(self, *, layout_map: LayoutMap | None = None, batch_dim_name: str | None = None,
@@ -195,12 +202,19 @@ class ModelParallel(Distribution):
                             "batch_dim_name=..., auto_shard_dataset=....")
         if layout_map is None:
             raise ValueError("You must specify a layout_map argument.")
+        if isinstance(layout_map, DTensorLayoutMap):
+            raise ValueError(f"Invalid `layout_map`: ModelParallel takes a meshfit.distribution.LayoutMap, received the "
+                             f"meshfit.dtensor map {layout_map!r}. Create and fit the model inside "
+                             "`with layout_map.scope():` (the DTensor spelling), or build "
+                             "mf.distribution.LayoutMap(device_mesh) (mf.distribution.LayoutMap.fully_sharded(device_mesh) "
+                             "for fully sharded data parallel) with the same keys.")
         if not isinstance(layout_map, LayoutMap):
             raise ValueError(f"Argument `layout_map` must be a `LayoutMap` instance. Received: layout_map={layout_map}")
         device_mesh = layout_map.device_mesh
         if device_mesh is None:
             raise ValueError("Invalid `layout_map`: it has no device_mesh. Create it as LayoutMap(device_mesh).")
         batch_dim_name = batch_dim_name or device_mesh.axis_names[0]
+        _check_axes(layout_map, device_mesh, batch_dim_name)
         super().__init__(device_mesh, batch_dim_name, auto_shard_dataset)
         self._layout_map = layout_map
         if (self._is_multi_process and self.num_processes > self.num_model_replicas
@@ -225,6 +239,30 @@ class ModelParallel(Distribution):
     def _make_strategy(self) -> DistributionStrategy:
         layout_map = self._layout_map.dtensor_layout_map(self.batch_dim_name)
         return layout_map.mesh.strategy.with_layout_map(layout_map)
+
+
+def _check_axes(layout_map: LayoutMap, device_mesh: DeviceMesh, batch_dim_name: str) -> None:
+    """Refuse a data axis or a layout axis the mesh lacks, and a layout that names one axis twice."""
+    names = list(device_mesh.axis_names)
+    if batch_dim_name not in names:
+        raise ValueError(f"Invalid `batch_dim_name`: expected one of the DeviceMesh's axes {names}, received "
+                         f"batch_dim_name={batch_dim_name!r}. Pass batch_dim_name={names[0]!r} (or another axis of "
+                         "the mesh), or add that axis to the DeviceMesh.")
+    for key, layout in layout_map.items():
+        axes = [axis for axis in layout.axes if axis is not None]
+        missing = [axis for axis in axes if axis not in names]
+        if missing:
+            raise ValueError(f"Invalid layout {layout.axes} for LayoutMap key {key!r}: it names axis {missing[0]!r}, "
+                             f"which the DeviceMesh lacks (its axes are {names}). Use one of the mesh's axes or None "
+                             "(unsharded), or add the axis to the DeviceMesh.")
+        if layout_map.is_fully_sharded and batch_dim_name in axes:
+            raise ValueError(f"Invalid layout {layout.axes} for LayoutMap key {key!r} in a LayoutMap.fully_sharded "
+                             f"map: it names the data axis {batch_dim_name!r}, over which the map already shards every "
+                             "weight. Split the weight over another axis (e.g. ('model', None)), or remove the key.")
+        twice = next((axis for axis in axes if axes.count(axis) > 1), None)
+        if twice is not None:
+            raise ValueError(f"Invalid layout {layout.axes} for LayoutMap key {key!r}: it names axis {twice!r} twice; "
+                             "a mesh axis splits only one dimension. Set all but one of them to None.")
 
 
 def distribution() -> Any:

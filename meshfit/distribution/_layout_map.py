@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import re
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterator, MutableMapping, Sequence
 from typing import Any
 
 from meshfit.distribution._mesh import DeviceMesh, TensorLayout
@@ -33,6 +33,41 @@ class LayoutMap(MutableMapping):
     def __init__(self, device_mesh: DeviceMesh | None) -> None:
         self._layout_map: collections.OrderedDict[str, TensorLayout] = collections.OrderedDict()
         self._device_mesh = device_mesh
+        self.is_fully_sharded = False
+        self.blocks: list[str] | None = None
+
+    @classmethod
+    def fully_sharded(cls, device_mesh: DeviceMesh, blocks: Sequence[str] | None = None) -> LayoutMap:
+        """A map that shards every weight over the data axis: fully sharded data parallel (ZeRO-3, FSDP2).
+
+        The same placement as ``mf.dtensor.LayoutMap.fully_sharded``: each process keeps 1/N of the
+        parameters, gradients and optimizer state (N: the size of ``ModelParallel``'s
+        ``batch_dim_name`` axis). Keys added to it split their weights over another axis (tensor
+        parallel, e.g. ``layout_map["attn.qkv.weight"] = ("model", None)``) before the sharding over
+        the data axis. Give it to ``ModelParallel(layout_map=...)``.
+
+        Args:
+            device_mesh: the `DeviceMesh`, e.g. ``DeviceMesh((4,), ["batch"])`` or ``(2, 2)`` with
+                ``["batch", "model"]``.
+            blocks: submodule paths to shard as one unit each (default: the model's direct children
+                that hold parameters; see ``mf.dtensor.LayoutMap.fully_sharded``).
+
+        Example:
+            >>> mesh = DeviceMesh((2, 2), ["batch", "model"], [f"cpu:{i}" for i in range(4)])
+            >>> layout_map = LayoutMap.fully_sharded(mesh)
+            >>> layout_map["mlp.fc1.weight"] = ("model", None)
+            >>> layout_map.is_fully_sharded
+            True
+        """
+        if not isinstance(device_mesh, DeviceMesh):
+            raise ValueError(f"Invalid `device_mesh`: expected a meshfit.distribution.DeviceMesh, received "
+                             f"device_mesh={device_mesh!r}. Create one with DeviceMesh(shape, axis_names).")
+        if blocks is not None and (isinstance(blocks, str) or not all(isinstance(b, str) for b in blocks)):
+            raise TypeError(f"Invalid `blocks`: expected a list of submodule paths (str), received blocks={blocks!r}.")
+        layout_map = cls(device_mesh)
+        layout_map.is_fully_sharded = True
+        layout_map.blocks = None if blocks is None else list(blocks)
+        return layout_map
 
     def __getitem__(self, key: str) -> Any:
         """The layout of path ``key``: the exact key, else the one key that fully matches, else None.
@@ -81,7 +116,18 @@ class LayoutMap(MutableMapping):
         """This map as a ``meshfit.dtensor.LayoutMap`` (whole-path matching) on the mesh's processes."""
         if self._device_mesh is None:
             raise ValueError("Invalid LayoutMap: it has no device_mesh. Create it as LayoutMap(device_mesh).")
-        converted = DTensorLayoutMap(self._device_mesh.mesh_for(batch_dim_name), match="fullmatch")
+        mesh = self._device_mesh.mesh_for(batch_dim_name)
+        if self.is_fully_sharded:
+            converted = DTensorLayoutMap.fully_sharded(mesh, self.blocks)
+            converted.match = "fullmatch"
+        else:  # the weights a tensor-parallel style can split run it, as a fully sharded map's keys do
+            converted = DTensorLayoutMap(mesh, match="fullmatch")
+            converted.tensor_parallel_first = True
         for key, layout in self._layout_map.items():
             converted[key] = layout.layout_for(batch_dim_name)
         return converted
+
+    def __repr__(self) -> str:
+        items = ", ".join(f"{key!r}: {layout.axes}" for key, layout in self._layout_map.items())
+        kind = "LayoutMap.fully_sharded" if self.is_fully_sharded else "LayoutMap"
+        return f"{kind}({{{items}}}, device_mesh={self._device_mesh})"

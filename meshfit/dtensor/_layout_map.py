@@ -51,6 +51,8 @@ class LayoutMap(MutableMapping):
         self._patterns: dict[str, re.Pattern] = {}
         self.is_fully_sharded = False
         self.blocks: list[str] | None = None
+        # Keras's ModelParallel: keyed Linear/Embedding weights take the tensor-parallel path (`MeshStrategy`)
+        self.tensor_parallel_first = False
 
     @classmethod
     def fully_sharded(cls, mesh: Mesh, blocks: Sequence[str] | None = None) -> LayoutMap:

@@ -13,7 +13,10 @@ The axis named ``"batch"`` is the data-parallel axis: its coordinate is the data
   as `apply_layouts` makes them; the module's inputs
   become batch-sharded DTensors and its outputs this process's rows again, at the module's
   boundary (forward hooks), so losses, metrics and ``train_step`` overrides see plain tensors.
-  DTensor's autograd sums the gradients of replicated weights over ``batch``.
+  DTensor's autograd sums the gradients of replicated weights over ``batch``;
+- **a fully sharded map** (``LayoutMap.fully_sharded``, and Keras's ``ModelParallel`` map whose keys
+  tensor parallelism can split: `_tensor_parallel_map`): the keyed weights split over ``model`` with
+  plain local activations, then every weight sharded over ``batch`` (`fully_shard_module`).
 """
 
 from __future__ import annotations
@@ -44,10 +47,13 @@ from meshfit.distribute import (
     placement_hook,
 )
 from meshfit.dtensor._apply import apply_layouts, attach_layout, resolve_layouts
+from meshfit.dtensor._fully_sharded import _check_not_shared as check_not_shared
+from meshfit.dtensor._fully_sharded import _default_blocks as default_blocks
 from meshfit.dtensor._fully_sharded import fully_shard_module
 from meshfit.dtensor._layout import Layout
 from meshfit.dtensor._layout_map import LayoutMap
 from meshfit.dtensor._mesh import Mesh
+from meshfit.dtensor._tensor_parallel import tensor_parallel_styles
 
 BATCH_AXIS = "batch"
 
@@ -175,6 +181,8 @@ class MeshStrategy(CollectiveStrategy):
     def setup_module(self, module: nn.Module, jit_compile: bool = False) -> Placement:
         """Lay out ``module``'s parameters, compile if asked; replicated-only layouts take DDP's bucketed path."""
         layout_map = self.layout_map if self.layout_map is not None else LayoutMap(self.mesh)
+        if layout_map.tensor_parallel_first and not jit_compile:
+            layout_map = _tensor_parallel_map(module, layout_map, self._batch)
         on_meta = layout_map.is_fully_sharded and any(p.is_meta for p in module.parameters())
         source = module = module if on_meta else module.to(self._device)  # meta: built block by block
         if layout_map.is_fully_sharded:
@@ -322,6 +330,38 @@ def _settle_partial_sums(module: nn.Module, args: Any, output: Any) -> Any:
         return leaf
 
     return map_structure(settle, output)
+
+
+def _tensor_parallel_map(module: nn.Module, layout_map: LayoutMap, batch: str | None) -> LayoutMap:
+    """Keras's ``ModelParallel`` map as the fully sharded map with the same keys, when tensor parallelism
+    can split every keyed weight (``nn.Linear``/``nn.Embedding`` over one axis other than ``batch``).
+
+    Then a model runs the same placement as ``mf.dtensor.LayoutMap.fully_sharded`` with those keys (the
+    local-output tensor parallelism: tensors made inside ``forward`` meet plain local weights); the
+    weights no key matches are sharded over ``batch``, which gives the same values as replicating them.
+    Otherwise (a key over ``batch``, a convolution's kernel, keys that split nothing) the map itself,
+    whose layouts make whole-mesh DTensor parameters. Keys that match no weight are ignored, as Keras does.
+    """
+    if batch is None or not len(layout_map):
+        return layout_map
+    paths = [path for path, _ in module.named_parameters(remove_duplicate=False)]
+    unmatched = set(layout_map.unmatched_keys(paths))
+    converted = LayoutMap.fully_sharded(layout_map.mesh)
+    converted.match = layout_map.match
+    for key in layout_map:
+        if key not in unmatched:
+            converted[key] = layout_map._layout_map[key]
+    if not len(converted):
+        return layout_map
+    try:
+        axis, _ = tensor_parallel_styles(module, converted, batch)
+    except ValueError:
+        return layout_map
+    try:
+        check_not_shared(module, default_blocks(module))
+    except ValueError:  # a weight tied across the default blocks (an embedding and its head): one unit
+        converted.blocks = []
+    return converted if axis is not None else layout_map
 
 
 def _ensure_group(device_type: str = "cpu") -> None:

@@ -67,6 +67,40 @@ class TransformerLM(nn.Module):
         return self.head(self.norm(x))
 
 
+class ArangeGPT(TransformerLM):
+    """The same language model with learned positions looked up by ``torch.arange(t)`` made in ``forward``
+    (a GPT's habit): a plain tensor that must meet the laid-out weights as it is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.pos
+        self.pos_embed = nn.Embedding(SEQ, D_MODEL)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.embed(tokens) + self.pos_embed(positions)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def arange_gpt(tied: bool = False) -> ArangeGPT:
+    """The GPT; ``tied``: its head's weight is the token embedding's (one parameter, two blocks)."""
+    torch.manual_seed(0)
+    gpt = ArangeGPT()
+    if tied:
+        gpt.head.weight = gpt.embed.weight
+    return gpt
+
+
+def keras_keys(layout_map) -> None:
+    """The guide's keys in Keras 3's spelling (``None``: unsharded; whole-path regular expressions)."""
+    layout_map[r"layers\.\d+\.attn\.qkv\.weight"] = ("model", None)  # column-wise
+    layout_map[r"layers\.\d+\.attn\.out\.weight"] = (None, "model")  # row-wise
+    layout_map[r"layers\.\d+\.mlp\.fc1\.weight"] = ("model", None)
+    layout_map[r"layers\.\d+\.mlp\.fc2\.weight"] = (None, "model")
+
+
 def module() -> TransformerLM:
     torch.manual_seed(0)
     return TransformerLM()
