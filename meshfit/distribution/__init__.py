@@ -12,6 +12,9 @@ the model as usual::
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
     model.fit(ds_train, epochs=3)
 
+`ModelParallel` runs the placement of ``mf.dtensor.LayoutMap.fully_sharded`` with the same keys when they
+split ``nn.Linear``/``nn.Embedding`` weights (tensor parallel, plain local activations, every weight sharded
+over the data axis); ``LayoutMap.fully_sharded(mesh)`` is fully sharded data parallel in these names.
 `DataParallel` replicates every weight instead. A `DeviceMesh`'s ``backend_mesh`` is a
 ``meshfit.dtensor.Mesh``; the distribution trains with that mesh's strategy.
 """
