@@ -57,8 +57,9 @@ def resolve_layouts(module: nn.Module, layouts: LayoutMap | Mapping[str, Layout]
     Every path of a tied parameter gets the tie's one layout (`keyed_layouts`).
 
     Raises:
-        ValueError: two keys match one path, a layout's rank or divisibility does not fit its
-            parameter, a parameter is still lazy, or one tied parameter is keyed with two layouts.
+        ValueError: two keys match one path, a layout's rank does not fit its parameter (a dim its
+            axis does not divide is split unevenly, as ``torch.chunk``), a parameter is still lazy,
+            or one tied parameter is keyed with two layouts.
     """
     layout_map = as_layout_map(layouts, mesh)
     params = dict(module.named_parameters(remove_duplicate=False))

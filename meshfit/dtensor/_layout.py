@@ -23,7 +23,8 @@ class Layout:
 
     Args:
         sharding_specs: one entry per tensor dim: a mesh axis name (the dim is split into that
-            axis's size of equal shards) or `UNSHARDED`. A mesh axis names at most one dim.
+            axis's size of shards, the last ones smaller when it does not divide evenly, as
+            ``torch.chunk``) or `UNSHARDED`. A mesh axis names at most one dim.
         mesh: the `Mesh` the tensor lives on.
 
     Raises:
@@ -105,7 +106,10 @@ class Layout:
         return 1 if spec == UNSHARDED else self.mesh.dim_size(spec)
 
     def check_shape(self, shape: Sequence[int], name: str = "tensor") -> None:
-        """Raise unless a tensor of ``shape`` fits: same rank, and every sharded dim splits evenly.
+        """Raise unless a tensor of ``shape`` fits: one spec per dim.
+
+        A sharded dim need not divide evenly: as torch's DTensor (``torch.chunk``), each of the first
+        devices holds ``ceil(size / pieces)`` of it and the last ones fewer (9 over 2: 5 and 4).
 
         Args:
             shape: the tensor's (global) shape.
@@ -116,18 +120,20 @@ class Layout:
             raise ValueError(f"Invalid layout for {name} of shape {list(shape)}: the layout "
                              f"{list(self.sharding_specs)} has rank {self.rank} but the tensor has rank "
                              f"{len(shape)}. Give one spec per dim, e.g. Layout.replicated(mesh, rank={len(shape)}).")
-        for dim, size in enumerate(shape):
-            pieces = self.num_shards(dim)
-            if size % pieces:
-                raise ValueError(f"Invalid layout for {name} of shape {list(shape)}: dim {dim} (size {size}) is "
-                                 f"sharded over mesh axis {self.sharding_specs[dim]!r} of size {pieces}, which does "
-                                 f"not divide it evenly. Use a size divisible by {pieces}, shard another dim, or "
-                                 "leave this dim UNSHARDED.")
 
-    def local_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
-        """The shape of one device's shard of a tensor of (global) ``shape``."""
+    def local_shape(self, shape: Sequence[int], coordinate: Sequence[int] | None = None) -> tuple[int, ...]:
+        """The shape of one device's shard of a tensor of (global) ``shape``.
+
+        Args:
+            shape: the tensor's (global) shape.
+            coordinate: the device's index along each mesh axis (``mesh.axis_names`` order); None: the
+                first device, which holds the largest shard of an uneven split.
+        """
         self.check_shape(shape)
-        return tuple(size // self.num_shards(dim) for dim, size in enumerate(shape))
+        index = dict.fromkeys(self.mesh.axis_names, 0) if coordinate is None \
+            else dict(zip(self.mesh.axis_names, coordinate, strict=True))
+        return tuple(size if spec == UNSHARDED else shard_size(size, self.num_shards(dim), index[spec])
+                     for dim, (size, spec) in enumerate(zip(shape, self.sharding_specs, strict=True)))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Layout:
         """The layout itself: an immutable value (a copied parameter shares its layout and mesh)."""
@@ -152,6 +158,13 @@ class Layout:
 
     def __repr__(self) -> str:
         return f"Layout({list(self.sharding_specs)!r}, mesh={self.mesh!r})"
+
+
+def shard_size(size: int, pieces: int, index: int) -> int:
+    """How much of a dim of ``size`` split into ``pieces`` the ``index``-th device holds (``torch.chunk``,
+    DTensor's ``Shard``): ``ceil(size / pieces)`` each until the dim runs out, so the last may hold 0."""
+    chunk = -(-size // pieces)
+    return max(0, min(chunk, size - index * chunk))
 
 
 def _rank(name: str, value: Any) -> int:

@@ -22,18 +22,24 @@ torchtitan composes it with FSDP):
 Activations between layers stay plain tensors of this process's rows, so a user's reshapes and
 ``F.scaled_dot_product_attention`` run on local tensors for any batch size (DTensor's reshape rule
 fails on an unevenly sharded batch). Anything else keyed on ``model`` is refused before any step.
+
+A dim ``model`` does not divide is split as torch's DTensor splits it (``torch.chunk``: 51 features
+over 2 are 26 and 25): a column-wise layer's output is then wider on some processes, and the row-wise
+layer it feeds is told the global width (`_row_wise_class`), which torch's own style would guess as
+local x processes. A split that cuts an attention's heads is refused (`_check_whole_heads`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
 from torch import nn
 
 from meshfit.distribute import placement_hook
-from meshfit.dtensor._layout import UNSHARDED, Layout
+from meshfit.dtensor._layout import UNSHARDED, Layout, shard_size
 from meshfit.dtensor._ties import keyed_layouts, retie, tied_groups
 
 _COLUMN, _ROW = "column-wise", "row-wise"
@@ -69,11 +75,12 @@ class TensorParallel:
             elif style == _HEAD:
                 plan[path] = ColwiseParallel(output_layouts=Replicate())
             else:
-                plan[path] = ColwiseParallel() if style == _COLUMN else RowwiseParallel()
+                plan[path] = ColwiseParallel() if style == _COLUMN else _row_wise_linear()
                 if style == _ROW:
                     layer = module.get_submodule(path)
                     if isinstance(layer, nn.Linear):  # what tensor_parallel_styles keyed
-                        _check_row_inputs(layer, path, self.axis, self.sub_mesh.size())
+                        _check_row_inputs(layer, path, self.axis, self.sub_mesh.size(),
+                                          self.sub_mesh.get_local_rank())
         groups = tied_groups(module)
         parallelize_module(module, self.sub_mesh, plan)  # one new parameter per holding module
         retie(module, groups)  # one layout per tie (keyed_layouts): the copies are alike, keep the first
@@ -87,7 +94,7 @@ def tensor_parallel_styles(module: nn.Module, layout_map: Any, batch_axis: str) 
 
     Raises:
         ValueError: a key's layout names ``batch`` or no axis, keys name two different axes, a split
-            does not divide its dimension, a keyed weight belongs to a module tensor parallelism
+            cuts an attention's heads, a keyed weight belongs to a module tensor parallelism
             cannot split that way, a bias is keyed without (or against) its weight, or one tied
             weight is keyed with two layouts.
     """
@@ -124,6 +131,8 @@ def tensor_parallel_styles(module: nn.Module, layout_map: Any, batch_axis: str) 
             continue
         keyed = next((p for p in ties.get(path, [path]) if layout_map[p] is not None), path)
         kind = _style_of(owner, attribute, layout, path, axis, keyed)
+        if isinstance(owner, nn.Linear) and path not in heads:
+            _check_whole_heads(module, owner_path, owner, kind, layout, axis, path)
         styles[owner_path] = (_HEAD if kind == _COLUMN and path in heads else kind, type(owner))
     for owner_path, (path, layout) in biases.items():
         style = styles.get(owner_path)
@@ -133,6 +142,32 @@ def tensor_parallel_styles(module: nn.Module, layout_map: Any, batch_axis: str) 
                              f"{owner_path + '.weight'!r} with Layout([{layout.sharding_specs[0]!r}, UNSHARDED], mesh) "
                              "(its bias follows), or remove the bias key.")
     return (next(iter(axes)) if axes else None), styles
+
+
+def _check_whole_heads(module: nn.Module, owner_path: str, owner: nn.Linear, kind: str, layout: Layout, axis: str,
+                       path: str) -> None:
+    """Refuse a projection of an attention whose split would cut its heads (torch cannot split those).
+
+    The attention is the ``nn.Linear``'s parent when it declares an int ``head_dim`` (torch's and Hugging
+    Face's attention modules do): each process reshapes its slice of the features into whole heads
+    (``view(b, t, -1, head_dim)``), so each ``torch.chunk`` share must be a multiple of ``head_dim``.
+    """
+    parent_path = owner_path.rpartition(".")[0]
+    head_dim = getattr(module.get_submodule(parent_path), "head_dim", None)
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
+        return
+    features = owner.out_features if kind == _COLUMN else owner.in_features
+    pieces = layout.mesh.dim_size(axis)
+    shares = [shard_size(features, pieces, index) for index in range(pieces)]
+    if all(share % head_dim == 0 for share in shares):
+        return
+    what = "output" if kind == _COLUMN else "input"
+    raise ValueError(f"Invalid layout {list(layout.sharding_specs)} for parameter {path!r} ({kind}): its {features} "
+                     f"{what} features split over {axis!r} (size {pieces}) as {shares} (torch.chunk), which cuts the "
+                     f"heads of the attention {parent_path or 'at the root'!r} (head_dim {head_dim}) across "
+                     "processes; each process computes attention on whole heads only, and torch's tensor parallelism "
+                     f"cannot split a head. Use a number of heads that {axis!r} divides (or a {axis!r} axis that "
+                     "divides it), or remove the key that matches it (the weight is then sharded over 'batch' only).")
 
 
 def _vocabulary_heads(module: nn.Module) -> set[str]:
@@ -159,13 +194,53 @@ def _style_of(owner: nn.Module, attribute: str, layout: Layout, path: str, axis:
                      "(the weight is then sharded over 'batch' only), or key the weight of a Linear or Embedding.")
 
 
-def _check_row_inputs(layer: nn.Linear, path: str, axis: str, size: int) -> None:
+@functools.cache
+def _row_wise_class() -> type:
+    """torch's ``RowwiseParallel`` for an ``nn.Linear`` whose local input carries its global width.
+
+    torch's own makes its input DTensor from the local slice assuming equal slices (global width =
+    local x processes): on an uneven split (9 features over 2: 5 and 4) that width is wrong on every
+    process and the matmul fails. The global width is the layer's ``in_features``, so it is given.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    class _RowwiseLinear(RowwiseParallel):
+        @staticmethod
+        def _prepare_input_fn(input_layouts: Any, desired_input_layouts: Any, mod: Any, inputs: Any,
+                              device_mesh: Any) -> Any:
+            tensor = inputs[0]
+            if not isinstance(tensor, DTensor):
+                shape = torch.Size((*tensor.shape[:-1], mod.in_features))
+                tensor = DTensor.from_local(tensor, device_mesh, input_layouts, run_check=False, shape=shape,
+                                            stride=_contiguous_strides(shape))
+            if tuple(input_layouts) != tuple(desired_input_layouts):
+                tensor = tensor.redistribute(placements=desired_input_layouts, async_op=True)
+            return tensor
+
+    return _RowwiseLinear
+
+
+def _row_wise_linear() -> Any:
+    return _row_wise_class()()
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def _check_row_inputs(layer: nn.Linear, path: str, axis: str, size: int, index: int) -> None:
     """A row-wise layer must receive a column-wise layer's slice: say so, rather than a shape error.
 
-    The slice's width is the weight's local columns, ``in_features / size`` (the split divides them:
-    `Layout.check_shape`), known here once rather than read from the sharded weight at every forward.
+    The slice's width is this process's share of the weight's columns (``torch.chunk``'s: 9 over 2 is
+    5 on the first process, 4 on the second), known here once rather than read from the sharded weight
+    at every forward.
     """
-    local = layer.in_features // size
+    local = shard_size(layer.in_features, size, index)
 
     def pre_hook(module: nn.Module, args: tuple) -> None:
         if args and isinstance(args[0], torch.Tensor) and args[0].dim() > 0:

@@ -84,10 +84,11 @@ def test_shape_checks_name_the_tensor_and_the_fix():
     with pytest.raises(ValueError, match=r"feature.bias of shape \[16\].*rank 2 but the tensor has rank 1.*"
                                          r"Layout.replicated\(mesh, rank=1\)"):
         layout.check_shape((16,), "feature.bias")
-    with pytest.raises(ValueError, match=r"dim 0 \(size 5\) is sharded over mesh axis 'model' of size 2.*"
-                                         r"divisible by 2"):
-        layout.check_shape((5, 3), "w")
+    layout.check_shape((5, 3), "w")  # uneven: split as torch.chunk splits it
     assert layout.local_shape((8, 3)) == (4, 3)
+    assert layout.local_shape((5, 3)) == (3, 3)  # the first device's share: ceil(5 / 2)
+    assert layout.local_shape((5, 3), coordinate=(1, 1)) == (2, 3)
+    assert Layout(["batch", "model"], MESH).local_shape((3, 1), coordinate=(1, 1)) == (1, 0)  # 1 over 2: 1 and 0
 
 
 class Subclassed(nn.Module):
@@ -182,14 +183,14 @@ def test_mesh_without_processes_says_how_to_get_them():
         MESH.device_mesh  # noqa: B018
 
 
-def test_a_parameter_that_does_not_split_evenly_is_named_with_the_fix():
+def test_a_parameter_that_does_not_split_evenly_is_split_as_torch_chunk():
     layout_map = LayoutMap(MESH)
     layout_map["head.weight"] = Layout(["model", UNSHARDED], MESH)
     model = nn.Sequential()
-    model.add_module("head", nn.Linear(4, 5))  # 5 output rows over a model axis of size 2
-    with pytest.raises(ValueError, match=r"parameter 'head.weight' of shape \[5, 4\]: dim 0 \(size 5\) is sharded "
-                                         r"over mesh axis 'model' of size 2.*divisible by 2.*UNSHARDED"):
-        resolve_layouts(model, layout_map)
+    model.add_module("head", nn.Linear(4, 5))  # 5 output rows over a model axis of size 2: 3 and 2
+    layouts = resolve_layouts(model, layout_map)
+    assert layouts["head.weight"].local_shape((5, 4)) == (3, 4)
+    assert layouts["head.weight"].local_shape((5, 4), coordinate=(0, 1)) == (2, 4)
 
 
 def test_assigning_a_key_twice_is_an_error_as_in_keras():

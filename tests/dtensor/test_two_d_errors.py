@@ -4,7 +4,7 @@ parameter path, the axis and the fix in the message."""
 from __future__ import annotations
 
 import pytest
-from _two_d_model import module, two_d_map
+from _two_d_model import TransformerLM, module, two_d_map
 from torch import nn
 
 from tests._multiproc import run_distributed
@@ -41,13 +41,11 @@ def _errors(rank, world):
     except ValueError as error:
         out["axis"] = str(error)
 
-    def uneven():
+    def three_heads():  # head_dim 4: qkv's 36 rows split 18 and 18, not whole heads of 12 rows
         torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 4))
+        return TransformerLM(d_model=12, heads=3)
 
-    layout_map = mf.dtensor.LayoutMap.fully_sharded(mesh)
-    layout_map["0.weight"] = mf.dtensor.Layout(["model", U], mesh)
-    refused("divide", layout_map, uneven)
+    refused("heads", two_d_map(mf, mesh), three_heads)
 
     layout_map = two_d_map(mf, mesh)
     layout_map[r"norm1\.weight"] = mf.dtensor.Layout(["model"], mesh)
@@ -78,7 +76,9 @@ def _errors(rank, world):
 def test_bad_two_d_layouts_are_refused_with_the_path_the_axis_and_the_fix():
     errors = run_distributed(_errors, world_size=4, timeout=400)[0]
     assert "'tensor'" in errors["axis"] and "['batch', 'model']" in errors["axis"]
-    assert "'0.weight'" in errors["divide"] and "'model'" in errors["divide"] and "divisible by 2" in errors["divide"]
+    heads = errors["heads"]  # torch cannot split a head (an uneven split alone is accepted)
+    assert "'layers.0.attn.qkv.weight'" in heads and "[18, 18]" in heads and "head_dim 4" in heads, heads
+    assert "'layers.0.attn'" in heads and "divides" in heads and "remove the key" in heads
     message = errors["operation"]
     assert "'layers.0.norm1.weight'" in message and "LayerNorm" in message and "'model'" in message
     assert "Remove the key" in message
