@@ -22,7 +22,7 @@ def next_batch(trainable: Trainable, data: Any) -> tuple[Any, int] | None:
         batch, ended = data.next_batch(), False
     except EndOfData:
         batch, ended = None, True
-    if not data.length_known and trainable.strategy.num_processes > 1:
+    if trainable.strategy.num_processes > 1 and not data.length_known:  # one process: nothing to agree
         ended = agree(trainable, ended)
     if ended:
         data.mark_exhausted()

@@ -11,10 +11,10 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
-from meshfit._engine._executions import next_batch, steps_per_execution
+from meshfit._engine._executions import next_batch
 from meshfit._engine._preemption import PreemptionWatch
 from meshfit._engine._state import LoopState, RandomState
-from meshfit._engine._step_logs import agree, as_logs, merge_returned, reduce_logs
+from meshfit._engine._step_logs import agree, as_logs, may_own_logs, merge_returned, reduce_logs
 from meshfit._protocols import CallbackListLike, PlacementLike, Stateful, Trainable
 from meshfit._runtime import PREEMPTED_EXIT_CODE, keep_freed_memory
 from meshfit.data import batch_size_of
@@ -197,7 +197,7 @@ class TrainingLoop:
                 trainable.module.train()
                 stopped = False
                 while not stopped and not self._reached(until_step):
-                    count = self.data.execution_size(counters.step, steps_per_execution(trainable))
+                    count = self.data.execution_size(counters.step, trainable.steps_per_execution)
                     if until_step is not None:
                         count = min(count, until_step - counters.iterations)
                     if count <= 0:
@@ -245,17 +245,26 @@ class TrainingLoop:
         if self._resumed:  # a callback rolled back before the step (VerifyReplicas' at-rest check): not run
             return logs, False
         returned = None
+        scope, failure = replica_context_scope(strategy), strategy.failure  # one of each per strategy
         for done in range(count):
             if done:
                 strategy.check_alive()
                 fetched = next_batch(trainable, self.data)
                 if fetched is None:
                     break
-            returned = run_train_step(trainable, *fetched)
+            returned = _train_step(trainable, scope, *fetched)
             counters.step += 1
             counters.iterations += 1
-            strategy.failure.step = counters.iterations
+            failure.step = counters.iterations
         preemption_requested = self._preemption is not None and self._preemption.requested
+        last = begin + trainable.steps_per_execution - 1  # Keras's nominal index, also when fewer ran
+        if not batch_logs and strategy.num_processes == 1:
+            # The usual step of one process without a reader of batch logs: nothing to reduce or read.
+            logs = merge_returned(trainable, {}, returned, convert=False) if may_own_logs(returned) else {}
+            cbs.on_train_batch_end(last, logs)
+            if preemption_requested:
+                self._stop_for_preemption()
+            return logs, trainable.stop_training
         if batch_logs or strategy.num_processes == 1 or not inside_window(getattr(trainable, "optimizer", None)):
             logs, (preempt, stop) = reduce_logs(trainable, [float(preemption_requested),
                                                             float(trainable.stop_training)], with_metrics=batch_logs)
@@ -263,8 +272,7 @@ class TrainingLoop:
         else:  # inside a gradient accumulation window: no collective, the replicas agree at its last batch
             logs, preempt, stop = {}, 0.0, 0.0
         merge_returned(trainable, logs, returned, convert=batch_logs)  # read (a host sync) only where logs are
-        # Keras's nominal index: the execution's last step, also when it ran fewer.
-        cbs.on_train_batch_end(begin + steps_per_execution(trainable) - 1, logs)
+        cbs.on_train_batch_end(last, logs)
         if preempt > 0:
             self._stop_for_preemption()
         # A stop asked for in on_train_batch_end reaches the other replicas with the next step's
@@ -298,8 +306,13 @@ def run_train_step(trainable: Trainable, batch: Any, global_size: int) -> Any:
     """One training step on this replica's ``batch`` of a global batch of ``global_size`` examples (the
     replicas' gradients weighted by their shares); returns what ``train_step`` returned. ``fit``'s loop
     and ``train_on_batch`` both step through here."""
+    return _train_step(trainable, replica_context_scope(trainable.strategy), batch, global_size)
+
+
+def _train_step(trainable: Trainable, scope: AbstractContextManager[Any], batch: Any, global_size: int) -> Any:
+    """`run_train_step` inside the strategy's replica ``scope``, which the loop looks up once per execution."""
     strategy = trainable.strategy
-    with strategy.batch_weight(batch_size_of(batch), global_size), replica_context_scope(strategy):
+    with strategy.batch_weight(batch_size_of(batch), global_size), scope:
         window = _gradient_window(trainable)
         if window is None:  # the common case: no third context manager entered at every step
             return trainable.train_step(strategy.distribute_batch(batch))

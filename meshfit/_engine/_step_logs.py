@@ -8,7 +8,7 @@ step queues its device work and returns without waiting for it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -99,9 +99,19 @@ class MetricResults(MutableMapping[str, Any]):
     entries as they are, beside the metrics it reduces over replicas (see `merge_returned`).
     """
 
-    def __init__(self, metrics: Sequence[MetricLike]) -> None:
-        self._metrics = {m.name: m for m in metrics}
+    def __init__(self, metrics: Sequence[MetricLike] | Callable[[], Sequence[MetricLike]]) -> None:
+        self._source = metrics  # a callable (the model's ``logged_metrics``) is called when first read
+        self._by_name: dict[str, MetricLike] | None = None
         self._entries: dict[str, Any] = {}  # what an override set: logged as it is
+
+    @property
+    def _metrics(self) -> dict[str, MetricLike]:
+        """The metrics by name, listed when first needed: a step's return value that nobody reads
+        (``fit`` without a reader of batch logs) costs no walk over the model's metrics."""
+        if self._by_name is None:
+            metrics = self._source() if callable(self._source) else self._source
+            self._by_name = {m.name: m for m in metrics}
+        return self._by_name
 
     def __getitem__(self, name: str) -> Any:
         if name in self._entries:
@@ -129,6 +139,12 @@ class MetricResults(MutableMapping[str, Any]):
     def entries(self) -> dict[str, Any]:
         """What an override set or replaced (the remaining metrics are read from the metrics)."""
         return dict(self._entries)
+
+
+def may_own_logs(returned: Any) -> bool:
+    """False where a step's return value holds no logs of its own (`own_logs` is None): None, or
+    ``super().train_step``'s `MetricResults` with nothing set; checked without listing the metrics."""
+    return returned is not None and (type(returned) is not MetricResults or bool(returned._entries))
 
 
 def own_logs(trainable: Trainable, returned: Any) -> dict[str, Any] | None:

@@ -3,10 +3,12 @@ the helpers an override calls: ``compute_loss``, ``compute_metrics``, ``get_metr
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import warnings
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -76,7 +78,7 @@ class StepsMixin:
 
     def get_metrics_result(self) -> Mapping[str, Any]:
         """``{name: result}`` of the logged metrics on this replica (``fit`` logs them reduced over all)."""
-        return MetricResults(self.logged_metrics())
+        return MetricResults(self.logged_metrics)  # listed when read
 
     def train_step(self, data: Any) -> Mapping[str, Any] | None:
         """One optimisation step on this replica's batch; updates the metrics and returns their results.
@@ -92,9 +94,10 @@ class StepsMixin:
             raise RuntimeError("train_step needs an optimizer: call compile(optimizer=...) first.")
         # Freed, as Keras leaves an unused gradient None; no page faults: meshfit/_runtime/_allocator.py.
         self.optimizer.zero_grad(set_to_none=True)
-        with mixed_precision.autocast(self.strategy.device):  # forward + loss in the policy's dtype
+        with _autocast(self.strategy.device):  # forward + loss in the policy's dtype
             y_pred = self(x)
-            if batch_size_of(y_pred) == 0:
+            size = batch_size_of(y_pred)
+            if size == 0:
                 # This replica's share of a last, small global batch is empty: it still joins the
                 # gradient all-reduce (with zeros), so that every replica takes the same step.
                 zero_of(y_pred).backward()
@@ -103,7 +106,7 @@ class StepsMixin:
             loss = self.compute_loss(x, y, y_pred, sample_weight)
         self.optimizer.scale_loss(loss).backward()  # scaled under mixed_float16 (LossScaleOptimizer)
         self.optimizer.step()
-        self._loss_tracker.update_state(loss.detach(), sample_weight=batch_size_of(y_pred))
+        self._loss_tracker.update_state(loss.detach(), sample_weight=size)
         return self.compute_metrics(x, y, y_pred, sample_weight)
 
     def _has_trainable_weights(self) -> bool:
@@ -154,6 +157,17 @@ class StepsMixin:
         x, _, _ = unpack_batch(data)
         with mixed_precision.autocast(self.strategy.device):
             return mixed_precision.to_variable_dtype(self.module(x))
+
+
+_NO_AUTOCAST = contextlib.nullcontext()  # reusable: entered by every float32 step, no object made per step
+
+
+def _autocast(device: Any) -> AbstractContextManager[Any]:
+    """`mixed_precision.autocast`, or a shared do-nothing context under ``"float32"`` (no generator
+    made and run at each step for a policy that changes nothing)."""
+    if mixed_precision.global_policy().compute_dtype == "float32":
+        return _NO_AUTOCAST
+    return mixed_precision.autocast(device)
 
 
 @functools.lru_cache(maxsize=64)

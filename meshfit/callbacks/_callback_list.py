@@ -20,6 +20,20 @@ def _overrides(callback: Callback, hook: str) -> bool:
     return method is not None and method is not getattr(Callback, hook, None)
 
 
+#: The base class's batch hooks that call another hook (Keras's older names): a callback implements
+#: the first when it overrides either.
+_ALIASES = {"on_train_batch_begin": "on_batch_begin", "on_train_batch_end": "on_batch_end"}
+
+
+def _implements(callback: Callback, hook: str) -> bool:
+    """Whether calling ``callback``'s ``hook`` can do anything: the callback (its class, or the instance
+    itself) replaces the base class's empty hook, or the older name the base hook calls."""
+    for name in (hook, _ALIASES.get(hook)):
+        if name is not None and getattr(getattr(callback, name, None), "__func__", None) is not getattr(Callback, name):
+            return True
+    return False
+
+
 _HOOKS_WITHOUT_INDEX = (
     "on_train_begin",
     "on_train_end",
@@ -77,6 +91,7 @@ class CallbackList:
         elif isinstance(callbacks, Callback):
             callbacks = [callbacks]
         self.callbacks: list[Callback] = []
+        self._hooked: dict[str, list[Callback]] = {}  # per batch hook, the callbacks that implement it
         self.model: Model | None = None
         self.params: dict[str, Any] = {}
         for callback in callbacks:
@@ -120,6 +135,15 @@ class CallbackList:
         # Callbacks that save training state (BackupAndRestore) run after all others in every hook,
         # so that what they save includes the others' updates for that step or epoch.
         self.callbacks.sort(key=lambda c: bool(c.run_last))
+        self._hooked = {}
+
+    def _callers(self, hook: str) -> list[Callback]:
+        """The callbacks whose ``hook`` does something, in order (decided once per fit, or again after
+        `append`): a batch hook that only the base class defines is not called at every step."""
+        callers = self._hooked.get(hook)
+        if callers is None:
+            callers = self._hooked[hook] = [c for c in self.callbacks if _implements(c, hook)]
+        return callers
 
     def restorer(self) -> RestoresTraining | None:
         """The callback that resumes training (`BackupAndRestore`), which the loop calls before any hook.
@@ -136,6 +160,7 @@ class CallbackList:
 
     def set_model(self, model: Model) -> None:
         """Calls `set_model` on every callback."""
+        self._hooked = {}
         self.model = model
         for callback in self.callbacks:
             callback.set_model(model)
@@ -148,6 +173,7 @@ class CallbackList:
 
     def set_loop(self, loop: TrainingLoop) -> None:
         """Calls `set_loop` on every callback."""
+        self._hooked = {}  # a new fit: which callbacks implement which batch hook is decided again
         for callback in self.callbacks:
             callback.set_loop(loop)
 
@@ -212,39 +238,69 @@ class CallbackList:
             callback.on_epoch_end(index, logs)
 
     def on_train_batch_begin(self, index: int, logs: dict[str, Any] | None = None) -> None:
-        """Calls `on_train_batch_begin` on every callback."""
+        """Calls `on_train_batch_begin` on every callback that implements it."""
+        callers = self._hooked.get("on_train_batch_begin")
+        if callers is None:
+            callers = self._callers("on_train_batch_begin")
+        if not callers:
+            return
         logs = {} if logs is None else logs
-        for callback in self.callbacks:
+        for callback in callers:
             callback.on_train_batch_begin(index, logs)
 
     def on_train_batch_end(self, index: int, logs: dict[str, Any] | None = None) -> None:
-        """Calls `on_train_batch_end` on every callback."""
+        """Calls `on_train_batch_end` on every callback that implements it."""
+        callers = self._hooked.get("on_train_batch_end")
+        if callers is None:
+            callers = self._callers("on_train_batch_end")
+        if not callers:
+            return
         logs = {} if logs is None else logs
-        for callback in self.callbacks:
+        for callback in callers:
             callback.on_train_batch_end(index, logs)
 
     def on_test_batch_begin(self, index: int, logs: dict[str, Any] | None = None) -> None:
-        """Calls `on_test_batch_begin` on every callback."""
+        """Calls `on_test_batch_begin` on every callback that implements it."""
+        callers = self._hooked.get("on_test_batch_begin")
+        if callers is None:
+            callers = self._callers("on_test_batch_begin")
+        if not callers:
+            return
         logs = {} if logs is None else logs
-        for callback in self.callbacks:
+        for callback in callers:
             callback.on_test_batch_begin(index, logs)
 
     def on_test_batch_end(self, index: int, logs: dict[str, Any] | None = None) -> None:
-        """Calls `on_test_batch_end` on every callback."""
+        """Calls `on_test_batch_end` on every callback that implements it."""
+        callers = self._hooked.get("on_test_batch_end")
+        if callers is None:
+            callers = self._callers("on_test_batch_end")
+        if not callers:
+            return
         logs = {} if logs is None else logs
-        for callback in self.callbacks:
+        for callback in callers:
             callback.on_test_batch_end(index, logs)
 
     def on_predict_batch_begin(self, index: int, logs: dict[str, Any] | None = None) -> None:
-        """Calls `on_predict_batch_begin` on every callback."""
+        """Calls `on_predict_batch_begin` on every callback that implements it."""
+        callers = self._hooked.get("on_predict_batch_begin")
+        if callers is None:
+            callers = self._callers("on_predict_batch_begin")
+        if not callers:
+            return
         logs = {} if logs is None else logs
-        for callback in self.callbacks:
+        for callback in callers:
             callback.on_predict_batch_begin(index, logs)
 
     def on_predict_batch_end(self, index: int, logs: dict[str, Any] | None = None) -> None:
-        """Calls `on_predict_batch_end` on every callback."""
+        """Calls `on_predict_batch_end` on every callback that implements it."""
+        callers = self._hooked.get("on_predict_batch_end")
+        if callers is None:
+            callers = self._callers("on_predict_batch_end")
+        if not callers:
+            return
         logs = {} if logs is None else logs
-        for callback in self.callbacks:
+        for callback in callers:
             callback.on_predict_batch_end(index, logs)
 
     def _stateful(self) -> dict[str, Stateful]:

@@ -187,25 +187,52 @@ class Mean(Metric):
         super().__init__(name, mesh)
         self.add_state("total")
         self.add_state("count")
+        # Whole-number counts added since the state was last read: a Python number, so that a step adds
+        # to one accumulator (no kernel for the count); added to ``count`` whenever the states are read.
+        self._pending_count = 0.0
 
     def update_state(self, values: Any, sample_weight: Any = None) -> None:  # type: ignore[override]
         """Add `values` (any shape), each weighted by the broadcast `sample_weight`."""
         values = _as_tensor(values).to(torch.float64)
-        if values.is_contiguous() and (sample_weight is None or _whole_number(sample_weight)):
+        if values.is_contiguous() and (sample_weight is None or type(sample_weight) is int
+                                       or _whole_number(sample_weight)):
             # No weight, or a whole number (the loss tracker's batch size): the count is known on
             # the host, ``n * w`` exactly (the sum of ``n`` copies of ``w``), so it is one scalar
             # add with no tensor of weights made; the total is the same sum of the same products.
-            weighted = values if sample_weight is None else values * float(sample_weight)
-            self._accumulate("total", weighted.sum() if weighted.dim() else weighted)
-            self._accumulate("count", values.numel() * float(1 if sample_weight is None else sample_weight),
-                             values.device)
+            each = 1.0 if sample_weight is None else float(sample_weight)
+            weighted = values if sample_weight is None else values * each
+            if values.dim():
+                weighted = weighted.sum()
+            total = self._states["total"]
+            if total.device == values.device:  # the usual step: the count stays on the host for now
+                total += weighted
+                self._pending_count += values.numel() * each  # whole numbers: exact in any order
+                return
+            self._accumulate("total", weighted)
+            self._accumulate("count", values.numel() * each, values.device)
             return
+        self._add_pending_count()  # a weighted count may be fractional: keep its order of additions
         if isinstance(sample_weight, (int, float)) and not isinstance(sample_weight, bool):
             weight = torch.full_like(values, float(sample_weight))  # no host-to-device copy of the number
         else:
             values, weight = losses.broadcast_weight(values, _as_tensor(sample_weight))
         self._accumulate("total", (values * weight).sum())
         self._accumulate("count", weight.sum())
+
+    def _add_pending_count(self) -> None:
+        """Add the host-side count to the ``count`` accumulator, on the device ``total`` lives on."""
+        if self._pending_count:
+            pending, self._pending_count = self._pending_count, 0.0
+            self._accumulate("count", pending, self._states["total"].device)
+
+    def _live_states(self) -> dict[str, torch.Tensor]:
+        self._add_pending_count()
+        return self._states
+
+    def reset_state(self) -> None:
+        """Zero the accumulators."""
+        self._pending_count = 0.0
+        super().reset_state()
 
     def result_from(self, states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """`total / count`, or 0 when nothing was counted."""
@@ -258,6 +285,7 @@ class MeanMetricWrapper(Mean):
         """Accumulate `fn`'s values for one batch."""
         y_pred = _as_tensor(y_pred)
         y_true = _as_tensor(y_true).to(y_pred.device)
-        with torch.no_grad():
-            values = self._fn(y_true, y_pred, **self._fn_kwargs)
+        # Both inputs are detached, so ``fn`` records no graph (no ``no_grad`` to enter at each step);
+        # `Mean.update_state` detaches what it is given all the same.
+        values = self._fn(y_true, y_pred, **self._fn_kwargs)
         super().update_state(values, sample_weight)

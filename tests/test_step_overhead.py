@@ -1,0 +1,146 @@
+"""What ``fit`` adds to a training step, counted: Python calls per further step on a tiny MLP.
+
+The count is the one ``bench/bench_step_overhead.py`` prints as "py calls/step, marginal" (a block of
+2S steps minus one of S, per step, under ``sys.setprofile``): a count of the interpreter's work, the
+same on a loaded machine or under pytest-xdist. What ``fit`` does once per call (building, the
+callbacks' begin and end hooks) is not in it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+import meshfit as mf
+
+#: Python calls a further step of ``fit`` may make on the 8-32-4 MLP (SGD, ``metrics=["accuracy"]``,
+#: ``verbose=0``): 355 when this bound was set (405 before the per-step trims; a hand-written loop
+#: makes 177.5). The margin is for torch versions; a cut that is lost fails here.
+MAX_CALLS_PER_STEP = 372
+BATCH = 64
+
+
+def _model() -> mf.Model:
+    torch.manual_seed(0)
+    model = mf.Model(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4)))
+    model.compile(optimizer=mf.optimizers.SGD(0.01),
+                  loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    return model
+
+
+def _calls(run: Any) -> int:
+    """Python functions and C functions called from Python, on this thread, while ``run()`` runs."""
+    count = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal count
+        if event in ("call", "c_call"):
+            count += 1
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(previous)
+    return count
+
+
+def _marginal_calls(callbacks: list[mf.callbacks.Callback] | None = None, steps: int = 10) -> float:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3 * steps * BATCH, 8)).astype("float32")
+    y = rng.integers(0, 4, size=3 * steps * BATCH).astype("int64")
+    model = _model()
+
+    def fit(rows: int) -> None:
+        model.fit(x[:rows], y[:rows], batch_size=BATCH, shuffle=False, verbose=0, callbacks=callbacks)
+
+    fit(steps * BATCH)  # warm-up: builds the model and the optimizer, fills torch's caches
+    fit(2 * steps * BATCH)
+    short = _calls(lambda: fit(steps * BATCH))
+    long = _calls(lambda: fit(2 * steps * BATCH))
+    return (long - short) / steps
+
+
+def test_fit_step_python_calls_stay_under_the_bound():
+    calls = _marginal_calls()
+    assert 0 < calls <= MAX_CALLS_PER_STEP, (
+        f"fit makes {calls} Python calls a further step on the tiny MLP, over the bound {MAX_CALLS_PER_STEP}: "
+        "look for per-step work that is not the user's (bench/bench_step_overhead.py --ops-detail)")
+
+
+def test_a_callback_without_batch_hooks_costs_no_call_a_step():
+    class EpochsOnly(mf.callbacks.Callback):
+        def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+            pass
+
+    plain = _marginal_calls()
+    assert _marginal_calls([EpochsOnly(), EpochsOnly(), EpochsOnly()]) == plain
+
+
+def test_batch_hooks_reach_the_callbacks_that_implement_them():
+    """Skipping the base class's empty hooks keeps every implementation called: Keras's older names
+    (which the base hooks call), an override and a hook set on the instance itself."""
+    seen: list[str] = []
+
+    class OlderName(mf.callbacks.Callback):
+        reads_batch_logs = False
+
+        def on_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+            seen.append(f"on_batch_begin {batch}")
+
+        def on_batch_end(self, batch: int, logs: dict | None = None) -> None:
+            seen.append(f"on_batch_end {batch}")
+
+    class Override(mf.callbacks.Callback):
+        def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+            seen.append(f"on_train_batch_end {batch} {sorted(logs or {})}")
+
+    on_instance = mf.callbacks.Callback()
+    on_instance.on_train_batch_begin = lambda batch, logs=None: seen.append(f"instance {batch}")  # type: ignore[method-assign]
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((2 * BATCH, 8)).astype("float32"), rng.integers(0, 4, size=2 * BATCH)
+    _model().fit(x, y, batch_size=BATCH, verbose=0, callbacks=[OlderName(), Override(), on_instance])
+    assert seen == ["on_batch_begin 0", "instance 0", "on_batch_end 0", "on_train_batch_end 0 ['accuracy', 'loss']",
+                    "on_batch_begin 1", "instance 1", "on_batch_end 1", "on_train_batch_end 1 ['accuracy', 'loss']"]
+
+
+def test_a_hook_added_between_fits_is_called():
+    """Which callbacks implement a batch hook is decided again for each fit."""
+    seen: list[int] = []
+    callback = mf.callbacks.Callback()
+    model = _model()
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((BATCH, 8)).astype("float32"), rng.integers(0, 4, size=BATCH)
+    model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[callback])
+    callback.on_train_batch_end = lambda batch, logs=None: seen.append(batch)  # type: ignore[method-assign]
+    model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[callback])
+    assert seen == [0]
+
+
+def test_mean_count_kept_on_the_host_reads_as_if_added_at_each_step():
+    """The mean metrics' whole-number counts wait on the host between reads: every read (result,
+    state_dict, a reset, a load) sees them, and a fractional weight after them keeps the old order of
+    additions (so the float64 state is the same as adding each count to the state at its step)."""
+    metric = mf.metrics.Mean()
+    metric.update_state(torch.tensor(2.0), sample_weight=3)
+    metric.update_state(torch.tensor([1.0, 4.0]))
+    assert metric.state_dict()["count"].item() == 5.0
+    assert float(metric.result()) == (6.0 + 5.0) / 5
+    metric.update_state(torch.tensor(1.0), sample_weight=7)
+    metric.update_state(torch.tensor([1.0]), sample_weight=torch.tensor([0.1]))
+    expected = torch.zeros((), dtype=torch.float64)
+    for count in (3.0, 2.0, 7.0):
+        expected += count
+    expected += torch.tensor([0.1]).sum()  # the weight as given (float32), summed as the state adds it
+    assert torch.equal(metric.state_dict()["count"], expected)
+    metric.update_state(torch.tensor(1.0), sample_weight=4)
+    metric.reset_state()
+    assert metric.state_dict()["count"].item() == 0.0
+    metric.update_state(torch.tensor(1.0), sample_weight=4)
+    metric.load_state_dict({"total": torch.tensor(2.0, dtype=torch.float64), "count": torch.tensor(1.0, dtype=torch.float64)})
+    assert float(metric.result()) == 2.0
