@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import time
 
 import numpy as np
 import torch
@@ -36,13 +37,17 @@ class SubclassedModel(nn.Module):
 class Chaos(mf.callbacks.Callback):
     """SIGKILL this process before optimizer step ``kill_at`` of the first round."""
 
-    def __init__(self, kill_rank: int, kill_at: int, rank: int) -> None:
+    def __init__(self, kill_rank: int, kill_at: int, rank: int, backup_dir: str | None = None) -> None:
         super().__init__()
-        self.kill_rank, self.kill_at, self.rank = kill_rank, kill_at, rank
+        self.kill_rank, self.kill_at, self.rank, self.backup_dir = kill_rank, kill_at, rank, backup_dir
         self.first_round = os.environ.get("MESHFIT_RESTART_COUNT", "0") == "0"
 
     def on_train_batch_begin(self, batch, logs=None):
         if self.first_round and self.rank == self.kill_rank and self.model.loop_state.iterations + 1 == self.kill_at:
+            if self.backup_dir:  # the asynchronous backup before the kill is committed first (a loaded machine
+                deadline = time.monotonic() + 120  # may still be writing it): the restart resumes from it
+                while mf.train.latest_checkpoint(self.backup_dir) is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -87,7 +92,7 @@ def main() -> None:
     (x, y), _ = mf.datasets.load_digits()
     x, y = x[: args.examples].reshape(-1, 64).astype("float32"), y[: args.examples]
     ds_train = mf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=7).batch(args.global_batch)
-    callbacks = [Chaos(args.kill_rank, args.kill_at, rank)]
+    callbacks = [Chaos(args.kill_rank, args.kill_at, rank, args.backup_dir)]
     if args.backup_dir:
         save_freq = args.save_freq if args.save_freq == "epoch" else int(args.save_freq)
         callbacks.append(mf.callbacks.BackupAndRestore(args.backup_dir, save_freq=save_freq))
