@@ -842,3 +842,21 @@ def test_fit_and_evaluate_run_each_step_in_the_replica_context():
     ``evaluate`` of a replicated model outside ``fit`` runs on the calling worker alone (one replica)."""
     for seen in run_distributed(_steps_in_replica_context, world_size=2, timeout=300):
         assert seen == {"train": 3.0, "test": [2.0, 2.0, 1.0, 1.0]}
+
+
+def test_the_replica_context_is_per_thread():
+    """TensorFlow's replica context is per thread: a thread started inside ``strategy.run`` (a data
+    prefetch, a checkpoint writer) is not inside that step's replica context."""
+    import threading
+
+    strategy = mf.OneDeviceStrategy("cpu")
+    seen = {}
+
+    def step():
+        seen["main"] = mf.distribute.in_replica_context()
+        worker = threading.Thread(target=lambda: seen.setdefault("thread", mf.distribute.in_replica_context()))
+        worker.start()
+        worker.join(timeout=30)
+
+    strategy.run(step)
+    assert seen == {"main": True, "thread": False}

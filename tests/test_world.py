@@ -141,7 +141,6 @@ ALLOWED_MODULE_STATE = {
     ("data._transforms", "_UNSEEDED"): "a counter of unseeded shuffles",
     ("callbacks._progbar", "_announced"): "a message printed once per process",
     ("_runtime._allocator", "_applied"): "the allocator setting applied once per process",
-    ("distribute._replica_context", "_CONTEXT_STACK"): "the replica contexts entered, innermost last (TF's stack)",
     ("distribute._replica_context", "_DEFAULT_STRATEGY"): "get_strategy, registered by the strategy module "
                                                           "(breaks an import cycle)",
     ("distribute._replica_context", "_SCOPES"): "a cache of each strategy's replica scope (weak)",

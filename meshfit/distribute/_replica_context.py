@@ -14,6 +14,7 @@ As in TensorFlow, three places:
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -42,7 +43,19 @@ def use_default_strategy(get_strategy: Callable[[], Any]) -> None:
 
 
 # The replica contexts entered (``strategy.run``, the seam `replica_context_scope`), innermost last.
-_CONTEXT_STACK: list[ReplicaContext] = []
+class _PerThread(threading.local):
+    """Each thread's own stack (TensorFlow's replica context is per thread: a data-prefetch or
+    checkpoint-writer thread started during a step is not inside that step's replica context)."""
+
+    def __init__(self) -> None:
+        self.stack: list[ReplicaContext] = []
+
+
+_THREAD = _PerThread()
+
+
+def _stack() -> list[ReplicaContext]:
+    return _THREAD.stack
 
 
 class ReplicaContext:
@@ -169,8 +182,9 @@ def get_replica_context() -> ReplicaContext | None:
         ...     print(mf.distribute.get_replica_context())
         None
     """
-    if _CONTEXT_STACK:
-        return _CONTEXT_STACK[-1]
+    stack = _THREAD.stack
+    if stack:
+        return stack[-1]
     if current_scope_strategy() is not None:
         return None
     return ReplicaContext(None, 0, default=True)
@@ -188,7 +202,7 @@ def in_cross_replica_context() -> bool:
         >>> outside, inside
         (True, False)
     """
-    return not _CONTEXT_STACK and current_scope_strategy() is not None
+    return not _THREAD.stack and current_scope_strategy() is not None
 
 
 def get_cross_replica_context() -> Any:
@@ -202,14 +216,14 @@ def get_cross_replica_context() -> Any:
         ...     mf.distribute.get_cross_replica_context() is strategy
         True
     """
-    if _CONTEXT_STACK:
+    if _THREAD.stack:
         return None
     return _DEFAULT_STRATEGY[0]()
 
 
 def in_replica_context() -> bool:
     """Whether code runs as one replica (inside ``strategy.run`` or a step of ``fit``)."""
-    return bool(_CONTEXT_STACK)
+    return bool(_THREAD.stack)
 
 
 class _ReplicaScope:
@@ -222,11 +236,11 @@ class _ReplicaScope:
         self.context = context
 
     def __enter__(self) -> ReplicaContext:
-        _CONTEXT_STACK.append(self.context)
+        _THREAD.stack.append(self.context)
         return self.context
 
     def __exit__(self, *exc: object) -> None:
-        _CONTEXT_STACK.pop()
+        _THREAD.stack.pop()
 
 
 _SCOPES: weakref.WeakKeyDictionary[Any, _ReplicaScope] = weakref.WeakKeyDictionary()  # one per strategy
@@ -249,9 +263,10 @@ def replica_context_scope(strategy: Any) -> _ReplicaScope:
 @contextlib.contextmanager
 def _cross_replica() -> Iterator[None]:
     """Within: no replica context (``merge_call``'s function runs in the cross-replica context)."""
-    saved = _CONTEXT_STACK[:]
-    _CONTEXT_STACK.clear()
+    stack = _stack()
+    saved = stack[:]
+    stack.clear()
     try:
         yield
     finally:
-        _CONTEXT_STACK[:] = saved
+        stack[:] = saved
