@@ -241,3 +241,23 @@ def test_weights_changed_at_an_epoch_end_are_not_a_divergence():
     verify = mf.callbacks.VerifyReplicas(every_n_steps=1, on_divergence="stop")
     model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=[Halve(), verify])
     assert verify.checks == 3 * EXAMPLES // BATCH
+
+
+def _gathered_in_groups(rank, world):
+    import meshfit as mf
+    from meshfit.distribute import _one_copy
+
+    model = _model(mf, world)
+    params = [p for _, p in model.module.named_parameters()]
+    whole = _one_copy.gathered_digests(params)
+    _one_copy.GATHER_BYTES = 1  # every tensor gathered, digested and freed alone
+    alone = _one_copy.gathered_digests(params)
+    model.strategy.verify_replicas(model)  # the gathered check still agrees with the shards
+    return whole, alone
+
+
+def test_gathered_values_are_digested_in_bounded_groups():
+    """The gathered check never holds the whole unsharded model: groups of at most GATHER_BYTES give the
+    same digests as one group."""
+    for whole, alone in run_distributed(_gathered_in_groups, world_size=2, timeout=300):
+        assert whole == alone and len(whole) == 4

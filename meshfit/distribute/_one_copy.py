@@ -102,14 +102,36 @@ def coverage(state: Sequence[tuple[str, torch.Tensor]], parameters: set[str], pr
     return ReplicaCoverage(compared, one_copy, gathered, counts)
 
 
+GATHER_BYTES = 64 * 2**20  # gathered values held at once: a fully sharded model need not fit whole
+
+
 def gathered_digests(tensors: Sequence[torch.Tensor]) -> list[int]:
-    """This rank's digest of each tensor's gathered value (collective over each tensor's mesh, in order)."""
-    full = []
+    """This rank's digest of each tensor's gathered value (collective over each tensor's mesh, in order).
+
+    The gathered values are digested in groups of at most `GATHER_BYTES` (one tensor alone may be
+    larger) and freed: the whole model is never gathered at once.
+    """
+    digests: list[int] = []
+    group: list[torch.Tensor] = []
+    held = 0
+
+    def flush() -> None:
+        nonlocal held
+        if group:
+            values, parts = local_parts(group, 0)  # a plain tensor: its whole value
+            digests.extend(finish_digest(value, part.meta) for value, part in zip(values, parts, strict=True))
+            group.clear()
+            held = 0
+
     with torch.no_grad():
         for tensor in tensors:
-            full.append(tensor.full_tensor())  # type: ignore[attr-defined]
-    values, parts = local_parts(full, 0)  # a plain tensor: its whole value
-    return [finish_digest(value, part.meta) for value, part in zip(values, parts, strict=True)]
+            full = tensor.full_tensor()  # type: ignore[attr-defined]
+            if group and held + full.numel() * full.element_size() > GATHER_BYTES:
+                flush()
+            group.append(full)
+            held += full.numel() * full.element_size()
+        flush()
+    return digests
 
 
 @dataclasses.dataclass
