@@ -164,16 +164,16 @@ class CompileLoss(Loss):
         return [t for t in self.trackers if t is not None]
 
     def __call__(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> torch.Tensor:
-        total: torch.Tensor | None = None
+        values = []
         for (key, loss, weight), tracker in zip(self.entries, self.trackers, strict=True):
             target, output, weights = self.pick(key, y_true, y_pred, sample_weight)
             value = loss(target, output, sample_weight=weights)
             if tracker is not None:  # unweighted, as Keras records it
                 tracker.update_state(value.detach(), sample_weight=batch_size_of(output))
-            if weight is not None:
-                value = value * weight
-            total = value if total is None else total + value
-        assert total is not None  # noqa: S101 - __init__ refuses a loss without entries
+            values.append(value if weight is None else value * weight)
+        total = values[0]  # __init__ refuses a loss without entries
+        for value in values[1:]:
+            total = total + value
         return total
 
     def pick(self, key: Key, y_true: Any, y_pred: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
@@ -302,10 +302,8 @@ def compile_metrics(metrics: Any, loss: Any, compiled_loss: CompileLoss | None) 
     if not isinstance(metrics, (list, tuple)):
         raise TypeError(f"Invalid `metrics`: expected a list such as ['accuracy'] or a dict keyed by output name, "
                         f"received metrics={metrics!r}.")
-    per_output = (compiled_loss is not None and compiled_loss.keyed and isinstance(loss, (list, tuple))
-                  and len(metrics) == len(loss) and len(loss) > 1)
-    if per_output:
-        assert compiled_loss is not None  # noqa: S101 - for the type checker
+    if (compiled_loss is not None and compiled_loss.keyed and isinstance(loss, (list, tuple))
+            and len(metrics) == len(loss) and len(loss) > 1):  # one list of metrics per loss
         return [OutputMetric(i, get_metric(m, loss=_loss_of(loss, i)), compiled_loss.pick)
                 for i, value in enumerate(metrics) for m in _as_list(value)]
     return [get_metric(m, loss=loss if not isinstance(loss, (Mapping, list, tuple)) else _sole_loss(loss))
