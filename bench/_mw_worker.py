@@ -109,6 +109,11 @@ def main() -> None:
         dist.barrier()
         return clock.per(args.steps)
 
+    def rank_indices() -> list[torch.Tensor]:
+        """This rank's rows of each global batch the hand-written loops read: fit's shuffle and order."""
+        stream = mf.data.Dataset.from_tensor_slices(np.arange(n)).shuffle(n, seed=0).repeat().batch(GLOBAL_BATCH)
+        return [b[rank * local:(rank + 1) * local].clone() for b in itertools.islice(iter(stream), blocks * args.steps)]
+
     variants: dict[str, object] = {}
     models: dict[str, torch.nn.Module] = {}
     if args.mode == "ddp":
@@ -121,10 +126,7 @@ def main() -> None:
             fit2w.fit(block_data(k), steps_per_epoch=args.steps, epochs=1, verbose=0)
 
         # The hand-written DDP loop, on the process group the strategy initialised.
-        index_stream = (mf.data.Dataset.from_tensor_slices(np.arange(n)).shuffle(n, seed=0).repeat()
-                        .batch(GLOBAL_BATCH))
-        indices = [b[rank * local:(rank + 1) * local].clone()
-                   for b in itertools.islice(iter(index_stream), blocks * args.steps)]
+        indices = rank_indices()
         ddp = DistributedDataParallel(copy.deepcopy(base))
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
 
@@ -159,10 +161,7 @@ def main() -> None:
             count["fitacc"] += 1
             fitacc.fit(block_data(k), steps_per_epoch=args.steps, epochs=1, verbose=0)
 
-        index_stream = (mf.data.Dataset.from_tensor_slices(np.arange(n)).shuffle(n, seed=0).repeat()
-                        .batch(GLOBAL_BATCH))
-        indices = [b[rank * local:(rank + 1) * local].clone()
-                   for b in itertools.islice(iter(index_stream), blocks * args.steps)]
+        indices = rank_indices()
         ddp = DistributedDataParallel(copy.deepcopy(base))
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
         done = [0]  # batches over the whole run: the windows go on across blocks, as fit's do

@@ -35,13 +35,11 @@ class ReplicaCoverage:
         one_copy: paths held in one copy (of each shard): checked at rest and, for the
             parameters in ``gathered``, after gathering; never reported as agreed replicas.
         gathered: the one-copy parameters whose gathered value every rank checks.
-        holders: how many processes hold a copy of each shard, by path.
     """
 
     compared: tuple[str, ...]
     one_copy: tuple[str, ...]
     gathered: tuple[str, ...]
-    holders: dict[str, int]
 
     def describe(self, where: str) -> str:
         """One paragraph for the chief's log when ``fit`` starts: what is and is not compared."""
@@ -99,7 +97,7 @@ def coverage(state: Sequence[tuple[str, torch.Tensor]], parameters: set[str], pr
     one_copy = tuple(path for path, _ in state if counts[path] <= 1)
     gathered = tuple(path for path, tensor in state
                      if counts[path] <= 1 and path in parameters and is_gatherable(tensor))
-    return ReplicaCoverage(compared, one_copy, gathered, counts)
+    return ReplicaCoverage(compared, one_copy, gathered)
 
 
 GATHER_BYTES = 64 * 2**20  # gathered values held at once: a fully sharded model need not fit whole
