@@ -79,7 +79,10 @@ def test_a_callback_without_batch_hooks_costs_no_call_a_step():
             pass
 
     plain = _marginal_calls()
-    assert _marginal_calls([EpochsOnly(), EpochsOnly(), EpochsOnly()]) == plain
+    with_three = _marginal_calls([EpochsOnly(), EpochsOnly(), EpochsOnly()])
+    # Called at each step, the three would add 4 calls a step each (417 against 405 before); a call made
+    # once in the whole measurement (a collection, a cache filled) moves the figure by 0.1 a step.
+    assert with_three < plain + 1, (with_three, plain)
 
 
 def test_batch_hooks_reach_the_callbacks_that_implement_them():

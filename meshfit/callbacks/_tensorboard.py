@@ -23,8 +23,9 @@ class TensorBoard(Callback):
     (1-based, counted across epochs and kept across a resumed run).
 
     After a restore (a resumed run, or a roll-back of `VerifyReplicas` in the same process) the steps
-    replayed are not shown twice: the next event file of each writer starts with TensorBoard's purge
-    mark (``purge_step``), which hides the events of the replayed steps written before. In ``train/``
+    replayed are not shown twice: TensorBoard's purge mark (a session start at the first replayed step,
+    which hides the events of the steps from there written before) goes into the open event file, or
+    starts the first one a resumed run opens (``purge_step``). In ``train/``
     with batch scalars, whose epoch and batch scalars share one step axis, the mark is at the batch
     axis's step, and an epoch scalar this process already wrote is not written again.
 
@@ -167,11 +168,16 @@ class TensorBoard(Callback):
         """Restores the global batch count; the next events of each writer hide the replayed steps'."""
         self._global_train_batch = int(state["global_train_batch"])
         epoch = int(self.loop.counters.epoch) if self.loop is not None else 0  # restored before the callbacks
-        for writer in self._writers.values():
-            writer.close()
-        self._writers = {}
         first_batch = self._global_train_batch + 1
-        self._purge = {"train": first_batch if isinstance(self.update_freq, int) else epoch, "validation": epoch}
+        purge = {"train": first_batch if isinstance(self.update_freq, int) else epoch, "validation": epoch}
+        for name, step in purge.items():
+            file_writer = getattr(self._writers.get(name), "file_writer", None)
+            if file_writer is not None:  # restored mid-run: the mark goes into the open file, after what it hides
+                from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+                file_writer.add_event(Event(step=step, session_log=SessionLog(status=SessionLog.START)))
+            else:  # restored at the start: the first event file opened starts with the mark
+                self._purge[name] = step
 
 
 def _scalars(logs: dict | None) -> dict[str, float]:
