@@ -13,7 +13,7 @@ from meshfit._engine._executions import next_batch, steps_per_execution
 from meshfit._engine._outputs import host_outputs
 from meshfit._engine._step_logs import MetricResults, as_logs, merge_returned, own_logs, reduce_logs
 from meshfit._protocols import CallbackListLike, Trainable
-from meshfit._saving import is_sharded, require_every_worker
+from meshfit._saving import require_every_worker, split_across_workers
 from meshfit.data import batch_size_of
 from meshfit.distribute import DistributedDataset, LoaderPlan, OneDeviceStrategy, replica_context_scope
 
@@ -32,8 +32,8 @@ def where_to_run(model: Any, call: str, x: Any, inside_fit: bool) -> Iterator[No
     if inside_fit or strategy.num_processes <= 1:
         yield
         return
-    if is_sharded(model.module) or isinstance(x, DistributedDataset) or LoaderPlan.reads_own_shard(x):
-        why = ("the model's weights are split across the workers (mf.dtensor layouts)" if is_sharded(model.module)
+    if split_across_workers(model) or isinstance(x, DistributedDataset) or LoaderPlan.reads_own_shard(x):
+        why = ("the model's weights are split across the workers (mf.dtensor layouts)" if split_across_workers(model)
                else "the data gives each worker its own part (a distributed dataset or a DistributedSampler)")
         with strategy.guard():
             require_every_worker(strategy, f"model.{call}", why)

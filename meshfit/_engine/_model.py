@@ -54,6 +54,7 @@ from meshfit.distribute import (
     current_scope_strategy,
     get_strategy,
     placement_hook,
+    resident_parts,
 )
 from meshfit.losses import get as get_loss
 from meshfit.metrics import Mean, Metric
@@ -186,9 +187,11 @@ class Model(TrackedMetricsMixin, StepsMixin, OnBatchMixin, WeightsMixin):
 
     def saveable_parts(self) -> dict[str, Any]:
         """The model's own parts of a backup: the module's weights and the optimizer's state."""
-        if self.optimizer is not None and not self.optimizer.built:  # a module without parameters
-            return {"module": self.module}
-        return {"module": self.module, "optimizer": self.optimizer}
+        parts: dict[str, Any] = {"module": self.module}
+        if self.optimizer is None or self.optimizer.built:  # built: not a module without parameters
+            parts["optimizer"] = self.optimizer
+        # A state held in parts (pipeline stages): completed from its holders, as one process's.
+        return resident_parts(parts, self.module, self.residency, self.strategy.world)
 
     def _require_compiled(self, what: str) -> None:
         if self.optimizer is None:

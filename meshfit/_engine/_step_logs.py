@@ -41,14 +41,14 @@ def reduce_logs(trainable: Trainable, flags: Sequence[float] = (), *,
     if strategy.num_processes > 1 and any(states):
         # The flags ride in the metrics' all-reduce (logs read: the host waits for it anyway), instead
         # of a second collective on the control plane; each comes back positive where any process's was.
-        states, summed = _sum_states(strategy, states, flags)
+        states, summed = _sum_states(trainable, strategy, states, flags)
     else:
         summed = sum_flags(strategy, flags)
     logs = {metric.name: float(metric.result_from(state)) for metric, state in zip(metrics, states, strict=True)}
     return logs, summed
 
 
-def _sum_states(strategy: DistributionStrategy, states: list[tuple[torch.Tensor, ...]],
+def _sum_states(trainable: Trainable, strategy: DistributionStrategy, states: list[tuple[torch.Tensor, ...]],
                 flags: Sequence[float]) -> tuple[list[tuple[torch.Tensor, ...]], list[float]]:
     """The metric states summed over replicas and the flags over every process, in one all-reduce
     on the device backend (`DistributionStrategy.all_reduce_states`)."""
@@ -56,7 +56,7 @@ def _sum_states(strategy: DistributionStrategy, states: list[tuple[torch.Tensor,
     if flags:
         parts.append(torch.tensor([float(f) for f in flags], dtype=torch.float64, device=strategy.device))
     flat = torch.cat(parts)
-    strategy.all_reduce_states(flat, flags=len(flags))
+    strategy.all_reduce_states(flat, flags=len(flags), lead=trainable.residency.leads_logs)
     offset, reduced = 0, []
     for group in states:
         tensors = []

@@ -17,8 +17,9 @@ from torch import nn
 from meshfit import mixed_precision
 from meshfit._engine._outputs import CompileLoss, OutputMetric, detached, is_structured, zero_of
 from meshfit._engine._step_logs import MetricResults
-from meshfit._protocols import DistributionStrategy
+from meshfit._protocols import DistributionStrategy, PlacementLike, Residency, StepOutputs, StepRunner
 from meshfit.data import batch_size_of, unpack_batch
+from meshfit.distribute import EVERYWHERE
 from meshfit.losses import Loss, TorchModuleLoss
 from meshfit.metrics import Mean, Metric
 
@@ -30,6 +31,7 @@ class StepsMixin:
     loss: Any
     optimizer: Any
     strategy: DistributionStrategy
+    placement: PlacementLike | None
     _compiled_metrics: list[Metric]
     _loss_tracker: Mean
     _step_params: list[nn.Parameter] | None
@@ -92,6 +94,13 @@ class StepsMixin:
             return self._forward_only_step(x, y, sample_weight)
         if self.optimizer is None:
             raise RuntimeError("train_step needs an optimizer: call compile(optimizer=...) first.")
+        runner = self._step_runner()
+        if runner is not None:  # the placement runs forward → loss → backward (a pipeline's schedule)
+            self.optimizer.zero_grad(set_to_none=True)
+            with _autocast(self.strategy.device):
+                outputs = runner.train(self, x, y, sample_weight)
+            self.optimizer.step()
+            return self._record(x, y, sample_weight, outputs)
         # Freed, as Keras leaves an unused gradient None; no page faults: meshfit/_runtime/_allocator.py.
         self.optimizer.zero_grad(set_to_none=True)
         with _autocast(self.strategy.device):  # forward + loss in the policy's dtype
@@ -108,6 +117,25 @@ class StepsMixin:
         self.optimizer.step()
         self._loss_tracker.update_state(loss.detach(), sample_weight=size)
         return self.compute_metrics(x, y, y_pred, sample_weight)
+
+    def _step_runner(self) -> StepRunner | None:
+        """The placement's runner of a step; None: this model's own local step (every SPMD placement)."""
+        placement = self.placement
+        return placement.step if placement is not None else None
+
+    @property
+    def residency(self) -> Residency:
+        """Which ranks hold which state and the outputs: the placement's (`EVERYWHERE` until placed)."""
+        placement = self.placement
+        return placement.residency if placement is not None else EVERYWHERE
+
+    def _record(self, x: Any, y: Any, sample_weight: Any, outputs: StepOutputs | None) -> Mapping[str, Any]:
+        """Update the loss tracker and the metrics with a runner's outputs (a rank without outputs, a
+        pipeline's earlier stage, updates nothing: the log reduction takes the states of those with)."""
+        if outputs is not None:
+            self._loss_tracker.update_state(outputs.loss.detach(), sample_weight=outputs.size)
+            self.compute_metrics(x, y, outputs.y_pred, sample_weight)
+        return self.get_metrics_result()
 
     def _has_trainable_weights(self) -> bool:
         """Whether a parameter of the module requires a gradient (read at every step: a callback may
@@ -138,6 +166,11 @@ class StepsMixin:
     def test_step(self, data: Any) -> Mapping[str, Any] | None:
         """One evaluation step on this replica's batch; updates the metrics and returns their results."""
         x, y, sample_weight = unpack_batch(data)
+        runner = self._step_runner()
+        if runner is not None:
+            with mixed_precision.autocast(self.strategy.device):
+                outputs = runner.evaluate(self, x, y, sample_weight)
+            return self._record(x, y, sample_weight, outputs)
         with mixed_precision.autocast(self.strategy.device):
             y_pred = self.module(x)
             loss = self._evaluation_loss(x, y, y_pred, sample_weight) if self.loss is not None else None
@@ -155,8 +188,10 @@ class StepsMixin:
     def predict_step(self, data: Any) -> Any:
         """The module's output for one batch."""
         x, _, _ = unpack_batch(data)
+        runner = self._step_runner()
         with mixed_precision.autocast(self.strategy.device):
-            return mixed_precision.to_variable_dtype(self.module(x))
+            y_pred = self.module(x) if runner is None else runner.predict(self, x)
+            return mixed_precision.to_variable_dtype(y_pred)
 
 
 _NO_AUTOCAST = contextlib.nullcontext()  # reusable: entered by every float32 step, no object made per step

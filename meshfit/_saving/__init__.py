@@ -6,7 +6,12 @@ A private layer package: meshfit's other packages import the names below from he
 """
 
 from meshfit._saving._architecture import module_from_config
-from meshfit._saving._every_worker import EveryWorkerCallError, is_sharded, require_every_worker
+from meshfit._saving._every_worker import (
+    EveryWorkerCallError,
+    is_sharded,
+    require_every_worker,
+    split_across_workers,
+)
 from meshfit._saving._keras_archive import is_archive_path, unpack
 from meshfit._saving._save import laid_out_like, load_weights, read_config, save_model, save_weights
 from meshfit._saving._weights import load_state_dict_file, unflatten_optimizer_state
@@ -15,6 +20,7 @@ __all__ = [
     "EveryWorkerCallError",
     "is_archive_path",
     "is_sharded",
+    "split_across_workers",
     "laid_out_like",
     "load_state_dict_file",
     "load_weights",

@@ -80,3 +80,9 @@ def require_every_worker(strategy: DistributionStrategy, call: str, why: str) ->
 def is_sharded(module: Any) -> bool:
     """Whether any of ``module``'s parameters or buffers is split across processes (a DTensor)."""
     return any(is_dtensor(t) for t in (*module.parameters(), *module.buffers()))
+
+
+def split_across_workers(model: Any) -> bool:
+    """Whether a model's state is split across processes: a DTensor, or a placement whose `Residency`
+    gives each rank some of the paths (pipeline stages). Reading the whole state needs every worker."""
+    return is_sharded(model.module) or not model.residency.everywhere

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from meshfit._saving._architecture import module_to_config, plain_type
-from meshfit._saving._every_worker import is_sharded, require_every_worker
+from meshfit._saving._every_worker import require_every_worker, split_across_workers
 from meshfit._saving._keras_archive import is_archive_path, pack, unpack
 from meshfit._saving._save_barrier import save_barrier
 from meshfit._saving._weights import (
@@ -58,7 +58,7 @@ _SHARDED = "the model's weights are split across the workers (mf.dtensor layouts
 def _chief_writes(model: Any, write: Any, what: str = "save the model") -> None:
     """The chief runs ``write``: alone for a replicated model; for a sharded one, every worker learns its outcome."""
     strategy = model.strategy
-    if not is_sharded(model.module):
+    if not split_across_workers(model):
         if strategy.is_chief:
             write()
         return
@@ -67,7 +67,7 @@ def _chief_writes(model: Any, write: Any, what: str = "save the model") -> None:
 
 
 def _every_worker_if_sharded(model: Any, call: str) -> None:
-    if is_sharded(model.module):
+    if split_across_workers(model):
         with model.strategy.guard():
             require_every_worker(model.strategy, call, _SHARDED)
 
@@ -125,7 +125,7 @@ def _after_the_chief(model: Any, call: str, what: str) -> contextlib.AbstractCon
 
     A sharded model's save is collective already (`chief_writes`): nothing more to wait for.
     """
-    if is_sharded(model.module):
+    if split_across_workers(model):
         return contextlib.nullcontext()
     return save_barrier(model.strategy, call, what)
 
@@ -160,9 +160,11 @@ def _save_model(model: Any, path: str) -> None:
 
     # Sharded (DTensor) weights and optimizer state are gathered to full tensors on every process
     # (a collective) before the chief writes them: the files hold plain, full tensors.
-    weights = _gathered(module.state_dict())
+    parts = model.saveable_parts()  # a state held in parts (pipeline stages) completed from its holders
+    weights = _gathered(parts["module"].state_dict())
     optimizer = model.optimizer
-    optimizer_state = _gathered(optimizer.state_dict()) if optimizer is not None and optimizer.built else None
+    optimizer_state = _gathered(parts["optimizer"].state_dict()) if optimizer is not None and optimizer.built \
+        else None
 
     def write() -> None:
         compile_config = dict(model._compile_config) if model._compile_config else None
@@ -199,7 +201,7 @@ def save_weights(model: Any, filepath: str | os.PathLike) -> None:
 
 def _save_weights(model: Any, path: str) -> None:
     parent = os.path.dirname(path)
-    weights = _gathered(model.module.state_dict())
+    weights = _gathered(model.saveable_parts()["module"].state_dict())
 
     def write() -> None:
         try:

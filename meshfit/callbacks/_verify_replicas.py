@@ -32,6 +32,7 @@ from meshfit.distribute import (
     coverage,
     first_changed,
     named_state,
+    resolve_residency,
     resolve_state,
     verify_replicas,
 )
@@ -112,13 +113,15 @@ class VerifyReplicas(Callback):
         """Say, on the chief, what the checks compare and what is held in one copy (once the model is built)."""
         loop = self._require_loop()
         strategy = loop.strategy
-        module, optimizer = resolve_state(self._require_model())
+        model = self._require_model()
+        module, optimizer = resolve_state(model)
+        residency = resolve_residency(model)
         try:
-            state, _ = named_state(module, optimizer)
+            state, _ = named_state(module, optimizer, residency)
         except ValueError:  # a lazy module: built by its first step, announced at the first check
             return
         parameters = {name for name, _ in module.named_parameters()}
-        self.coverage = coverage(state, parameters, strategy.num_processes)
+        self.coverage = coverage(state, parameters, strategy.num_processes, residency)
         if strategy.is_chief:
             print(self.coverage.describe(repr(strategy)), flush=True)
             if not self.coverage.compared and self.on_divergence == "restore":
@@ -153,8 +156,9 @@ class VerifyReplicas(Callback):
         if record is None:
             return
         strategy = self._require_loop().strategy
-        module, optimizer = resolve_state(self._require_model())
-        changed = record.changed(named_state(module, optimizer)[0], strategy.world.rank)
+        model = self._require_model()
+        module, optimizer = resolve_state(model)
+        changed = record.changed(named_state(module, optimizer, resolve_residency(model))[0], strategy.world.rank)
         world = strategy.world  # every process, whatever axes the mesh has: each holds its own shards
         gathered = world.all_gather_object(changed) if world.distributed else [changed]
         found = first_changed(gathered)
@@ -201,7 +205,7 @@ class VerifyReplicas(Callback):
         if self.coverage is None:
             self._announce()
         module, optimizer = resolve_state(model)
-        state, _ = named_state(module, optimizer)
+        state, _ = named_state(module, optimizer, resolve_residency(model))
         self._at_rest = AtRest.record(iterations, state, digest.one_copy, strategy.world.rank) \
             if digest.one_copy else None
         self._verified_at = iterations

@@ -45,6 +45,10 @@ from meshfit.distribute._replication import broadcast_initial_values as broadcas
 from meshfit.distribute._replication import check_training_strategy as check_training_strategy
 from meshfit.distribute._replication import owner_of as owner_of
 from meshfit.distribute._replication import synchronize_gradients as synchronize_gradients
+from meshfit.distribute._residency import EVERYWHERE as EVERYWHERE
+from meshfit.distribute._residency import StageResidency as StageResidency
+from meshfit.distribute._resident_state import complete_tensors as complete_tensors
+from meshfit.distribute._resident_state import resident_parts as resident_parts
 from meshfit.distribute._scope import current_scope_strategy as current_scope_strategy
 from meshfit.distribute._scope import current_world as current_world
 from meshfit.distribute._scope import global_distribution as global_distribution
@@ -68,6 +72,8 @@ from meshfit.distribute._verify import ReplicaHistory as ReplicaHistory
 from meshfit.distribute._verify import compare_replicas as compare_replicas
 from meshfit.distribute._verify import named_state as named_state
 from meshfit.distribute._verify import reduce_parts as reduce_parts
+from meshfit.distribute._verify import reduce_resident as reduce_resident
+from meshfit.distribute._verify import resolve_residency as resolve_residency
 from meshfit.distribute._verify import resolve_state as resolve_state
 from meshfit.distribute._verify import verify_replicas as verify_replicas
 from meshfit.distribute._world import World

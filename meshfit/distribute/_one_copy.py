@@ -22,8 +22,10 @@ from typing import Any
 
 import torch
 
+from meshfit._protocols import Residency
 from meshfit.distribute._digest import finish_digest
 from meshfit.distribute._digest_batch import local_parts
+from meshfit.distribute._residency import EVERYWHERE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,9 +92,13 @@ def is_gatherable(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor) and not all(_copies(p) for p in tensor.placements)
 
 
-def coverage(state: Sequence[tuple[str, torch.Tensor]], parameters: set[str], processes: int) -> ReplicaCoverage:
-    """The `ReplicaCoverage` of ``state`` (``(path, tensor)``) on ``processes`` processes; no collective."""
-    counts = {path: holders(tensor, processes) for path, tensor in state}
+def coverage(state: Sequence[tuple[str, torch.Tensor]], parameters: set[str], processes: int,
+             residency: Residency = EVERYWHERE) -> ReplicaCoverage:
+    """The `ReplicaCoverage` of ``state`` (``(path, tensor)``) on ``processes`` processes; no collective.
+
+    A path some ranks hold (``residency``: a pipeline stage's) has copies only among those ranks.
+    """
+    counts = {path: holders(tensor, len(residency.holders(path)) or processes) for path, tensor in state}
     compared = tuple(path for path, _ in state if counts[path] > 1)
     one_copy = tuple(path for path, _ in state if counts[path] <= 1)
     gathered = tuple(path for path, tensor in state

@@ -37,6 +37,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from meshfit._protocols import Residency, StepRunner
+from meshfit.distribute._residency import EVERYWHERE
+
 # Both registries are keyed by ``id(param)`` and hold no weak reference to a parameter: torch cannot
 # swap a tensor that has one (``module.to(...)`` on DTensor or ``fully_shard`` parameters uses
 # ``torch.utils.swap_tensors``, which keeps the Python object and so its id).
@@ -127,13 +130,15 @@ class PlacementPlan:
 
     transforms: list[Transform]
     gradient_sync: GradientSync
+    residency: Residency = EVERYWHERE
+    step: StepRunner | None = None
 
     def apply(self, module: nn.Module) -> Placement:
         source = module
         for transform in self.transforms:
             module = transform.apply(module)
         register_placement((p for p in module.parameters() if p.requires_grad), self.gradient_sync)
-        return Placement(module, source, self.gradient_sync)
+        return Placement(module, source, self.gradient_sync, self.residency, self.step)
 
     def describe(self) -> list[str]:
         """The transforms' names, in the order they run (for messages and tests)."""
@@ -148,11 +153,15 @@ class Placement:
         module: what runs the training forward (a DDP wrapper, the laid-out module, or the module).
         source: the user's module, whose parameters are the ones trained and saved.
         gradient_sync: how the gradients of ``source``'s parameters reach every replica.
+        residency: which ranks hold which state and the outputs (`EVERYWHERE`: every rank, all).
+        step: the runner of a step; None: the model's own forward → loss → backward on ``module``.
     """
 
     module: nn.Module
     source: nn.Module
     gradient_sync: GradientSync
+    residency: Residency = EVERYWHERE
+    step: StepRunner | None = None
 
     def in_step(self) -> bool:
         """Whether ``module`` (rather than ``source``) runs the training forward now: inside a step of

@@ -181,16 +181,20 @@ class Strategy(CrossReplicaMethods):
         """Sum ``tensor`` over replicas, in place; returns it."""
         return tensor
 
-    def all_reduce_states(self, tensor: torch.Tensor, flags: int = 0) -> torch.Tensor:
+    def all_reduce_states(self, tensor: torch.Tensor, flags: int = 0, lead: bool | None = None) -> torch.Tensor:
         """Sum metric states over replicas in one collective, in place; returns ``tensor``.
 
         Args:
             tensor: the states (values every process of a replica holds alike), then ``flags`` flags.
             flags: how many of the last entries are flags: each is summed over every process, so it
                 comes back positive where any process's was.
+            lead: whether this process sends its replica's states (its placement's `Residency`:
+                a pipeline's last stage holds them); None: the strategy's own rule.
 
         Every process here is a replica of its own: the sum over replicas is the sum over processes.
         """
+        if lead is False and tensor.numel() > flags:
+            tensor[:tensor.numel() - flags].zero_()
         return self.all_reduce_sum(tensor)
 
     def all_reduce_control(self, tensor: torch.Tensor) -> torch.Tensor:

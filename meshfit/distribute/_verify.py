@@ -17,11 +17,13 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parameter import is_lazy
 
-from meshfit._protocols import DistributionStrategy
+from meshfit._lazy_dtensor import is_dtensor
+from meshfit._protocols import DistributionStrategy, Residency
 from meshfit.distribute._buffers import agree_buffers
 from meshfit.distribute._digest import LocalPart, combine_digests, finish_digest
 from meshfit.distribute._digest_batch import local_parts
 from meshfit.distribute._one_copy import coverage, gathered_digests
+from meshfit.distribute._residency import EVERYWHERE
 
 
 class ReplicaDivergenceError(ValueError):
@@ -106,6 +108,14 @@ class _HoldsModule(Protocol):
 
 
 @runtime_checkable
+class _Resident(Protocol):
+    """A meshfit ``Model``: its placement's `Residency`."""
+
+    @property
+    def residency(self) -> Residency: ...
+
+
+@runtime_checkable
 class _StepCounted(Protocol):
     """A meshfit optimizer: whether it is built, and its step count (checked without building it)."""
 
@@ -144,9 +154,11 @@ def resolve_state(model: Any, optimizer: Any = None) -> tuple[torch.nn.Module, A
     return module, optimizer
 
 
-def named_state(module: torch.nn.Module, optimizer: Any = None) -> tuple[list[tuple[str, torch.Tensor]], set[str]]:
+def named_state(module: torch.nn.Module, optimizer: Any = None, residency: Residency = EVERYWHERE,
+                ) -> tuple[list[tuple[str, torch.Tensor]], set[str]]:
     """The state's tensors by path, in a fixed order, and the paths DDP agrees on rank 0's copy
-    (plain batch-norm running statistics; synchronized batch norms' are compared as they are)."""
+    (plain batch-norm running statistics; synchronized batch norms' are compared as they are).
+    Only the paths this rank holds (``residency``: a pipeline stage holds its own)."""
     lazy = [name for name, p in module.named_parameters() if is_lazy(p)]
     if lazy:
         raise ValueError(f"Invalid `model`: {type(module).__name__} holds no tensors yet: {lazy[0]!r} is a lazy "
@@ -159,6 +171,8 @@ def named_state(module: torch.nn.Module, optimizer: Any = None) -> tuple[list[tu
               for name, _ in child.named_buffers(recurse=False)}
     if optimizer is not None:
         state += _optimizer_state(module, optimizer)
+    if not residency.everywhere:
+        state = [(path, tensor) for path, tensor in state if residency.holds(path)]
     if not state:
         raise ValueError(f"Invalid `model`: {type(module).__name__} holds no tensors (no parameters or buffers, "
                          "and no optimizer state), so there is no state to digest. Pass the model after it is "
@@ -197,19 +211,41 @@ def reduce_parts(paths: Sequence[str], values: Sequence[int], parts: Sequence[Lo
     return {path: finish_digest(int(v), p.meta) for path, v, p in zip(paths, masked.tolist(), parts, strict=True)}
 
 
+def reduce_resident(state: Sequence[tuple[str, torch.Tensor]], residency: Residency, world: Any) -> dict[str, int]:
+    """Every tensor's digest where each rank holds some paths (``residency``): each path's parts summed
+    over the ranks that hold it, one copy of each shard (one gather on the control plane)."""
+    values, parts = local_parts([t for _, t in state], world.rank)
+    mine = {path: (value, _counts(path, tensor, part, residency, world.rank), part.meta)
+            for (path, tensor), value, part in zip(state, values, parts, strict=True)}
+    gathered = world.all_gather_object(mine) if world.distributed else [mine]
+    every_path = list(dict.fromkeys(p for held in gathered for p in held))
+    return {path: finish_digest(sum(g[path][0] for g in gathered if path in g and g[path][1]),
+                                next(g[path][2] for g in gathered if path in g)) for path in every_path}
+
+
 def find_divergences(paths: Sequence[str], gathered: Sequence[tuple[list[int], list[Any]]],
                      skip: frozenset[str] = frozenset()) -> list[tuple[str, list[int], str]]:
     """Every path whose copies differ among the ranks holding the same shard, in path order: the path,
-    the ranks that differ (the minority; all when no value is most common) and each rank's digest."""
+    the ranks that differ (the minority; all when no value is most common) and each rank's digest.
+    Every rank holds every path (``gathered[rank]``: its digests and shards, by path index)."""
+    held = [{path: (values[i], shards[i]) for i, path in enumerate(paths)} for values, shards in gathered]
+    return divergences_by_path(paths, held, skip)
+
+
+def divergences_by_path(paths: Sequence[str], held: Sequence[Mapping[str, tuple[int, Any]]],
+                        skip: frozenset[str] = frozenset()) -> list[tuple[str, list[int], str]]:
+    """`find_divergences` where each rank holds some paths (``held[rank]``: path → its digest and shard):
+    each path's copies are compared among the ranks that hold it (a pipeline's stage), never across."""
     found = []
-    for index, path in enumerate(paths):
+    for path in paths:
         if path in skip:
             continue
         groups: dict[Any, list[int]] = collections.defaultdict(list)
-        for rank, (_, shards) in enumerate(gathered):
-            groups[tuple(shards[index])].append(rank)
+        for rank, mine in enumerate(held):
+            if path in mine:
+                groups[tuple(mine[path][1])].append(rank)
         for ranks in groups.values():
-            values = {rank: gathered[rank][0][index] & ((1 << 64) - 1) for rank in ranks}
+            values = {rank: held[rank][path][0] & ((1 << 64) - 1) for rank in ranks}
             counts = collections.Counter(values.values()).most_common()
             if len(counts) < 2:
                 continue
@@ -243,19 +279,28 @@ def _step_of(strategy: DistributionStrategy, optimizer: Any) -> int:
     return optimizer.iterations if isinstance(optimizer, _StepCounted) else (strategy.failure.step or 0)
 
 
+def resolve_residency(model: Any) -> Residency:
+    """The `Residency` of a meshfit Model's placement (which ranks hold which paths); a plain module's
+    state is held by every rank."""
+    return model.residency if isinstance(model, _Resident) else EVERYWHERE
+
+
 def verify_replicas(strategy: DistributionStrategy, model: Any, optimizer: Any = None,
                     history: ReplicaHistory | None = None) -> StateDigest:
     """Compare every replica's digest of the state it should share (see `Strategy.verify_replicas`).
 
-    One-copy parameters (`meshfit.distribute._one_copy`) are also gathered on every rank and the
-    digest of what each rank got compared with the digest of the shards, in the same gather.
+    Each rank digests the paths it holds (its placement's `Residency`); each path is compared among
+    the ranks that hold it. One-copy parameters (`meshfit.distribute._one_copy`) are also gathered
+    on every rank and the digest of what each rank got compared with the digest of the shards, in
+    the same gather.
     """
+    residency = resolve_residency(model)
     module, optimizer = resolve_state(model, optimizer)
-    state, agreed = named_state(module, optimizer)
+    state, agreed = named_state(module, optimizer, residency)
     world = strategy.world
     paths = [path for path, _ in state]
     parameters = {name for name, _ in module.named_parameters()}
-    covered = coverage(state, parameters, world.size if world.distributed else 1)
+    covered = coverage(state, parameters, world.size if world.distributed else 1, residency)
     gathered_paths = list(covered.gathered)
     by_name = dict(state)
     full = gathered_digests([by_name[p] for p in gathered_paths]) if gathered_paths else []
@@ -267,46 +312,59 @@ def verify_replicas(strategy: DistributionStrategy, model: Any, optimizer: Any =
     more_values, more_parts = local_parts([t for _, t in later], world.rank)
     by_path = dict(zip([p for p, _ in first] + [p for p, _ in later],
                        zip(values + more_values, parts + more_parts, strict=True), strict=True))
-    ordered = [by_path[p] for p in paths]
-    mine = ([v for v, _ in ordered], [list(p.shard) for _, p in ordered], [p.canonical for _, p in ordered], full)
+    mine = ({p: (by_path[p][0], list(by_path[p][1].shard), _counts(p, by_name[p], by_path[p][1], residency,
+                                                                 world.rank), by_path[p][1].meta) for p in paths},
+            dict(zip(gathered_paths, full, strict=True)))
     gathered = world.all_gather_object(mine) if world.distributed else [mine]
+    every_path = list(dict.fromkeys(p for held, _ in gathered for p in held))  # the chief's first, in order
     step = _step_of(strategy, optimizer)
-    found = find_divergences(paths, [(g[0], g[1]) for g in gathered])
-    totals = [sum(g[0][i] for g in gathered if g[2][i]) for i in range(len(paths))]
-    digests = {path: finish_digest(total, part.meta) for path, total, (_, part) in zip(paths, totals, ordered,
-                                                                                       strict=True)}
-    found += _bad_gathers(gathered_paths, digests, [g[3] for g in gathered])
+    held = [{p: (v, shard) for p, (v, shard, _, _) in g[0].items()} for g in gathered]
+    found = divergences_by_path(every_path, held)
+    metas = {p: meta for g in reversed(gathered) for p, (_, _, _, meta) in g[0].items()}
+    digests = {path: finish_digest(sum(g[0][path][0] for g in gathered if path in g[0] and g[0][path][2]),
+                                   metas[path]) for path in every_path}
+    found += _bad_gathers(digests, [g[1] for g in gathered])
     if found:
         path, ranks, detail = found[0]
         last_equal = history.last_equal if history is not None else {}
         raise ReplicaDivergenceError(step, path, ranks, f" (each rank's digest of its copy: {detail}).",
                                      differing=[(p, r) for p, r, _ in found],
                                      last_equal={p: last_equal[p] for p, _, _ in found if p in last_equal})
-    compared = _with_copies(paths, [g[1] for g in gathered])
+    compared = _with_copies(every_path, held)
     if history is not None:
         history.passed(step, compared + covered.gathered)
-    return StateDigest(digests, compared=compared, one_copy=tuple(p for p in paths if p not in set(compared)))
+    return StateDigest(digests, compared=compared, one_copy=tuple(p for p in every_path if p not in set(compared)))
 
 
-def _with_copies(paths: Sequence[str], shards: Sequence[Sequence[Any]]) -> tuple[str, ...]:
+def _counts(path: str, tensor: torch.Tensor, part: LocalPart, residency: Residency, rank: int) -> bool:
+    """Whether this rank's part counts in ``path``'s digest: a plain tensor's first holder's copy (rank 0's
+    when every rank holds it), a DTensor's by its layout."""
+    holders = residency.holders(path)
+    if not holders or is_dtensor(tensor):
+        return part.canonical
+    return rank == holders[0]
+
+
+def _with_copies(paths: Sequence[str], held: Sequence[Mapping[str, tuple[int, Any]]]) -> tuple[str, ...]:
     """The paths every shard of which two or more ranks hold (what comparing copies covers)."""
     compared = []
-    for index, path in enumerate(paths):
-        counts = collections.Counter(tuple(mine[index]) for mine in shards)
+    for path in paths:
+        counts = collections.Counter(tuple(mine[path][1]) for mine in held if path in mine)
         if min(counts.values()) > 1:
             compared.append(path)
     return tuple(compared)
 
 
-def _bad_gathers(paths: Sequence[str], digests: Mapping[str, int],
-                 gathered: Sequence[Sequence[int]]) -> list[tuple[str, list[int], str]]:
+def _bad_gathers(digests: Mapping[str, int],
+                 gathered: Sequence[Mapping[str, int]]) -> list[tuple[str, list[int], str]]:
     """The one-copy parameters some rank gathered into another value than its shards hold."""
     found = []
-    for index, path in enumerate(paths):
+    paths = list(dict.fromkeys(p for mine in gathered for p in mine))
+    for path in paths:
         want = digests[path]
-        odd = [rank for rank, mine in enumerate(gathered) if mine[index] != want]
+        odd = [rank for rank, mine in enumerate(gathered) if path in mine and mine[path] != want]
         if odd:
-            detail = ", ".join(f"rank {r}: 0x{mine[index]:016x}" for r, mine in enumerate(gathered))
+            detail = ", ".join(f"rank {r}: 0x{mine[path]:016x}" for r, mine in enumerate(gathered) if path in mine)
             found.append((f"{path} (gathered)", odd,
                           f"{detail}; its shards' digest: 0x{want:016x}"))
     return found

@@ -25,7 +25,7 @@ import contextlib
 import copy
 import socket
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -58,6 +58,12 @@ from meshfit.dtensor._tensor_parallel import tensor_parallel_styles
 BATCH_AXIS = "batch"
 
 
+class PlacementBuilder(Protocol):
+    """Builds the `Placement` of a module on a mesh strategy (e.g. a pipeline's stages)."""
+
+    def build(self, module: nn.Module, strategy: MeshStrategy) -> Placement: ...
+
+
 class MeshStrategy(CollectiveStrategy):
     """The strategy of a mesh made by `create_mesh` (``mesh.strategy``); see the module docstring.
 
@@ -80,6 +86,7 @@ class MeshStrategy(CollectiveStrategy):
         self._device_mesh = self.world.form_mesh(mesh.axis_names, mesh.shape, mesh.device_type)
         self.mesh = Mesh(mesh.axis_names, mesh.shape, mesh.device_type, self._device_mesh, self)
         self.layout_map: LayoutMap | None = None
+        self._builder: PlacementBuilder | None = None
         self._batch = BATCH_AXIS if BATCH_AXIS in mesh.axis_names else None
         # at coordinate 0 of every axis but ``batch``: the process that sends its replica's metric states
         self._leads_replica = all(self._device_mesh.get_local_rank(axis) == 0
@@ -96,6 +103,13 @@ class MeshStrategy(CollectiveStrategy):
         """This strategy (same processes) applying ``layout_map`` to the modules it sets up."""
         view = copy.copy(self)
         view.layout_map = layout_map
+        return view
+
+    def with_placement_builder(self, builder: PlacementBuilder) -> MeshStrategy:
+        """This strategy (same processes) placing the modules it sets up with ``builder`` (a placement
+        the layout map cannot spell: its own `Residency` and step runner)."""
+        view = copy.copy(self)
+        view._builder = builder
         return view
 
     def places_on_creation(self, module: nn.Module) -> bool:
@@ -142,19 +156,21 @@ class MeshStrategy(CollectiveStrategy):
             tensor.copy_(moved)
         return tensor
 
-    def all_reduce_states(self, tensor: torch.Tensor, flags: int = 0) -> torch.Tensor:
+    def all_reduce_states(self, tensor: torch.Tensor, flags: int = 0, lead: bool | None = None) -> torch.Tensor:
         """Metric states summed over ``batch`` and every process's flags, in one all-reduce over the world.
 
         ``tensor`` is 1-D: the states, then ``flags`` flags. A replica's processes (those that differ
         only along the other axes) hold the same states, so only its first one (coordinate 0 of every
         other axis) sends them and the others send zeros there (adding a zero is exact); every process
         sends its flags. One collective where `all_reduce_sum` takes one per axis: ``fit`` reads its
-        logs this way at every step. See `meshfit.distribute.Strategy.all_reduce_states`.
+        logs this way at every step. See `meshfit.distribute.Strategy.all_reduce_states`. ``lead`` (the
+        placement's `Residency`: a pipeline's last stage holds the states) replaces that rule when given.
         """
         if self._world == 1:
             return tensor
         moved = tensor.to(self._device) if tensor.device != self._device else tensor
-        if not self._leads_replica and moved.numel() > flags:
+        leads = self._leads_replica if lead is None else lead
+        if not leads and moved.numel() > flags:
             moved[:moved.numel() - flags].zero_()
         self.world.all_reduce(moved)
         if moved is not tensor:
@@ -180,6 +196,8 @@ class MeshStrategy(CollectiveStrategy):
     # ---- placement -------------------------------------------------------------------------
     def setup_module(self, module: nn.Module, jit_compile: bool = False) -> Placement:
         """Lay out ``module``'s parameters, compile if asked; replicated-only layouts take DDP's bucketed path."""
+        if self._builder is not None:
+            return self._builder.build(module, self)
         layout_map = self.layout_map if self.layout_map is not None else LayoutMap(self.mesh)
         if layout_map.tensor_parallel_first and not jit_compile:
             layout_map = _tensor_parallel_map(module, layout_map, self._batch)

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshfit._protocols import DistributionStrategy
+from meshfit._protocols import DistributionStrategy, Residency
+from meshfit.distribute import EVERYWHERE
 from meshfit.estimator._model_fn import ModelFnCaller
 from meshfit.estimator._sharding import is_fully_sharded, shard_modules
 from meshfit.estimator._spec import ModeKeys
@@ -190,6 +191,11 @@ class EstimatorModel:
         if self.mode == ModeKeys.TRAIN:
             params = [p for m in modules.values() for p in m.parameters()]
             self._params = trained_parameters(self.caller.optimizer, params)
+
+    @property
+    def residency(self) -> Residency:
+        """Every rank holds every module's state (the Estimator places replicated or fully sharded)."""
+        return EVERYWHERE
 
     def saveable_parts(self) -> dict[str, Any]:
         parts: dict[str, Any] = {"model": ModulesState(self.caller.modules)}

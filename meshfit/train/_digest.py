@@ -21,6 +21,8 @@ from meshfit.distribute import (
     local_parts,
     named_state,
     reduce_parts,
+    reduce_resident,
+    resolve_residency,
     resolve_state,
 )
 
@@ -61,9 +63,12 @@ def state_digest(model: Any, optimizer: Any = None) -> StateDigest:
         (True, True)
     """
     module, optimizer = resolve_state(model, optimizer)
-    state, _ = named_state(module, optimizer)
+    residency = resolve_residency(model)
+    state, _ = named_state(module, optimizer, residency)
     paths = [path for path, _ in state]
     world = current_world()
+    if not residency.everywhere:  # each rank holds some paths (pipeline stages): each from its holders
+        return StateDigest(reduce_resident(state, residency, world))
     values, parts = local_parts([tensor for _, tensor in state], world.rank)
     return StateDigest(reduce_parts(paths, values, parts, world))
 
