@@ -23,6 +23,9 @@ from meshfit.distribute._one_copy import AtRest as AtRest
 from meshfit.distribute._one_copy import ReplicaCoverage as ReplicaCoverage
 from meshfit.distribute._one_copy import coverage as coverage
 from meshfit.distribute._one_copy import first_changed as first_changed
+from meshfit.distribute._parallel_dims import AxisRole as AxisRole
+from meshfit.distribute._parallel_dims import ParallelDims as ParallelDims
+from meshfit.distribute._parallel_dims import data_axis_of as data_axis_of
 from meshfit.distribute._placement import GradientSync, Placement
 from meshfit.distribute._placement import PlacementHook as PlacementHook
 from meshfit.distribute._placement import PlacementPlan as PlacementPlan

@@ -20,8 +20,9 @@ before the update (the user divides the per-example loss by the *global* batch w
   them: see `meshfit.distribute._placement`) are skipped, so nothing is reduced twice.
 - **DTensor parameters** follow their layout: a gradient with ``Partial`` placements is
   redistributed to the parameter's placements (DTensor's own all-reduce); a ``Replicate``
-  gradient over a mesh axis named ``"batch"`` (computed from per-replica local batches) is summed
-  over that axis only. Sharded axes are left alone: each shard owns its gradient.
+  gradient over the mesh's data axis (the axis whose role is data parallel, asked of the strategy's
+  `World`; computed from per-replica local batches) is summed over that axis only. Sharded axes
+  are left alone: each shard owns its gradient.
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ _OWNER = WeakIdKeyDictionary()
 # per scope entry: the tensors created in it, to broadcast when it exits
 _CREATED: list[list[weakref.ref]] = []
 _HOOKS: list[Any] = []
-_BATCH_AXIS = "batch"
 # Set on a tensor once its value was broadcast from rank 0 (created in a scope: replicas start equal).
 _BROADCAST = "_meshfit_broadcast"
 _LABEL = "_meshfit_label"  # how error messages name a tensor
@@ -151,7 +151,7 @@ def synchronize_gradients(params: Iterable[torch.Tensor]) -> None:
             continue
         strategy = owner_of(p)
         if is_dtensor(p):  # its layout says how its gradient is reduced
-            _synchronize_dtensor_gradient(p, replicated_batch=strategy is not None)
+            _synchronize_dtensor_gradient(p, strategy.world if strategy is not None else None)
             continue
         if strategy is None:
             _refuse_if_unreplicated(p)
@@ -184,12 +184,13 @@ def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def _synchronize_dtensor_gradient(param: Any, replicated_batch: bool) -> None:
+def _synchronize_dtensor_gradient(param: Any, world: Any) -> None:
     """Make a DTensor gradient follow its parameter's layout (the seam for sharded parameters).
 
     A ``Partial`` gradient is always reduced to the parameter's placements. A ``Replicate``
-    gradient over the ``batch`` axis is summed over that axis only for parameters created in a
-    strategy's scope (``replicated_batch``): a loop that fed each replica its own local batch.
+    gradient over the data axis (by the roles of ``world``, the `World` of the strategy whose scope
+    created the parameter) is summed over that axis only for parameters created in a strategy's
+    scope (``world`` is None for the others): a loop that fed each replica its own local batch.
     Whoever replaces a module's parameters by DTensors in a custom loop should `adopt` the module
     again so that the new parameters are recorded.
     """
@@ -202,12 +203,13 @@ def _synchronize_dtensor_gradient(param: Any, replicated_batch: bool) -> None:
     if any(isinstance(p, Partial) for p in grad.placements):
         param.grad = grad.redistribute(grad.device_mesh, param.placements)
         return
-    if not replicated_batch:
+    if world is None:
         return
     mesh = grad.device_mesh
     names = mesh.mesh_dim_names or ()
+    data_axis = world.data_axis_of(mesh)
     for dim, placement in enumerate(grad.placements):
-        if isinstance(placement, Replicate) and dim < len(names) and names[dim] == _BATCH_AXIS:
+        if isinstance(placement, Replicate) and dim < len(names) and names[dim] == data_axis:
             dist.all_reduce(grad.to_local(), group=mesh.get_group(dim))
 
 

@@ -17,13 +17,15 @@ Every collective names its group: the control group, the whole world's (`group` 
 a mesh axis's (`group` of ``"batch"``, ``"model"``, ...). Outside this module meshfit calls no
 ``torch.distributed`` collective without ``group=`` (a test reads the sources), and reads the
 default group's rank and size only through `process_group_shape`, before a `World` exists.
+
+The world keeps the `ParallelDims` of its mesh (``dims``): which axis is the data axis is asked of
+the axes' roles (`data_group`, `data_axis_of`), never read from an axis's name.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from datetime import timedelta
 from typing import Any
 
@@ -32,6 +34,7 @@ import torch.distributed as dist
 
 from meshfit.cluster import ClusterResolver, SingleProcessClusterResolver
 from meshfit.distribute._failure import FailureState
+from meshfit.distribute._parallel_dims import ParallelDims, data_axis_of
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)
 
@@ -54,6 +57,8 @@ class World:
         device_mesh: the named torch ``DeviceMesh`` (None with one process): 1-D ``("batch",)`` when the
             group forms; a mesh strategy re-arranges it in its axes once (`form_mesh`). Its sub-meshes
             (`sub_mesh`) and their groups (`group`) are looked up here by axis name.
+        dims: the roles and degrees of ``device_mesh``'s axes (None before a mesh forms): the ``("batch",)``
+            mesh's axis is the data axis; `form_mesh` gives a mesh's axes the roles `declare_dims` declared.
         control_group: the gloo group of the control plane (the default group itself when it is
             gloo); None with one process.
 
@@ -75,12 +80,15 @@ class World:
     heartbeat: Any = None
     device_mesh: Any = None
     control_group: Any = None
+    dims: ParallelDims | None = None
     owns_group: bool = False
     hosts_store: bool = False
     _async_group: Any = dataclasses.field(default=None, repr=False)
     # ``device_mesh[axis]`` builds a new sub-mesh at every call (index tensors, host reads): each is
     # built once per mesh, and `group` reads the group without one.
     _sub_meshes: dict[str, tuple[Any, Any]] = dataclasses.field(default_factory=dict, repr=False)
+    # the roles `form_mesh` gives the axes they name (`declare_dims`): the user's, where the mesh is made
+    _declared: ParallelDims | None = dataclasses.field(default=None, repr=False)
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> World:
@@ -133,27 +141,43 @@ class World:
         from torch.distributed.device_mesh import init_device_mesh
 
         self.device_mesh = init_device_mesh(self.device.type, (self.size,), mesh_dim_names=("batch",))
+        self.dims = ParallelDims(names=("batch",), degrees=(self.size,))
         self.control_group = dist.group.WORLD if "gloo" in self.backend else self.new_group(backend="gloo")
+
+    def declare_dims(self, dims: ParallelDims) -> None:
+        """The roles of the axes `form_mesh` arranges next (``create_mesh`` declares the user's before its
+        strategy forms the mesh); a mesh of these axes formed already takes them at once."""
+        self._declared = dims
+        current = self.device_mesh
+        if current is not None and (tuple(current.mesh_dim_names or ()), tuple(current.mesh.shape)) == \
+                (dims.names, dims.degrees):
+            self.dims = dims
 
     def form_mesh(self, axis_names: tuple[str, ...], shape: tuple[int, ...], device_type: str | None = None) -> Any:
         """Collective: arrange this world's processes in named axes; the world owns the mesh from then on.
 
-        The same names and sizes again return the mesh already formed (no new groups).
+        The same names and sizes again return the mesh already formed (no new groups). The axes take
+        the roles `declare_dims` declared for them, else the roles their names imply (`ParallelDims`).
 
         Raises:
             ValueError: the axes' sizes do not multiply to this world's size.
         """
         from torch.distributed.device_mesh import init_device_mesh
 
+        declared = self._declared
+        if declared is not None and (declared.names, declared.degrees) == (tuple(axis_names), tuple(shape)):
+            dims = declared
+        else:
+            dims = ParallelDims(names=tuple(axis_names), degrees=tuple(shape))
         current = self.device_mesh
         if current is not None and tuple(current.mesh_dim_names or ()) == tuple(axis_names) \
                 and tuple(current.mesh.shape) == tuple(shape) and current.device_type == (device_type or current.device_type):
+            self.dims = dims
             return current
-        if math.prod(shape) != self.size:
-            raise ValueError(f"Invalid mesh shape {dict(zip(axis_names, shape, strict=True))}: its sizes multiply to "
-                             f"{math.prod(shape)}, but this job has {self.size} processes.")
+        dims.validate(self.size)
         self.device_mesh = init_device_mesh(device_type or self.device.type, tuple(shape),
                                             mesh_dim_names=tuple(axis_names))
+        self.dims = dims
         return self.device_mesh
 
     def sub_mesh(self, axis: str) -> Any:
@@ -189,10 +213,14 @@ class World:
         return tensor
 
     def data_group(self) -> Any:
-        """The group of the data-parallel replicas: the ``batch`` axis's, the whole world's when the mesh
-        has no such axis (None with one process)."""
-        names = () if self.device_mesh is None else tuple(self.device_mesh.mesh_dim_names or ())
-        return self.group("batch" if "batch" in names else None)
+        """The group of the data-parallel replicas: the data axis's (`ParallelDims.data_axis`), the whole
+        world's when the mesh has no such axis (None with one process)."""
+        return self.group(None if self.device_mesh is None else self.data_axis_of(self.device_mesh))
+
+    def data_axis_of(self, device_mesh: Any) -> str | None:
+        """The data axis among a torch ``DeviceMesh``'s axes (this world's mesh or one of its sub-meshes),
+        by this world's roles; a mesh of other axes by the roles their names imply. None: it has none."""
+        return data_axis_of(device_mesh, self.dims)
 
     def broadcast_tensors(self, tensors: list[torch.Tensor], src: int = 0, axis: str | None = None) -> None:
         """Rank ``src`` (of the group of ``axis``, of the world when None) sends ``tensors``' values, in place.
@@ -270,3 +298,4 @@ class World:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
             self.owns_group = False
+

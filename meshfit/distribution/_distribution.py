@@ -27,6 +27,7 @@ from meshfit.distribute import global_distribution, set_global_distribution
 from meshfit.distribution import _devices
 from meshfit.distribution._layout_map import LayoutMap
 from meshfit.distribution._mesh import DeviceMesh, TensorLayout
+from meshfit.dtensor import AxisRole, ParallelDims
 from meshfit.dtensor import LayoutMap as DTensorLayoutMap
 
 DEFAULT_BATCH_DIM_NAME = "batch"
@@ -46,6 +47,7 @@ class Distribution:
                  auto_shard_dataset: bool = True) -> None:
         self._device_mesh = device_mesh
         self._batch_dim_name = batch_dim_name
+        self._dims = device_mesh.dims_for(batch_dim_name)  # refuses a data axis the mesh lacks
         self._auto_shard_dataset = auto_shard_dataset
         self._num_processes = _devices.num_processes()
         self._process_id = _devices.process_id()
@@ -114,6 +116,11 @@ class Distribution:
         return self._batch_dim_name
 
     @property
+    def dims(self) -> ParallelDims:
+        """The parallelism it trains with: the mesh's axes, ``batch_dim_name`` the data axis (`ParallelDims`)."""
+        return self._dims
+
+    @property
     def auto_shard_dataset(self) -> bool:
         return self._auto_shard_dataset
 
@@ -148,6 +155,8 @@ class DataParallel(Distribution):
         >>> distribution = DataParallel(devices=["cpu:0", "cpu:1"])
         >>> distribution.batch_dim_name
         'batch'
+        >>> distribution.dims
+        ParallelDims(batch=2:data)
     """
 
     def __init__(self, device_mesh: DeviceMesh | None = None, devices: Any = None,
@@ -227,6 +236,13 @@ class ModelParallel(Distribution):
     def num_model_replicas(self) -> int:
         mesh_batch_dim_index = list(self.device_mesh.axis_names).index(str(self.batch_dim_name))
         return int(self.device_mesh.shape[mesh_batch_dim_index])
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The mesh's axes, ``batch_dim_name`` the data axis, marked ``shard`` for a fully sharded map."""
+        if self._layout_map.is_fully_sharded:
+            return self._dims.with_role(str(self.batch_dim_name), AxisRole.SHARD)
+        return self._dims
 
     def get_variable_layout(self, variable: Any) -> TensorLayout:
         """The layout of ``variable`` (anything with ``.path`` and ``.shape``): its own, its map entry, or replicated."""

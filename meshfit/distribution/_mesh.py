@@ -3,7 +3,9 @@
 A `DeviceMesh` is a value (shape, axis names, devices) until something trains on it: its
 ``backend_mesh`` (as Keras's) is the ``meshfit.dtensor.Mesh`` of the job's processes, formed on
 first use by the same machinery as ``mf.dtensor.create_mesh`` (from a plain script with several
-local devices, the other processes are started here, as ``MirroredStrategy`` does).
+local devices, the other processes are started here, as ``MirroredStrategy`` does). The axes keep
+their Keras names there; a distribution's ``batch_dim_name`` gives its axis the data role
+(`ParallelDims`), whatever the axis is called.
 """
 
 from __future__ import annotations
@@ -15,9 +17,7 @@ from typing import Any
 import numpy as np
 
 from meshfit.distribution import _devices
-from meshfit.dtensor import UNSHARDED, Layout, Mesh, create_mesh
-
-BATCH_AXIS = "batch"
+from meshfit.dtensor import UNSHARDED, AxisRole, Layout, Mesh, ParallelDims, create_mesh
 
 
 class DeviceMesh:
@@ -55,7 +55,7 @@ class DeviceMesh:
         self._shape = shape
         self._axis_names = axis_names
         self._devices = np.reshape(devices, shape)
-        self._backends: dict[str | None, Mesh] = {}
+        self._backends: dict[tuple[str, ...], Mesh] = {}  # by the axes' roles
 
     @property
     def shape(self) -> Sequence[int]:
@@ -74,36 +74,43 @@ class DeviceMesh:
         """The ``meshfit.dtensor.Mesh`` of the job's processes (formed on first use)."""
         return self.mesh_for(None)
 
-    def mesh_for(self, batch_dim_name: str | None) -> Mesh:
-        """The processes' mesh with axis ``batch_dim_name`` named ``"batch"``: meshfit's data-parallel axis.
+    def dims_for(self, batch_dim_name: str | None) -> ParallelDims:
+        """The axes' `ParallelDims` with ``batch_dim_name`` the data axis (the only one); None: each axis
+        takes the role its name implies (``"batch"`` data, ``"pipe"`` pipeline, any other name tensor).
 
         Raises:
-            ValueError: another axis is named ``"batch"``.
+            ValueError: ``batch_dim_name`` is not one of the mesh's axes.
+
+        Example:
+            >>> DeviceMesh((2, 2), ["dp", "tp"], [f"cpu:{i}" for i in range(4)]).dims_for("dp")
+            ParallelDims(dp=2:data, tp=2:tensor)
         """
-        if batch_dim_name == BATCH_AXIS:
-            batch_dim_name = None  # the same mesh
-        if batch_dim_name not in self._backends:
-            names = [backend_axis(name, batch_dim_name) for name in self._axis_names]
-            if batch_dim_name not in (None, BATCH_AXIS) and BATCH_AXIS in self._axis_names:
-                raise ValueError(f"Invalid `batch_dim_name={batch_dim_name!r}`: this mesh also has an axis named "
-                                 f"{BATCH_AXIS!r} {list(self._axis_names)}, which meshfit reserves for the data "
-                                 f"axis. Rename that axis, or use batch_dim_name={BATCH_AXIS!r}.")
-            dims = list(zip(names, (int(size) for size in self._shape), strict=True))
-            self._backends[batch_dim_name] = create_mesh(dims, devices=[str(d) for d in self._devices.ravel()])
-        return self._backends[batch_dim_name]
+        dims = ParallelDims(names=tuple(self._axis_names), degrees=tuple(int(size) for size in self._shape))
+        if batch_dim_name is None:
+            return dims
+        if batch_dim_name not in dims.names:
+            raise ValueError(f"Invalid `batch_dim_name`: expected one of the DeviceMesh's axes {list(dims.names)}, "
+                             f"received batch_dim_name={batch_dim_name!r}. Pass one of them, or add that axis to "
+                             "the DeviceMesh.")
+        if dims.data_axis not in (None, batch_dim_name):  # an axis named "batch" that is not the data axis
+            dims = dims.with_role(dims.data_axis, AxisRole.TENSOR)
+        return dims.with_role(batch_dim_name, AxisRole.DATA)
+
+    def mesh_for(self, batch_dim_name: str | None) -> Mesh:
+        """The processes' mesh (the same axis names) whose data axis is ``batch_dim_name`` (`dims_for`)."""
+        dims = self.dims_for(batch_dim_name)
+        key = tuple(role.value for role in dims.roles)
+        if key not in self._backends:
+            axes = list(zip(dims.names, dims.degrees, strict=True))
+            self._backends[key] = create_mesh(axes, devices=[str(d) for d in self._devices.ravel()],
+                                              roles=dims.explicit_roles() or None)
+        return self._backends[key]
 
     def __repr__(self) -> str:
         return f"<{self.__class__.__name__} shape={self.shape}, axis_names={self.axis_names}>"
 
     def __str__(self) -> str:
         return self.__repr__()
-
-
-def backend_axis(name: str | None, batch_dim_name: str | None) -> str:
-    """The name of a mesh axis in meshfit's mesh: the data axis is ``"batch"``; None is `UNSHARDED`."""
-    if name is None:
-        return UNSHARDED
-    return BATCH_AXIS if batch_dim_name is not None and name == batch_dim_name else name
 
 
 class TensorLayout:
@@ -148,7 +155,7 @@ class TensorLayout:
             raise ValueError(f"Cannot create sharding when device mesh is not set for {self!r}. Pass "
                              "device_mesh=..., or put the layout in a LayoutMap.")
         mesh = self._device_mesh.mesh_for(batch_dim_name)
-        return Layout(tuple(backend_axis(axis, batch_dim_name) for axis in self._axes), mesh)
+        return Layout(tuple(UNSHARDED if axis is None else axis for axis in self._axes), mesh)
 
     def _validate_axes(self) -> None:
         if self._device_mesh:

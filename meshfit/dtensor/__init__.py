@@ -1,7 +1,8 @@
 """Layouts on a device mesh, as ``tf.experimental.dtensor``, on torch DTensor.
 
 Create a mesh of processes with named axes, say how each weight is split over them with a
-`LayoutMap` (regular expressions over weight paths), and train with the same ``fit``::
+`LayoutMap` (regular expressions over weight paths), and train with the same ``fit``. Each axis has
+a role (`ParallelDims`, `AxisRole`): ``"batch"`` is the data axis unless ``roles=`` names another::
 
     mesh = mf.dtensor.create_mesh([("batch", 2), ("model", 2)], devices=[f"cpu:{i}" for i in range(4)])
     layout_map = mf.dtensor.LayoutMap(mesh)
@@ -11,6 +12,7 @@ Create a mesh of processes with named axes, say how each weight is split over th
 """
 
 from meshfit._export import publish as _publish
+from meshfit.distribute import AxisRole, ParallelDims
 from meshfit.dtensor._apply import apply_layouts
 from meshfit.dtensor._create import create_mesh
 from meshfit.dtensor._lay_out import lay_out as lay_out  # gives layout_map.scope() its layout function
@@ -25,10 +27,12 @@ from meshfit.dtensor._strategy import MeshStrategy
 
 __all__ = [
     "UNSHARDED",
+    "AxisRole",
     "Layout",
     "LayoutMap",
     "Mesh",
     "MeshStrategy",
+    "ParallelDims",
     "apply_layouts",
     "copy_to_mesh",
     "create_mesh",

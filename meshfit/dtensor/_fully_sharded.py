@@ -5,7 +5,8 @@ first (`meshfit.dtensor._tensor_parallel`), then every weight is sharded over ``
 ``batch`` sub-mesh), as torchtitan composes FSDP2 with tensor parallelism: a placement is a
 `PlacementPlan` of those two transforms, then the gradient sync that remains (none).
 
-Every weight is split over the mesh's ``batch`` axis, the data-parallel axis (ZeRO-3): each process
+Every weight is split over the mesh's data axis, ``batch`` here (ZeRO-3; the data axis is whichever
+axis has the data role, ``mesh.dims.data_axis``, and the map's `dims` mark it ``shard``): each process
 keeps 1/N of the parameters, their gradients and the optimizer state. ``fully_shard`` runs per
 block (the names the user gave, else the direct children that hold parameters), then on the root,
 so a block's weights are all-gathered in one bucket just before its forward/backward (with
@@ -119,9 +120,9 @@ def fully_shard_module(module: nn.Module, layout_map: Any, world: World, batch_a
     """
     mesh = layout_map.mesh
     if batch_axis is None:
-        raise ValueError(f"Invalid mesh for LayoutMap.fully_sharded: expected a mesh with a 'batch' axis, received "
-                         f"{mesh!r}. Create it with mf.dtensor.create_mesh([('batch', N)]) or "
-                         "[('batch', B), ('model', M)].")
+        raise ValueError(f"Invalid mesh for LayoutMap.fully_sharded: expected a mesh with a data axis (an axis "
+                         f"named 'batch', or one given the role 'data'), received {mesh!r}. Create it with "
+                         "mf.dtensor.create_mesh([('batch', N)]) or [('batch', B), ('model', M)].")
     _check_keys(module, layout_map)
     axis, styles = tensor_parallel_styles(module, layout_map, batch_axis)
     blocks = _blocks(module, layout_map.blocks)

@@ -6,12 +6,13 @@ is an error ("mixed torch.Tensor and DTensor"), so a module laid out by `apply_l
 ``layout_map.scope()`` gets forward hooks at its boundary:
 
 - **DTensor parameters, plain inputs**: each input is this process's rows (as in a custom loop
-  under a strategy), so it becomes a DTensor split over the mesh's ``batch`` axis (replicated when
-  the mesh has none); outputs come back as this process's rows. Gradients of replicated weights are
-  summed over ``batch`` by DTensor (TF's custom-loop contract: the loss is divided by the global
+  under a strategy), so it becomes a DTensor split over the mesh's data axis (the axis whose role is
+  data parallel, ``mesh.dims.data_axis``: ``batch`` by default; replicated when the mesh has none);
+  outputs come back as this process's rows. Gradients of replicated weights are summed over the data
+  axis by DTensor (TF's custom-loop contract: the loss is divided by the global
   batch by the user).
 - **plain parameters, packed inputs** (an empty map: every weight replicated): each input becomes
-  this process's rows, the outputs DTensors split over ``batch`` again, so the loss written on
+  this process's rows, the outputs DTensors split over the data axis again, so the loss written on
   packed labels still meets them. The meshfit optimizer sums the gradients over the replicas.
 
 Inputs that already match the parameters pass untouched. A module that a strategy placed (its own
@@ -30,9 +31,7 @@ from torch import nn
 from meshfit._lazy_dtensor import is_dtensor
 from meshfit.data import map_structure
 from meshfit.distribute import PlacementHook
-from meshfit.dtensor._pack import local_rows
-
-BATCH_AXIS = "batch"
+from meshfit.dtensor._pack import batch_placements, local_rows
 
 
 def accept_inputs(module: nn.Module) -> Callable[[nn.Module, tuple, dict], Any]:
@@ -48,14 +47,6 @@ def accept_inputs(module: nn.Module) -> Callable[[nn.Module, tuple, dict], Any]:
     module.register_forward_pre_hook(before, with_kwargs=True)
     module.register_forward_hook(_After(before), with_kwargs=True)
     return before
-
-
-def _batch_placements(mesh: Any, rank: int) -> list[Any]:
-    from torch.distributed.tensor import Replicate, Shard
-
-    names = mesh.mesh_dim_names or ()
-    return [Shard(0) if name == BATCH_AXIS and rank > 0 else Replicate() for name in names] \
-        or [Replicate()] * mesh.ndim
 
 
 def _placed_by_a_strategy(module: nn.Module) -> bool:
@@ -89,7 +80,7 @@ class _Before(PlacementHook):
                 from torch.distributed.tensor import DTensor
 
                 converted[0] = True
-                return DTensor.from_local(leaf, mesh, _batch_placements(mesh, leaf.dim()), run_check=False)
+                return DTensor.from_local(leaf, mesh, batch_placements(mesh, leaf.dim()), run_check=False)
 
             args, kwargs = map_structure(to_dtensor, args), map_structure(to_dtensor, kwargs)
             self.calls.append(("to_local", None) if converted[0] else None)
@@ -125,14 +116,14 @@ class _After(PlacementHook):
         def to_dtensor(leaf: Any) -> Any:
             if not isinstance(leaf, torch.Tensor) or is_dtensor(leaf):
                 return leaf
-            return DTensor.from_local(leaf, mesh, _batch_placements(mesh, leaf.dim()), run_check=False)
+            return DTensor.from_local(leaf, mesh, batch_placements(mesh, leaf.dim()), run_check=False)
 
         return map_structure(to_dtensor, output)
 
 
 def _rows(tensor: Any) -> torch.Tensor:
     """This process's rows of a DTensor output, its gradient coming back split the same way."""
-    target = _batch_placements(tensor.device_mesh, tensor.dim())
+    target = batch_placements(tensor.device_mesh, tensor.dim())
     if tuple(tensor.placements) != tuple(target):
         tensor = tensor.redistribute(tensor.device_mesh, target)
     return tensor.to_local(grad_placements=target)

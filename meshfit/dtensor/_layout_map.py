@@ -13,6 +13,7 @@ import re
 from collections.abc import Iterator, MutableMapping, Sequence
 from typing import Any
 
+from meshfit.distribute import AxisRole, ParallelDims
 from meshfit.dtensor._layout import Layout
 from meshfit.dtensor._mesh import Mesh
 from meshfit.dtensor._scope_layouts import laying_out
@@ -56,22 +57,34 @@ class LayoutMap(MutableMapping):
 
     @classmethod
     def fully_sharded(cls, mesh: Mesh, blocks: Sequence[str] | None = None) -> LayoutMap:
-        """A map that shards every weight over the mesh's ``batch`` axis: fully sharded data parallel.
+        """A map that shards every weight over the mesh's data axis: fully sharded data parallel.
 
         Each process keeps 1/N of the parameters, gradients and optimizer state; torch's
         ``fully_shard`` (FSDP2) gathers a block's weights for its forward and backward and
-        reduce-scatters its gradients. ``fit``, custom loops and checkpoints work unchanged.
+        reduce-scatters its gradients. ``fit``, custom loops and checkpoints work unchanged. The
+        map's `dims` mark the data axis ``shard``.
 
         Args:
-            mesh: a 1-D mesh ``[("batch", N)]``.
+            mesh: a mesh with a data axis (``mesh.dims.data_axis``): 1-D ``[("batch", N)]``, or 2-D
+                ``[("batch", B), ("model", M)]`` with keys over ``model``.
             blocks: submodule paths to shard as one unit each (e.g. ``["layers.0", "layers.1"]``);
                 by default the model's direct children that hold parameters.
+
+        Raises:
+            ValueError: the mesh has no data axis.
 
         Example:
             >>> mesh = mf.dtensor.create_mesh([("batch", 2)])  # doctest: +SKIP
             >>> with mf.dtensor.LayoutMap.fully_sharded(mesh).scope():  # doctest: +SKIP
             ...     model = mf.Model(module)
+            >>> LayoutMap.fully_sharded(Mesh(("batch", "model"), (2, 2))).dims
+            ParallelDims(batch=2:shard, model=2:tensor)
         """
+        if isinstance(mesh, Mesh) and mesh.dims.data_axis is None:
+            raise ValueError(f"Invalid mesh for LayoutMap.fully_sharded: expected a mesh with a data axis (an axis "
+                             f"named 'batch', or one given the role 'data'), received {mesh!r}. Create it with "
+                             "mf.dtensor.create_mesh([('batch', N)]), or name its data axis: "
+                             "create_mesh([('dp', N), ...], roles={'dp': 'data'}).")
         layout_map = cls(mesh)
         layout_map.is_fully_sharded = True
         if blocks is not None:
@@ -88,6 +101,15 @@ class LayoutMap(MutableMapping):
             raise ValueError("Invalid LayoutMap: it has no mesh yet. Pass one, LayoutMap(mesh), or add a layout "
                              "first.")
         return self._mesh
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The parallelism this map places: its mesh's `ParallelDims`, the data axis marked ``shard`` in a
+        fully sharded map (every weight sharded over it)."""
+        dims = self.mesh.dims
+        if self.is_fully_sharded and dims.data_axis is not None:
+            return dims.with_role(dims.data_axis, AxisRole.SHARD)
+        return dims
 
     # ---- dict protocol -------------------------------------------------------------------
     def __setitem__(self, key: str, layout: Layout) -> None:

@@ -1,8 +1,10 @@
 """`Mesh`: devices arranged in named axes, as ``tf.experimental.dtensor.Mesh``.
 
-A `Mesh` is a value (axis names, sizes, device type) that layouts refer to; it needs no processes,
-so layout logic is checked without them. `create_mesh` also forms the process group, builds the
-torch ``DeviceMesh`` over it and attaches both, with the strategy that trains on it.
+A `Mesh` is a value (axis names, sizes, their roles, device type) that layouts refer to; it needs no
+processes, so layout logic is checked without them. Its `ParallelDims` (``mesh.dims``) says what each
+axis does: the data axis is the one whose role is data parallel, whatever its name. `create_mesh`
+also forms the process group, builds the torch ``DeviceMesh`` over it and attaches both, with the
+strategy that trains on it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from meshfit._protocols import MeshStrategyLike
+from meshfit.distribute import ParallelDims
 
 _AXIS_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RESERVED_AXIS = "unsharded"
@@ -25,14 +28,17 @@ class Mesh:
     """Named axes over ``prod(shape)`` devices, one process per device.
 
     Args:
-        axis_names: one name per axis, e.g. ``("batch", "model")``. The axis named ``"batch"`` is
-            the data-parallel axis: processes that differ only along other axes read the same rows.
+        axis_names: one name per axis, e.g. ``("batch", "model")``.
         shape: the size of each axis; their product is the number of devices (processes).
         device_type: ``"cpu"`` or ``"cuda"``.
+        roles: what each axis does (`ParallelDims`): ``{axis: role}`` for some axes, e.g.
+            ``{"dp": "data"}``; the others take the role their name implies (``"batch"`` data,
+            ``"pipe"`` pipeline, any other name tensor). The data axis is the data-parallel axis:
+            processes that differ only along other axes read the same rows.
 
     Raises:
         ValueError: names and sizes differ in number, a name is repeated or not an identifier,
-            or a size is not a positive int.
+            a size is not a positive int, or a role is bad (see `ParallelDims`).
 
     Example:
         >>> mesh = Mesh(("batch", "model"), (2, 2))
@@ -40,6 +46,10 @@ class Mesh:
         (4, 2)
         >>> mesh
         Mesh(batch=2, model=2, device_type='cpu')
+        >>> mesh.dims.data_axis
+        'batch'
+        >>> Mesh(("dp", "tp"), (2, 2), roles={"dp": "data"})
+        Mesh(dp=2, tp=2, device_type='cpu', roles={'dp': 'data'})
     """
 
     axis_names: tuple[str, ...]
@@ -48,6 +58,9 @@ class Mesh:
     # Attached by create_mesh: the torch DeviceMesh and the strategy (not part of the value).
     _device_mesh: Any = dataclasses.field(default=None, compare=False, repr=False)
     _strategy: MeshStrategyLike | None = dataclasses.field(default=None, compare=False, repr=False)
+    # given: {axis: role} or one role per axis; kept as one role name per axis (the value's roles)
+    roles: Any = dataclasses.field(default=None, kw_only=True)
+    _dims: ParallelDims = dataclasses.field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         names, shape = self.axis_names, self.shape
@@ -77,6 +90,26 @@ class Mesh:
         if self.device_type not in ("cpu", "cuda"):
             raise ValueError(f"Invalid `device_type`: expected 'cpu' or 'cuda', received "
                              f"device_type={self.device_type!r}.")
+        roles = self.roles
+        if roles is None and self._strategy is not None:
+            roles = self._formed_roles()
+        dims = ParallelDims(names=self.axis_names, degrees=self.shape, roles=roles)
+        object.__setattr__(self, "_dims", dims)
+        object.__setattr__(self, "roles", tuple(role.value for role in dims.roles))
+
+    def _formed_roles(self) -> Any:
+        """The roles of the axes the strategy's `World` formed (``create_mesh`` declared them there)."""
+        formed = getattr(self._strategy, "world", None)
+        dims = getattr(formed, "dims", None)
+        if isinstance(dims, ParallelDims) and (dims.names, dims.degrees) == (self.axis_names, self.shape):
+            return dims.roles
+        return None
+
+    # ---- roles -----------------------------------------------------------------------------
+    @property
+    def dims(self) -> ParallelDims:
+        """What each axis does and its degree: ``mesh.dims.data_axis`` is the data-parallel axis (or None)."""
+        return self._dims
 
     # ---- shape -----------------------------------------------------------------------------
     @property
@@ -151,13 +184,18 @@ class Mesh:
         return self
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Pickled as its value (axes, sizes, device type), without this process's group."""
-        return (Mesh, (self.axis_names, self.shape, self.device_type))
+        """Pickled as its value (axes, sizes, device type, roles), without this process's group."""
+        return (_rebuild, (self.axis_names, self.shape, self.device_type, self.dims.explicit_roles() or None))
 
     # ---- text ------------------------------------------------------------------------------
     def to_string(self) -> str:
-        """``|batch=2,model=2|cpu``: the axes and the device type; `from_string` reads it back."""
-        axes = ",".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape, strict=True))
+        """``|batch=2,model=2|cpu``: the axes and the device type; `from_string` reads it back.
+
+        An axis whose role is not the one its name implies carries it: ``|dp=2:data,tp=2|cpu``.
+        """
+        explicit = self.dims.explicit_roles()
+        axes = ",".join(f"{n}={s}" + (f":{explicit[n]}" if n in explicit else "")
+                        for n, s in zip(self.axis_names, self.shape, strict=True))
         return f"|{axes}|{self.device_type}"
 
     @classmethod
@@ -166,15 +204,24 @@ class Mesh:
         match = re.fullmatch(r"\|([^|]*)\|(\w+)", text.strip()) if isinstance(text, str) else None
         if match is None:
             raise ValueError(f"Invalid mesh string: expected '|batch=2,model=2|cpu', received {text!r}.")
-        names, sizes = [], []
+        names, sizes, roles = [], [], {}
         for part in match.group(1).split(","):
-            name, _, size = part.partition("=")
+            name, _, rest = part.partition("=")
+            size, _, role = rest.partition(":")
             if not size.isdigit():
-                raise ValueError(f"Invalid mesh string {text!r}: axis {part!r} is not 'name=size'.")
+                raise ValueError(f"Invalid mesh string {text!r}: axis {part!r} is not 'name=size' or 'name=size:role'.")
             names.append(name.strip())
             sizes.append(int(size))
-        return cls(tuple(names), tuple(sizes), match.group(2))
+            if role:
+                roles[name.strip()] = role.strip()
+        return cls(tuple(names), tuple(sizes), match.group(2), roles=roles or None)
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape, strict=True))
-        return f"Mesh({axes}, device_type={self.device_type!r})"
+        explicit = self.dims.explicit_roles()
+        return f"Mesh({axes}, device_type={self.device_type!r}" + (f", roles={explicit!r})" if explicit else ")")
+
+
+def _rebuild(axis_names: tuple[str, ...], shape: tuple[int, ...], device_type: str, roles: Any) -> Mesh:
+    """A pickled `Mesh` value again (its roles are keyword-only)."""
+    return Mesh(axis_names, shape, device_type, roles=roles)

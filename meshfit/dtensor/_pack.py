@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from meshfit.distribute import data_axis_of, process_world
 from meshfit.dtensor._layout import Layout
 
 
@@ -81,14 +82,28 @@ def copy_to_mesh(tensor: Any, layout: Layout) -> Any:
 
 
 def local_rows(tensor: Any) -> torch.Tensor:
-    """This process's rows of a DTensor: split over its mesh's ``batch`` axis, whole along the others."""
-    from torch.distributed.tensor import Replicate, Shard
-
+    """This process's rows of a DTensor: split over its mesh's data axis, whole along the others."""
     mesh = tensor.device_mesh
-    names = mesh.mesh_dim_names or ()
-    placements = [Shard(0) if name == "batch" and tensor.dim() > 0 else Replicate() for name in names] \
-        or [Replicate()] * mesh.ndim
+    placements = batch_placements(mesh, tensor.dim())
     if tuple(tensor.placements) != tuple(placements):
         tensor = tensor.redistribute(mesh, placements)
     return tensor.to_local()
+
+
+def batch_placements(device_mesh: Any, rank: int) -> list[Any]:
+    """The placements of a batch of ``rank`` dims on ``device_mesh``: rows split over its data axis (the
+    axis whose role is data parallel, `data_axis`), replicated along the others and for a scalar."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    axis = data_axis(device_mesh)
+    names = device_mesh.mesh_dim_names or ()
+    return [Shard(0) if name == axis and rank > 0 else Replicate() for name in names] \
+        or [Replicate()] * device_mesh.ndim
+
+
+def data_axis(device_mesh: Any) -> str | None:
+    """The data axis among a torch ``DeviceMesh``'s axes, by the roles of the world that formed it (by
+    the names' roles for a mesh meshfit did not form); None when none splits the batches."""
+    world = process_world()
+    return data_axis_of(device_mesh, world.dims if world is not None else None)
 

@@ -55,8 +55,6 @@ from meshfit.dtensor._layout_map import LayoutMap
 from meshfit.dtensor._mesh import Mesh
 from meshfit.dtensor._tensor_parallel import tensor_parallel_styles
 
-BATCH_AXIS = "batch"
-
 
 class PlacementBuilder(Protocol):
     """Builds the `Placement` of a module on a mesh strategy (e.g. a pipeline's stages)."""
@@ -87,7 +85,7 @@ class MeshStrategy(CollectiveStrategy):
         self.mesh = Mesh(mesh.axis_names, mesh.shape, mesh.device_type, self._device_mesh, self)
         self.layout_map: LayoutMap | None = None
         self._builder: PlacementBuilder | None = None
-        self._batch = BATCH_AXIS if BATCH_AXIS in mesh.axis_names else None
+        self._batch = mesh.dims.data_axis  # the axis whose role is data parallel (None: one replica)
         # at coordinate 0 of every axis but ``batch``: the process that sends its replica's metric states
         self._leads_replica = all(self._device_mesh.get_local_rank(axis) == 0
                                   for axis in mesh.axis_names if axis != self._batch)
