@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -19,13 +20,16 @@ class WeightsMixin:
     module: nn.Module
     name: str
     _input_example: Any
+    saveable_parts: Callable[[], dict[str, Any]]
 
     def get_weights(self) -> list[np.ndarray]:
         """The module's ``state_dict`` values (parameters, then buffers, per submodule) as numpy.
 
-        Sharded (DTensor) weights are gathered: every process gets the full arrays (a collective).
+        Sharded (DTensor) weights are gathered, and a pipeline stage's taken from the process that
+        trains it: every process gets the full arrays (a collective).
         """
-        return [_full(t).detach().cpu().numpy().copy() for t in self.module.state_dict().values()]
+        state = self.saveable_parts()["module"].state_dict()  # completed from its holders (pipeline stages)
+        return [_full(t).detach().cpu().numpy().copy() for t in state.values()]
 
     def set_weights(self, weights: list[Any]) -> None:
         """Set the values ``get_weights`` returns, in the same order; shapes must match."""
