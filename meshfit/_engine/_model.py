@@ -218,6 +218,10 @@ class Model(TrackedMetricsMixin, StepsMixin, OnBatchMixin, WeightsMixin):
                     self.module(self.strategy.distribute_batch(sample_x))
                 self.module.train(was_training)
             self.placement = self.strategy.setup_module(self.module, jit_compile=self.jit_compile)
+            if self.placement.step is not None and type(self).train_step is not Model.train_step:
+                raise ValueError(f"Invalid `train_step` override on {type(self).__name__}: its placement runs each "
+                                 "step as a schedule over stages (a pipeline), which an override cannot call. "
+                                 "Remove the override, or train without layout_map.pipeline(...).")
         if self.optimizer is not None and not self.optimizer.built:  # also: compiled again after fit
             params = list(self.module.named_parameters())  # names: exclude_from_weight_decay
             if params:  # nothing to optimise: no optimizer (train_step skips the update)

@@ -16,6 +16,7 @@ from typing import Any
 from meshfit.distribute import AxisRole, ParallelDims
 from meshfit.dtensor._layout import Layout
 from meshfit.dtensor._mesh import Mesh
+from meshfit.dtensor._pipeline import PipelineSpec
 from meshfit.dtensor._scope_layouts import laying_out
 
 
@@ -54,6 +55,28 @@ class LayoutMap(MutableMapping):
         self.blocks: list[str] | None = None
         # Keras's ModelParallel: keyed Linear/Embedding weights take the tensor-parallel path (`MeshStrategy`)
         self.tensor_parallel_first = False
+        self.pipeline_spec: PipelineSpec | None = None  # `pipeline`: stages along the pipeline axis
+
+    def pipeline(self, split_points: Sequence[str], microbatches: int, schedule: str = "1F1B",
+                 stages_per_rank: int = 1) -> LayoutMap:
+        """Split the model into pipeline stages along the mesh's pipeline axis (``"pipe"``); returns the map.
+
+        Args:
+            split_points: module paths where a new stage starts (``["blocks.2"]``: two stages), one
+                fewer than the stages (the pipeline axis's size times ``stages_per_rank``).
+            microbatches: how many equal microbatches each batch is split into.
+            schedule: ``"GPipe"``, ``"1F1B"`` or ``"Interleaved1F1B"`` (torch's schedules).
+            stages_per_rank: stages each rank holds (``"Interleaved1F1B"`` only).
+
+        Example:
+            >>> import meshfit as mf
+            >>> mesh = mf.dtensor.Mesh(("pipe",), (2,))
+            >>> layout_map = mf.dtensor.LayoutMap(mesh).pipeline(["2"], microbatches=4, schedule="GPipe")
+            >>> layout_map.pipeline_spec.num_stages
+            2
+        """
+        self.pipeline_spec = PipelineSpec(tuple(split_points), microbatches, schedule, stages_per_rank)
+        return self
 
     @classmethod
     def fully_sharded(cls, mesh: Mesh, blocks: Sequence[str] | None = None) -> LayoutMap:
@@ -195,7 +218,7 @@ class LayoutMap(MutableMapping):
         call or ``fit``.
         """
         base = self.mesh.strategy
-        if not len(self) and not self.is_fully_sharded:
+        if not len(self) and not self.is_fully_sharded and self.pipeline_spec is None:
             strategy = base  # every weight replicated: the mesh's own strategy (it outlives the map)
         else:  # one view per map and mesh: models made in two entries of this scope share a strategy
             if self._view is None or self._view[0] is not base:

@@ -53,6 +53,7 @@ from meshfit.dtensor._fully_sharded import fully_shard_module
 from meshfit.dtensor._layout import Layout
 from meshfit.dtensor._layout_map import LayoutMap
 from meshfit.dtensor._mesh import Mesh
+from meshfit.dtensor._pipeline import PipelineBuilder
 from meshfit.dtensor._tensor_parallel import tensor_parallel_styles
 
 
@@ -196,6 +197,8 @@ class MeshStrategy(CollectiveStrategy):
         """Lay out ``module``'s parameters, compile if asked; replicated-only layouts take DDP's bucketed path."""
         if self._builder is not None:
             return self._builder.build(module, self)
+        if self.layout_map is not None and self.layout_map.pipeline_spec is not None:
+            return PipelineBuilder(self.layout_map.pipeline_spec).build(module, self)
         layout_map = self.layout_map if self.layout_map is not None else LayoutMap(self.mesh)
         if layout_map.tensor_parallel_first and not jit_compile:
             layout_map = _tensor_parallel_map(module, layout_map, self._batch)

@@ -1,0 +1,247 @@
+"""Pipeline parallelism behind ``fit``: a model split into stages along the mesh's pipeline axis.
+
+``layout_map.pipeline(split_points, microbatches, schedule)`` records a `PipelineSpec`; a mesh strategy
+applying that map places a module with `PipelineBuilder`: a `Placement` whose `StageResidency` says which
+rank holds which stage's state (and that the last stage holds the loss, the metrics and the
+predictions), and whose step runner (`PipelineStep`) runs one of torch's schedules
+(``torch.distributed.pipelining``: GPipe, 1F1B, Interleaved 1F1B) over the batch's microbatches.
+
+The stages come from torch's tracer (``pipeline(module, mb_args, split_spec)``), which splits the
+module's ``forward`` where each split point's module starts; its stages hold the user's own parameter
+objects, so the optimizer, the checkpoint and ``model.save`` see the user's module. Which state paths
+each stage holds is known before tracing (the module's registration order: a split point starts a new
+stage) and checked against the traced stages at the first step. One schedule is traced per batch shape
+(a last, smaller batch gets its own). Every microbatch's loss is the mean over its rows, and torch's
+``scale_grads`` averages the microbatches, so equal microbatches give the gradient of the batch's mean
+loss: one process's on the same batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshfit.distribute import Placement, ReplicatedSync, StageResidency
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSpec:
+    """Where a module splits into stages and how a step runs them (`LayoutMap.pipeline`'s arguments)."""
+
+    split_points: tuple[str, ...]
+    microbatches: int
+    schedule: str = "1F1B"
+    stages_per_rank: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.split_points or not all(isinstance(p, str) and p for p in self.split_points):
+            raise ValueError(f"Invalid `split_points`: expected a non-empty list of module paths where a new stage "
+                             f"starts (e.g. ['blocks.2']), received split_points={list(self.split_points)!r}.")
+        if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise ValueError(f"Invalid `microbatches`: expected a positive int (how many microbatches a batch is "
+                             f"split into), received microbatches={self.microbatches!r}.")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"Invalid `schedule`: expected one of {list(SCHEDULES)}, received "
+                             f"schedule={self.schedule!r}.")
+        if isinstance(self.stages_per_rank, bool) or not isinstance(self.stages_per_rank, int) \
+                or self.stages_per_rank < 1:
+            raise ValueError(f"Invalid `stages_per_rank`: expected a positive int, received "
+                             f"stages_per_rank={self.stages_per_rank!r}.")
+        if self.stages_per_rank > 1 and self.schedule != "Interleaved1F1B":
+            raise ValueError(f"Invalid `stages_per_rank={self.stages_per_rank}` with schedule={self.schedule!r}: "
+                             "several stages per rank need schedule='Interleaved1F1B'.")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.split_points) + 1
+
+
+def stage_paths(module: nn.Module, split_points: Sequence[str]) -> list[frozenset[str]]:
+    """Each stage's state paths (parameters and buffers), by the module's registration order: a split
+    point's module starts a new stage. Refuses a split point that is not a module path, or out of order."""
+    modules = [name for name, _ in module.named_modules()]
+    index = {name: i for i, name in enumerate(modules)}
+    starts = []
+    for point in split_points:
+        if point not in index or not point:
+            near = [m for m in modules if m and m.split(".")[-1] == point.split(".")[-1]][:3]
+            raise ValueError(f"Invalid split point {point!r}: it is not a module path of {type(module).__name__} "
+                             f"(near: {near or modules[1:4]}). Name a submodule where a new stage starts, as "
+                             "module.named_modules() lists them.")
+        starts.append(index[point])
+    if starts != sorted(starts) or len(set(starts)) != len(starts):
+        raise ValueError(f"Invalid `split_points`: {list(split_points)} must be distinct and in the module's order "
+                         f"(each starts a later stage).")
+    stages: list[set[str]] = [set() for _ in range(len(starts) + 1)]
+    state = [*(n for n, _ in module.named_parameters()), *(n for n, _ in module.named_buffers())]
+    for path in state:
+        owner = path.rsplit(".", 1)[0] if "." in path else ""
+        position = index.get(owner, 0)
+        stage = sum(1 for s in starts if s <= position)
+        stages[stage].add(path)
+    return [frozenset(s) for s in stages]
+
+
+@dataclasses.dataclass
+class _Outputs:
+    y_pred: Any
+    loss: torch.Tensor
+    size: int
+
+
+class PipelineStep:
+    """The step runner of a pipeline placement: torch's schedule over the batch's microbatches."""
+
+    def __init__(self, source: nn.Module, spec: PipelineSpec, residency: StageResidency, pipe_rank: int,
+                 pipe_size: int, group: Any, device: torch.device) -> None:
+        self.source, self.spec, self.residency = source, spec, residency
+        self.pipe_rank, self.pipe_size, self.group, self.device = pipe_rank, pipe_size, group, device
+        self.stages = [s for s in range(spec.num_stages) if s % pipe_size == pipe_rank]
+        self._schedules: dict[Any, Any] = {}
+        self._host: Any = None
+        self._losses: list[torch.Tensor] = []
+
+    @property
+    def first(self) -> bool:
+        return 0 in self.stages
+
+    @property
+    def last(self) -> bool:
+        return self.spec.num_stages - 1 in self.stages
+
+    def _loss(self, output: Any, target: Any) -> torch.Tensor:
+        return self._host.compute_loss(None, target, output, None)
+
+    def _schedule(self, x: torch.Tensor, with_loss: bool = True) -> Any:
+        # traced per batch shape and mode (a traced graph keeps train-mode layers such as dropout)
+        key = (tuple(x.shape), x.dtype, self.source.training, with_loss)
+        schedule = self._schedules.get(key)
+        if schedule is not None:
+            return schedule
+        from torch.distributed.pipelining import (
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+            SplitPoint,
+        )
+        from torch.distributed.pipelining import pipeline as trace
+
+        n = self.spec.microbatches
+        if x.shape[0] % n:
+            raise ValueError(f"Invalid batch for the pipeline: a batch of {x.shape[0]} rows does not split into "
+                             f"microbatches={n} equal microbatches. Use a batch size divisible by {n} (and a data "
+                             "set whose last batch is too, or drop the remainder), or change `microbatches`.")
+        example = x[: x.shape[0] // n]
+        try:
+            with torch.enable_grad():
+                traced = trace(self.source, mb_args=(example,),
+                               split_spec={p: SplitPoint.BEGINNING for p in self.spec.split_points})
+        finally:
+            _unannotate(self.source, self.spec.split_points)
+        if traced.num_stages != self.spec.num_stages:
+            raise ValueError(f"Invalid `split_points`: {list(self.spec.split_points)} split the traced forward into "
+                             f"{traced.num_stages} stages, not {self.spec.num_stages}. Each split point must be a "
+                             "module the forward calls.")
+        stages: list[Any] = [traced.build_stage(s, self.device, self.group) for s in self.stages]
+        for s, stage in zip(self.stages, stages, strict=True):
+            held = {name for name, _ in stage.submod.named_parameters()}
+            expected = {p for p in self.residency.stage_paths[s] if p in dict(self.source.named_parameters())}
+            if held != expected:
+                raise ValueError(f"The traced stage {s} holds {sorted(held)[:4]}, but the module's registration order "
+                                 f"puts {sorted(expected)[:4]} there: its forward calls its modules in another order. "
+                                 "Register the submodules in the order the forward calls them.")
+        loss = self._loss if with_loss else None  # predict: outputs only
+        if self.spec.schedule == "Interleaved1F1B":
+            schedule = ScheduleInterleaved1F1B(stages, n_microbatches=n, loss_fn=loss, scale_grads=True)
+        else:
+            kind = ScheduleGPipe if self.spec.schedule == "GPipe" else Schedule1F1B
+            schedule = kind(stages[0], n_microbatches=n, loss_fn=loss, scale_grads=True)
+        self._schedules[key] = schedule
+        return schedule
+
+    def _run(self, host: Any, x: Any, y: Any, sample_weight: Any, train: bool) -> _Outputs | None:
+        if sample_weight is not None:
+            raise ValueError("Invalid `sample_weight` under a pipeline: per-example weights are not split into "
+                             "microbatches yet. Train without sample_weight (or class_weight), or without a pipeline.")
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"Invalid input under a pipeline: expected one tensor per batch, received "
+                             f"{type(x).__name__}. Feed the model one input tensor.")
+        self._host = host
+        schedule = self._schedule(x)
+        losses: list[torch.Tensor] = []
+        args = (x,) if self.first else ()
+        target = y if self.last else None
+        run = schedule.step if train else schedule.eval
+        output = run(*args, target=target, losses=losses)
+        if not self.last:
+            return None
+        loss = torch.stack([loss.detach() for loss in losses]).mean()
+        return _Outputs(output, loss, x.shape[0])
+
+    def train(self, host: Any, x: Any, y: Any, sample_weight: Any) -> _Outputs | None:
+        return self._run(host, x, y, sample_weight, True)
+
+    def evaluate(self, host: Any, x: Any, y: Any, sample_weight: Any) -> _Outputs | None:
+        with torch.no_grad():
+            return self._run(host, x, y, sample_weight, False)
+
+    def predict(self, host: Any, x: Any) -> Any:
+        with torch.no_grad():
+            self._host = host
+            schedule = self._schedule(x, with_loss=False)
+            args = (x,) if self.first else ()
+            output = schedule.eval(*args)
+        # Every worker returns the predictions (Keras's predict): the last stage's, broadcast.
+        holder = [output if self.last else None]
+        source = dist.get_global_rank(self.group, (self.spec.num_stages - 1) % self.pipe_size)
+        dist.broadcast_object_list(holder, src=source, group=self.group)
+        return holder[0]
+
+
+def _unannotate(module: nn.Module, split_points: Sequence[str]) -> None:
+    """Give the split points' modules their own ``forward`` back: torch's tracer wraps it in place (an
+    instance attribute) and would wrap its own wrapper at the next trace (another batch shape, or mode)."""
+    for point in split_points:
+        submodule = module.get_submodule(point)
+        for name in ("forward", "_orig_forward"):
+            submodule.__dict__.pop(name, None)
+
+
+class PipelineBuilder:
+    """Places a module as pipeline stages along the mesh's pipeline axis (a `PlacementBuilder`)."""
+
+    def __init__(self, spec: PipelineSpec) -> None:
+        self.spec = spec
+
+    def build(self, module: nn.Module, strategy: Any) -> Placement:
+        mesh = strategy.mesh
+        axis = mesh.dims.axis_of("pipeline")
+        if axis is None:
+            raise ValueError(f"Invalid pipeline on {mesh!r}: the mesh has no pipeline axis. Add one, e.g. "
+                             "create_mesh([('pipe', 2), ...]), or drop layout_map.pipeline(...).")
+        if len(mesh.axis_names) > 1:
+            raise ValueError(f"Invalid pipeline on {mesh!r}: a pipeline composed with other mesh axes is not "
+                             "supported yet. Use a mesh with the pipeline axis alone, e.g. create_mesh([('pipe', 2)]).")
+        size = mesh.dim_size(axis)
+        if self.spec.num_stages != size * self.spec.stages_per_rank:
+            raise ValueError(f"Invalid `split_points`: {self.spec.num_stages} stages for a {axis!r} axis of {size} "
+                             f"with stages_per_rank={self.spec.stages_per_rank}: give {size * self.spec.stages_per_rank - 1} "
+                             "split points (one stage per rank, or stages_per_rank per rank).")
+        paths = stage_paths(module, self.spec.split_points)
+        device_mesh = strategy.world.device_mesh
+        pipe_rank = device_mesh.get_local_rank(axis)
+        group = strategy.world.group(axis)
+        ranks = [dist.get_global_rank(group, r) for r in range(size)] if strategy.world.distributed else [0]
+        stage_ranks = [(ranks[s % size],) for s in range(self.spec.num_stages)]
+        last = stage_ranks[-1][0]
+        residency = StageResidency(strategy.world.rank, paths, stage_ranks, frozenset({last}), frozenset({last}))
+        module = module.to(strategy.device)
+        step = PipelineStep(module, self.spec, residency, pipe_rank, size, group, strategy.device)
+        return Placement(module, module, ReplicatedSync(), residency, step)

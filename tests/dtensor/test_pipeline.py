@@ -1,0 +1,149 @@
+"""Pipeline parallelism behind ``fit``: stages along a ``pipe`` axis equal one plain process.
+
+A small sequence classifier (token and position embeddings, positions from ``torch.arange`` inside
+``forward``, four residual blocks, a head) is split at ``blocks.2`` (or at every block for the
+interleaved schedule, four stages on two ranks) and trained by ``fit`` with torch's schedules. Every
+schedule must give one process's weights on the same global batch (fp32 rounding: microbatches sum
+the gradient in another order), its logged loss and accuracy, and a backup one plain process restores.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from _multiproc import run_distributed
+from torch import nn
+
+TIMEOUT = 300
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.fc(h))
+
+
+class Classifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(11)
+        self.tokens = nn.Embedding(16, 8)
+        self.positions = nn.Embedding(6, 8)
+        self.blocks = nn.Sequential(*(Block(8) for _ in range(4)))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tokens(x) + self.positions(torch.arange(x.shape[1], device=x.device))
+        return self.head(self.blocks(h).mean(dim=1))
+
+
+def _data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, 16, size=(64, 6)).astype("int64")
+    y = (x[:, 0] % 3).astype("int64")
+    return x, y
+
+
+def _compile(model: Any) -> None:
+    import meshfit as mf
+
+    model.compile(optimizer=mf.optimizers.Adam(0.01),
+                  loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+
+
+def _one_process() -> tuple[dict[str, np.ndarray], dict[str, list[float]], int]:
+    import meshfit as mf
+
+    model = mf.Model(Classifier())
+    _compile(model)
+    x, y = _data()
+    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    weights = {k: v.detach().numpy().copy() for k, v in model.module.state_dict().items()}
+    return weights, history.history, mf.train.state_digest(model).total
+
+
+def _pipeline(rank: int, world_size: int, directory: str, schedule: str, split_points: list[str],
+              stages_per_rank: int) -> dict[str, Any]:
+    import meshfit as mf
+
+    mesh = mf.dtensor.create_mesh([("pipe", 2)])
+    layout_map = mf.dtensor.LayoutMap(mesh).pipeline(split_points, microbatches=4, schedule=schedule,
+                                                     stages_per_rank=stages_per_rank)
+    with layout_map.scope():
+        model = mf.Model(Classifier())
+    _compile(model)
+    x, y = _data()
+    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                        callbacks=[mf.callbacks.BackupAndRestore(os.path.join(directory, "backup"), save_freq=4,
+                                                                 delete_checkpoint=False)])
+    evaluated = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    predicted = model.predict(x, batch_size=16, verbose=0)
+    model.save(os.path.join(directory, "model.keras"))
+    every = dict(zip(model.module.state_dict(), model.get_weights(), strict=True))  # every stage's, completed
+    return {"history": history.history, "evaluated": evaluated, "predicted": np.asarray(predicted), "every": every,
+            "digest": mf.train.state_digest(model).total,
+            "stage": {k: v.detach().numpy().copy() for k, v in model.module.state_dict().items()
+                      if model.residency.holds(k)}}
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize(("schedule", "split_points", "stages_per_rank"), [
+    ("GPipe", ["blocks.2"], 1),
+    ("1F1B", ["blocks.2"], 1),
+    ("Interleaved1F1B", ["blocks.1", "blocks.2", "blocks.3"], 2),
+])
+def test_pipeline_fit_equals_one_process(tmp_path: Any, schedule: str, split_points: list[str],
+                                         stages_per_rank: int) -> None:
+    import meshfit as mf
+
+    weights, history, _ = _one_process()
+    results = run_distributed(_pipeline, world_size=2, timeout=TIMEOUT - 60,
+                              args=(str(tmp_path), schedule, split_points, stages_per_rank))
+    held = set()
+    for result in results:
+        for name in ("loss", "accuracy"):  # the true logs, on every worker (not one stage's share or zero)
+            np.testing.assert_allclose(result["history"][name], history[name], rtol=1e-5, err_msg=name)
+        for path, value in result["stage"].items():
+            np.testing.assert_allclose(value, weights[path], rtol=1e-5, atol=1e-6, err_msg=path)
+            held.add(path)
+        np.testing.assert_allclose(result["predicted"], results[0]["predicted"])
+        for path, value in result["every"].items():  # get_weights: no stage's stale copy of another's
+            np.testing.assert_allclose(value, weights[path], rtol=1e-5, atol=1e-6, err_msg=path)
+        assert result["digest"] == results[0]["digest"]
+    assert held == set(weights)  # every path is some stage's
+    # model.save wrote every stage's weights: one plain process loads them
+    loaded = mf.load_model(str(tmp_path / "model.keras"), module=Classifier())
+    for path, value in loaded.module.state_dict().items():
+        np.testing.assert_allclose(value.numpy(), weights[path], rtol=1e-5, atol=1e-6, err_msg=path)
+    # the backup (the last one: both epochs done) restores in one plain process with the pipeline's digest
+    model = mf.Model(Classifier())
+    _compile(model)
+    x, y = _data()
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+              callbacks=[mf.callbacks.BackupAndRestore(str(tmp_path / "backup"), save_freq=4, delete_checkpoint=False)])
+    assert mf.train.state_digest(model).total == results[0]["digest"]
+
+
+def test_pipeline_bad_input_is_refused_naming_the_value() -> None:
+    import meshfit as mf
+    from meshfit.dtensor._pipeline import stage_paths
+
+    mesh = mf.dtensor.Mesh(("pipe",), (2,))
+    with pytest.raises(ValueError, match=r"Invalid `schedule`.*'ZeroBubble'"):
+        mf.dtensor.LayoutMap(mesh).pipeline(["blocks.2"], microbatches=4, schedule="ZeroBubble")
+    with pytest.raises(ValueError, match=r"Invalid `microbatches`.*microbatches=0"):
+        mf.dtensor.LayoutMap(mesh).pipeline(["blocks.2"], microbatches=0)
+    with pytest.raises(ValueError, match=r"Invalid `stages_per_rank=2` with schedule='1F1B'"):
+        mf.dtensor.LayoutMap(mesh).pipeline(["blocks.2"], microbatches=2, stages_per_rank=2)
+    with pytest.raises(ValueError, match=r"Invalid split point 'block.2'.*not a module path"):
+        stage_paths(Classifier(), ["block.2"])
+    stages = stage_paths(Classifier(), ["blocks.2"])
+    assert "tokens.weight" in stages[0] and "blocks.1.fc.bias" in stages[0]
+    assert "blocks.2.fc.weight" in stages[1] and "head.weight" in stages[1]
