@@ -18,6 +18,7 @@ loss: one process's on the same batch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshfit.distribute import Placement, ReplicatedSync, StageResidency
+from meshfit.distribute import Placement, StageResidency, register_placement
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 
@@ -96,13 +97,55 @@ class _Outputs:
     size: int
 
 
+class _Replicas:
+    """A stage's replicas along the data axis: its gradients summed over them, each replica's weighted
+    by its share of the global batch's rows (one process's mean over the global batch)."""
+
+    def __init__(self, world: Any, axis: str) -> None:
+        self.world, self.axis = world, axis
+
+    def reduce(self, params: Sequence[nn.Parameter], rows: int) -> None:
+        count = torch.tensor([float(rows)], dtype=torch.float64)
+        self.world.all_reduce(count, axis=self.axis)
+        share = rows / float(count.item()) if count.item() else 0.0
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = grad
+        for dtype in sorted({g.dtype for g in grads}, key=str):
+            group = [g for g in grads if g.dtype == dtype]
+            flat = torch.cat([g.reshape(-1) for g in group]) * share
+            self.world.all_reduce(flat, axis=self.axis)
+            offset = 0
+            for g in group:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+
+class _StageSync:
+    """The `GradientSync` of a pipeline's parameters: the step runner reduced them (over the stage's
+    replicas, or nothing to reduce), so no optimizer step reduces them again."""
+
+    def weighting(self, local_size: int, global_size: int) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def in_step(self) -> bool:
+        return True
+
+    def reduced(self, param: torch.Tensor) -> bool:
+        return True
+
+    def deferred(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # the runner reduces every batch (an accumulation window sums after)
+
+
 class PipelineStep:
     """The step runner of a pipeline placement: torch's schedule over the batch's microbatches."""
 
     def __init__(self, source: nn.Module, spec: PipelineSpec, residency: StageResidency, pipe_rank: int,
-                 pipe_size: int, group: Any, device: torch.device) -> None:
+                 pipe_size: int, group: Any, device: torch.device, replicas: _Replicas | None = None) -> None:
         self.source, self.spec, self.residency = source, spec, residency
         self.pipe_rank, self.pipe_size, self.group, self.device = pipe_rank, pipe_size, group, device
+        self.replicas = replicas
         self.stages = [s for s in range(spec.num_stages) if s % pipe_size == pipe_rank]
         self._schedules: dict[Any, Any] = {}
         self._host: Any = None
@@ -174,16 +217,31 @@ class PipelineStep:
             raise ValueError(f"Invalid input under a pipeline: expected one tensor per batch, received "
                              f"{type(x).__name__}. Feed the model one input tensor.")
         self._host = host
+        if x.shape[0] == 0:  # this replica's share of a last, small global batch: it joins the reduction
+            if train and self.replicas is not None:
+                self.replicas.reduce(self._held_parameters(), 0)
+            return None
         schedule = self._schedule(x)
         losses: list[torch.Tensor] = []
         args = (x,) if self.first else ()
         target = y if self.last else None
         run = schedule.step if train else schedule.eval
+        held = self._held_parameters() if train and self.replicas is not None else []
+        earlier = {p: p.grad for p in held if p.grad is not None}  # an accumulation window's sum so far
+        for param in earlier:
+            param.grad = None
         output = run(*args, target=target, losses=losses)
+        if held:  # this batch's gradient over the stage's replicas, weighted by rows; then the window's
+            self.replicas.reduce(held, x.shape[0])  # type: ignore[union-attr]
+            for param, grad in earlier.items():
+                param.grad.add_(grad)  # type: ignore[union-attr]
         if not self.last:
             return None
         loss = torch.stack([loss.detach() for loss in losses]).mean()
         return _Outputs(output, loss, x.shape[0])
+
+    def _held_parameters(self) -> list[nn.Parameter]:
+        return [p for name, p in self.source.named_parameters() if p.requires_grad and self.residency.holds(name)]
 
     def train(self, host: Any, x: Any, y: Any, sample_weight: Any) -> _Outputs | None:
         return self._run(host, x, y, sample_weight, True)
@@ -226,22 +284,30 @@ class PipelineBuilder:
         if axis is None:
             raise ValueError(f"Invalid pipeline on {mesh!r}: the mesh has no pipeline axis. Add one, e.g. "
                              "create_mesh([('pipe', 2), ...]), or drop layout_map.pipeline(...).")
-        if len(mesh.axis_names) > 1:
-            raise ValueError(f"Invalid pipeline on {mesh!r}: a pipeline composed with other mesh axes is not "
-                             "supported yet. Use a mesh with the pipeline axis alone, e.g. create_mesh([('pipe', 2)]).")
+        others = [a for a in mesh.axis_names if a != axis]
+        data = mesh.dims.axis_of("data")
+        if any(a != data for a in others):
+            raise ValueError(f"Invalid pipeline on {mesh!r}: a pipeline composes with a data-parallel axis (replicated "
+                             f"stages) but not yet with {[a for a in others if a != data]} (tensor parallel or fully "
+                             "sharded). Use a mesh of the pipeline axis and, optionally, a data axis, e.g. "
+                             "create_mesh([('pipe', 2), ('batch', 2)]).")
         size = mesh.dim_size(axis)
         if self.spec.num_stages != size * self.spec.stages_per_rank:
             raise ValueError(f"Invalid `split_points`: {self.spec.num_stages} stages for a {axis!r} axis of {size} "
                              f"with stages_per_rank={self.spec.stages_per_rank}: give {size * self.spec.stages_per_rank - 1} "
                              "split points (one stage per rank, or stages_per_rank per rank).")
         paths = stage_paths(module, self.spec.split_points)
-        device_mesh = strategy.world.device_mesh
-        pipe_rank = device_mesh.get_local_rank(axis)
-        group = strategy.world.group(axis)
-        ranks = [dist.get_global_rank(group, r) for r in range(size)] if strategy.world.distributed else [0]
-        stage_ranks = [(ranks[s % size],) for s in range(self.spec.num_stages)]
-        last = stage_ranks[-1][0]
-        residency = StageResidency(strategy.world.rank, paths, stage_ranks, frozenset({last}), frozenset({last}))
+        world = strategy.world
+        pipe_rank = world.device_mesh.get_local_rank(axis) if world.distributed else 0
+        group = world.group(axis)
+        layout = world.device_mesh.mesh if world.distributed else torch.zeros(1, dtype=torch.long)
+        along = layout.movedim(mesh.axis_index(axis), 0).reshape(size, -1) if world.distributed else layout.reshape(1, 1)
+        stage_ranks = [tuple(sorted(int(r) for r in along[s % size].tolist())) for s in range(self.spec.num_stages)]
+        last = frozenset(stage_ranks[-1])  # every replica of the last stage holds its replica's outputs
+        residency = StageResidency(world.rank, paths, stage_ranks, last, last)
         module = module.to(strategy.device)
-        step = PipelineStep(module, self.spec, residency, pipe_rank, size, group, strategy.device)
-        return Placement(module, module, ReplicatedSync(), residency, step)
+        replicas = _Replicas(world, data) if data is not None and mesh.dim_size(data) > 1 else None
+        step = PipelineStep(module, self.spec, residency, pipe_rank, size, group, strategy.device, replicas)
+        sync = _StageSync()
+        register_placement([p for p in module.parameters() if p.requires_grad], sync)
+        return Placement(module, module, sync, residency, step)

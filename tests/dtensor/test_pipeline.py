@@ -44,9 +44,9 @@ class Classifier(nn.Module):
         return self.head(self.blocks(h).mean(dim=1))
 
 
-def _data() -> tuple[np.ndarray, np.ndarray]:
+def _data(rows: int = 64) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(5)
-    x = rng.integers(0, 16, size=(64, 6)).astype("int64")
+    x = rng.integers(0, 16, size=(rows, 6)).astype("int64")
     y = (x[:, 0] % 3).astype("int64")
     return x, y
 
@@ -58,28 +58,29 @@ def _compile(model: Any) -> None:
                   loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
 
 
-def _one_process() -> tuple[dict[str, np.ndarray], dict[str, list[float]], int]:
+def _one_process(rows: int = 64) -> tuple[dict[str, np.ndarray], dict[str, list[float]], int]:
     import meshfit as mf
 
     model = mf.Model(Classifier())
     _compile(model)
-    x, y = _data()
+    x, y = _data(rows)
     history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     weights = {k: v.detach().numpy().copy() for k, v in model.module.state_dict().items()}
     return weights, history.history, mf.train.state_digest(model).total
 
 
 def _pipeline(rank: int, world_size: int, directory: str, schedule: str, split_points: list[str],
-              stages_per_rank: int) -> dict[str, Any]:
+              stages_per_rank: int, mesh_dims: tuple[tuple[str, int], ...] = (("pipe", 2),), rows: int = 64,
+              microbatches: int = 4) -> dict[str, Any]:
     import meshfit as mf
 
-    mesh = mf.dtensor.create_mesh([("pipe", 2)])
-    layout_map = mf.dtensor.LayoutMap(mesh).pipeline(split_points, microbatches=4, schedule=schedule,
+    mesh = mf.dtensor.create_mesh(list(mesh_dims))
+    layout_map = mf.dtensor.LayoutMap(mesh).pipeline(split_points, microbatches=microbatches, schedule=schedule,
                                                      stages_per_rank=stages_per_rank)
     with layout_map.scope():
         model = mf.Model(Classifier())
     _compile(model)
-    x, y = _data()
+    x, y = _data(rows)
     history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
                         callbacks=[mf.callbacks.BackupAndRestore(os.path.join(directory, "backup"), save_freq=4,
                                                                  delete_checkpoint=False)])
@@ -129,6 +130,30 @@ def test_pipeline_fit_equals_one_process(tmp_path: Any, schedule: str, split_poi
     model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
               callbacks=[mf.callbacks.BackupAndRestore(str(tmp_path / "backup"), save_freq=4, delete_checkpoint=False)])
     assert mf.train.state_digest(model).total == results[0]["digest"]
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize("mesh_dims", [(("pipe", 2), ("batch", 2)), (("batch", 2), ("pipe", 2))])
+def test_pipeline_with_replicated_stages_equals_one_process(tmp_path: Any, mesh_dims: tuple) -> None:
+    """2 stages × 2 data replicas on 4 processes, the last global batch smaller (56 rows by 16: 8, split 4 + 4)."""
+    weights, history, _ = _one_process(56)
+    results = run_distributed(_pipeline, world_size=4, timeout=TIMEOUT - 60,
+                              args=(str(tmp_path), "1F1B", ["blocks.2"], 1, mesh_dims, 56, 2))
+    for result in results:
+        for name in ("loss", "accuracy"):
+            np.testing.assert_allclose(result["history"][name], history[name], rtol=1e-5, err_msg=name)
+        for path, value in result["every"].items():
+            np.testing.assert_allclose(value, weights[path], rtol=1e-5, atol=1e-6, err_msg=path)
+        assert result["digest"] == results[0]["digest"]
+    # each stage's replicas hold bitwise the same weights (they were reduced alike)
+    by_path: dict[str, list[np.ndarray]] = {}
+    for result in results:
+        for path, value in result["stage"].items():
+            by_path.setdefault(path, []).append(value)
+    assert set(by_path) == set(weights)
+    for path, copies in by_path.items():
+        assert len(copies) == 2, path
+        np.testing.assert_array_equal(copies[0], copies[1], err_msg=path)
 
 
 def test_pipeline_bad_input_is_refused_naming_the_value() -> None:
