@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from _interrupt import InterruptAtStepEnd
 from torch import nn
 
 import meshfit as mf
@@ -206,16 +207,6 @@ def test_initial_epoch_starts_the_count_there(digits):
     assert begun == [2, 3] and history.epoch == [2, 3]
 
 
-class InterruptAtStep(mf.callbacks.Callback):
-    def __init__(self, step: int) -> None:
-        super().__init__()
-        self.step = step
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.model.loop_state.iterations == self.step:
-            raise RuntimeError("Interruption")
-
-
 def test_every_argument_together_resumes_bitwise_under_backup_and_restore(digits, tmp_path):
     # make_model's torch.manual_seed(0) makes every unseeded shuffle's seed the same in each run.
     x, y = digits
@@ -229,7 +220,7 @@ def test_every_argument_together_resumes_bitwise_under_backup_and_restore(digits
     backup = str(tmp_path / "backup")
     with pytest.raises(RuntimeError, match="Interruption"):
         make_model(steps_per_execution=2).fit(
-            x, y, **arguments, callbacks=[mf.callbacks.BackupAndRestore(backup, save_freq=4), InterruptAtStep(14)])
+            x, y, **arguments, callbacks=[mf.callbacks.BackupAndRestore(backup, save_freq=4), InterruptAtStepEnd(14)])
     resumed = make_model(steps_per_execution=2)
     restore = mf.callbacks.BackupAndRestore(backup, save_freq=4)
     history = resumed.fit(x, y, **arguments, callbacks=[restore])

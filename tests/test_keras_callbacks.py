@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from _interrupt import InterruptAtStepEnd
 from torch import nn
 
 import meshfit as mf
@@ -27,16 +28,6 @@ def data():
 
 def dataset(x, y):
     return mf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=2).batch(32)
-
-
-class InterruptAtStep(mf.callbacks.Callback):
-    def __init__(self, step: int) -> None:
-        super().__init__()
-        self.step = step
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.model.loop_state.iterations == self.step:
-            raise RuntimeError("Interruption")
 
 
 class RecordRates(mf.callbacks.Callback):
@@ -86,7 +77,7 @@ def test_reduce_lr_on_plateau_killed_mid_way_resumes_with_the_same_rate_bitwise(
     # Killed at step 18 (epoch 3, batch 3): after the first reduction; the last backup is at step 16.
     with pytest.raises(RuntimeError, match="Interruption"):
         make_model().fit(dataset(x, y), epochs=6, verbose=0,
-                         callbacks=[plateau(), mf.callbacks.BackupAndRestore(backup, save_freq=4), InterruptAtStep(18)])
+                         callbacks=[plateau(), mf.callbacks.BackupAndRestore(backup, save_freq=4), InterruptAtStepEnd(18)])
     resumed = make_model()  # a fresh model and callbacks, as after a restart
     rates = RecordRates()
     history = resumed.fit(dataset(x, y), epochs=6, verbose=0,
@@ -115,7 +106,7 @@ def test_learning_rate_scheduler_sets_each_epochs_rate_and_resumes_exactly(data,
     with pytest.raises(RuntimeError, match="Interruption"):
         make_model().fit(dataset(x, y), epochs=4, verbose=0,
                          callbacks=[mf.callbacks.LearningRateScheduler(halve_after_first),
-                                    mf.callbacks.BackupAndRestore(backup, save_freq=3), InterruptAtStep(14)])
+                                    mf.callbacks.BackupAndRestore(backup, save_freq=3), InterruptAtStepEnd(14)])
     resumed = make_model()
     rates = RecordRates()
     resumed.fit(dataset(x, y), epochs=4, verbose=0,

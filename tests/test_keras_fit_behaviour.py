@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _interrupt import InterruptAtStepEnd
 from torch import nn
 
 import meshfit as mf
@@ -168,16 +169,6 @@ def test_steps_per_epoch_with_arrays_follows_keras_3(steps_per_epoch, steps_per_
     assert seen == batches  # an epoch ends where the pass ends; the next one starts a new pass
 
 
-class InterruptAtStep(mf.callbacks.Callback):
-    def __init__(self, step: int) -> None:
-        super().__init__()
-        self.step = step
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.model.loop_state.iterations == self.step:
-            raise RuntimeError("Interruption")
-
-
 @pytest.mark.parametrize("interrupt_at", [11, 14])
 def test_keras_epochs_resume_exactly(tmp_path, interrupt_at):
     """steps_per_epoch=9 over 10 batches (epochs of 9, 1, 9, 1 steps), shuffled: a resume from a
@@ -189,7 +180,7 @@ def test_keras_epochs_resume_exactly(tmp_path, interrupt_at):
     backup = str(tmp_path / "backup")
     with pytest.raises(RuntimeError, match="Interruption"):
         linear_model().fit(x, y, **arguments, callbacks=[mf.callbacks.BackupAndRestore(backup, save_freq=3),
-                                                         InterruptAtStep(interrupt_at)])
+                                                         InterruptAtStepEnd(interrupt_at)])
     resumed = linear_model()
     seen = []
     spy = mf.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: seen.append(resumed.loop_state.iterations))

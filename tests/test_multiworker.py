@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from _interrupt import InterruptAtStepEnd
 from _multiproc import run_distributed
 from _procs import child_env, finish, free_ports, start, tf_config
 from torch import nn
@@ -359,11 +360,6 @@ def _worker_resume_logs(rank: int, world: int, backup_dir: str):
     strategy = mf.MultiWorkerMirroredStrategy()
     (x, y), _ = mf.datasets.load_digits()
 
-    class InterruptAtStep(mf.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if self.model.loop_state.iterations == 7:  # inside the second epoch (5 steps per epoch)
-                raise RuntimeError("Interruption")
-
     def run(callbacks):
         data = mf.data.Dataset.from_tensor_slices((x[:320], y[:320])).shuffle(320, seed=3).batch(64)
         with strategy.scope():
@@ -373,8 +369,8 @@ def _worker_resume_logs(rank: int, world: int, backup_dir: str):
         return model, model.fit(data, epochs=3, verbose=0, callbacks=callbacks)
 
     _, uninterrupted = run([])
-    with pytest.raises(RuntimeError, match="Interruption"):
-        run([InterruptAtStep(), mf.callbacks.BackupAndRestore(backup_dir, save_freq=1)])
+    with pytest.raises(RuntimeError, match="Interruption"):  # step 7: inside the second epoch (5 steps each)
+        run([InterruptAtStepEnd(7), mf.callbacks.BackupAndRestore(backup_dir, save_freq=1)])
     model, resumed = run([mf.callbacks.BackupAndRestore(backup_dir, save_freq=1)])
     return uninterrupted.history, resumed.history, model.get_weights()
 

@@ -13,6 +13,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from _interrupt import InterruptAtStepEnd
 from _multiproc import run_distributed
 from torch import nn
 
@@ -192,16 +193,6 @@ def test_ema_with_model_fit_follows_keras():
     np.testing.assert_allclose(module.weight.detach(), [[0.891], [0.891]], atol=1e-5)  # finalized by fit
 
 
-class _InterruptAtStep(mf.callbacks.Callback):
-    def __init__(self, step: int) -> None:
-        super().__init__()
-        self.step = step
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.model.loop_state.iterations == self.step:
-            raise RuntimeError("Interruption")
-
-
 def _ema_model() -> mf.Model:
     torch.manual_seed(0)
     model = mf.Model(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)))
@@ -221,7 +212,7 @@ def test_ema_and_clipping_resume_bitwise_under_backup_and_restore(tmp_path):
     backup = str(tmp_path / "backup")
     with pytest.raises(RuntimeError, match="Interruption"):
         _ema_model().fit(x, y, **arguments,
-                         callbacks=[mf.callbacks.BackupAndRestore(backup, save_freq=3), _InterruptAtStep(13)])
+                         callbacks=[mf.callbacks.BackupAndRestore(backup, save_freq=3), InterruptAtStepEnd(13)])
     resumed = _ema_model()
     resumed.fit(x, y, **arguments, callbacks=[mf.callbacks.BackupAndRestore(backup, save_freq=3)])
     for a, b in zip(resumed.get_weights(), reference.get_weights(), strict=True):

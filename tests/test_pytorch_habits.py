@@ -18,6 +18,7 @@ import zipfile
 import numpy as np
 import pytest
 import torch
+from _interrupt import InterruptAtStepBegin
 from _multiproc import run_distributed
 from _procs import child_env, finish, free_ports, start, tf_config
 from torch import nn
@@ -180,22 +181,12 @@ def test_a_seeded_dataloader_trains_in_torchs_order_and_two_workers_match_one_pr
         np.testing.assert_allclose(a, single, rtol=1e-5, atol=1e-6)
 
 
-class _InterruptAt(mf.callbacks.Callback):
-    def __init__(self, step: int) -> None:
-        super().__init__()
-        self.step = step
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if self.model.loop_state.iterations == self.step:
-            raise RuntimeError("Interruption")
-
-
 def test_a_seeded_dataloader_resumes_exactly_in_a_later_pass(tmp_path):
     uninterrupted, batches = _fit_seeded(epochs=3)
     backup = str(tmp_path / "backup")
     with pytest.raises(RuntimeError, match="Interruption"):  # a backup at step 9: pass 1, batch 3
         _fit_seeded(epochs=3, callbacks=[mf.callbacks.BackupAndRestore(backup, save_freq=9, async_save=False),
-                                         _InterruptAt(11)])
+                                         InterruptAtStepBegin(11)])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a map-style DataLoader resumes exactly: no warning
         resumed, resumed_batches = _fit_seeded(epochs=3, callbacks=[mf.callbacks.BackupAndRestore(backup)])
@@ -221,7 +212,7 @@ def test_a_new_batch_size_at_an_epoch_boundary_continues_with_it(tmp_path, capfd
     backup = str(tmp_path / "backup")
     with pytest.raises(RuntimeError, match="Interruption"):  # epoch 1 backed up (4 steps of 64), then stopped
         _digits_model().fit(_digits(64), epochs=3, verbose=0,
-                            callbacks=[mf.callbacks.BackupAndRestore(backup, async_save=False), _InterruptAt(6)])
+                            callbacks=[mf.callbacks.BackupAndRestore(backup, async_save=False), InterruptAtStepBegin(6)])
     capfd.readouterr()
     model = _digits_model()
     model.fit(_digits(32), epochs=3, verbose=0, callbacks=[mf.callbacks.BackupAndRestore(backup)])
@@ -235,7 +226,7 @@ def test_a_new_batch_size_inside_a_pass_is_refused_with_the_fix(tmp_path):
     with pytest.raises(RuntimeError, match="Interruption"):  # backed up at step 3 of the 4 in the pass
         _digits_model().fit(_digits(64), epochs=2, verbose=0,
                             callbacks=[mf.callbacks.BackupAndRestore(backup, save_freq=3, async_save=False),
-                                       _InterruptAt(3)])
+                                       InterruptAtStepBegin(3)])
     with pytest.raises(StateMismatchError) as refused:
         _digits_model().fit(_digits(32), epochs=2, verbose=0, callbacks=[mf.callbacks.BackupAndRestore(backup)])
     message = str(refused.value)

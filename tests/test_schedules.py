@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from _interrupt import InterruptAtStepEnd
 from torch import nn
 
 import meshfit as mf
@@ -103,16 +104,6 @@ def test_a_schedule_is_saved_with_the_model_and_continues_where_it_was(tmp_path)
         np.testing.assert_array_equal(a, b)
 
 
-class _InterruptAtStep(mf.callbacks.Callback):
-    def __init__(self, step: int) -> None:
-        super().__init__()
-        self.step = step
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.model.loop_state.iterations == self.step:
-            raise RuntimeError("Interruption")
-
-
 def test_backup_and_restore_resumes_a_schedule_exactly(tmp_path):
     x, y = _digits()
 
@@ -126,7 +117,7 @@ def test_backup_and_restore_resumes_a_schedule_exactly(tmp_path):
     backup = str(tmp_path / "backup")
     with pytest.raises(RuntimeError, match="Interruption"):
         _model(schedule()).fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0,
-                               callbacks=[mf.callbacks.BackupAndRestore(backup, save_freq=4), _InterruptAtStep(10)])
+                               callbacks=[mf.callbacks.BackupAndRestore(backup, save_freq=4), InterruptAtStepEnd(10)])
     resumed = _model(schedule())
     resumed.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0,
                 callbacks=[mf.callbacks.BackupAndRestore(backup, save_freq=4)])

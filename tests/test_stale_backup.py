@@ -8,19 +8,10 @@ import re
 
 import pytest
 import torch
+from _interrupt import InterruptAtStepBegin
 from torch import nn
 
 import meshfit as mf
-
-
-class InterruptAt(mf.callbacks.Callback):
-    def __init__(self, step: int) -> None:
-        super().__init__()
-        self.step = step
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if self.model.loop_state.iterations == self.step:
-            raise RuntimeError("Interruption")
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +39,7 @@ def _interrupted_backup(data, backup: str, **pipeline) -> None:
     x, y = data
     with pytest.raises(RuntimeError, match="Interruption"):
         _model().fit(_pipeline(x, y, **pipeline), epochs=2, verbose=0,
-                     callbacks=[mf.callbacks.BackupAndRestore(backup, save_freq=3, async_save=False), InterruptAt(5)])
+                     callbacks=[mf.callbacks.BackupAndRestore(backup, save_freq=3, async_save=False), InterruptAtStepBegin(5)])
 
 
 def _resume(model: mf.Model, dataset, backup: str, **fit) -> None:
@@ -79,7 +70,7 @@ def test_array_input_with_another_batch_size_is_refused(data, tmp_path):
     backup = str(tmp_path / "backup")
     with pytest.raises(RuntimeError, match="Interruption"):
         _model().fit(x, y, batch_size=32, epochs=2, verbose=0,
-                     callbacks=[mf.callbacks.BackupAndRestore(backup, save_freq=3, async_save=False), InterruptAt(5)])
+                     callbacks=[mf.callbacks.BackupAndRestore(backup, save_freq=3, async_save=False), InterruptAtStepBegin(5)])
     with pytest.raises(ValueError, match=r"global batch size: saved 32, now 16"):
         _model().fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[mf.callbacks.BackupAndRestore(backup)])
 

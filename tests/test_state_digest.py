@@ -9,6 +9,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from _interrupt import InterruptAtStepBegin
 from _multiproc import run_distributed
 from torch import nn
 
@@ -173,16 +174,6 @@ def test_a_checkpoint_rewritten_with_valid_checksums_but_other_values_is_refused
     assert type(refused.value).__name__ == "DigestMismatchError"
 
 
-class _InterruptAt(mf.callbacks.Callback):
-    def __init__(self, step: int) -> None:
-        super().__init__()
-        self.step = step
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if self.model.optimizer.iterations == self.step:
-            raise RuntimeError("Interruption")
-
-
 def _fit_mlp(callbacks) -> mf.Model:
     torch.manual_seed(0)
     model = mf.Model(nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 10)))
@@ -197,7 +188,7 @@ def test_a_tampered_backup_is_skipped_by_name_for_the_previous_one_ending_bitwis
     reference = _fit_mlp([])
     backup = str(tmp_path / "backup")
     with pytest.raises(RuntimeError, match="Interruption"):
-        _fit_mlp([mf.callbacks.BackupAndRestore(backup, save_freq=2, async_save=False), _InterruptAt(7)])
+        _fit_mlp([mf.callbacks.BackupAndRestore(backup, save_freq=2, async_save=False), InterruptAtStepBegin(7)])
     latest = mf.train.latest_checkpoint(backup)
     assert latest.endswith("ckpt-3")
     _copy_data_files(os.path.join(backup, "ckpt-2"), latest)  # step 4's values under step 6's name

@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from _interrupt import InterruptHook
 from torch import nn
 
 import meshfit as mf
@@ -61,20 +62,6 @@ def model_fn(features, labels, mode):
 def _estimator(model_dir, **config):
     config.setdefault("log_step_count_steps", None)
     return Estimator(model_fn, model_dir=str(model_dir), config=RunConfig(tf_random_seed=0, **config))
-
-
-class InterruptHook(SessionRunHook):
-    """Seed 002's hook: raises in the sixth run (its step counter reaches 5)."""
-
-    def begin(self):
-        self._step = -1
-
-    def before_run(self, run_context):
-        self._step += 1
-
-    def after_run(self, run_context, run_values):
-        if self._step == 5:
-            raise RuntimeError("Interruption")
 
 
 class RecordSteps(SessionRunHook):

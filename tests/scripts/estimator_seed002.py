@@ -4,6 +4,7 @@ Prints the final weights as JSON. Each ``input_fn`` call draws a new shuffle see
 read the order the checkpoint saved."""
 
 import json
+import os
 import sys
 
 import numpy as np
@@ -11,6 +12,9 @@ import torch
 from torch import nn
 
 import meshfit as mf
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for its helpers
+from _interrupt import InterruptHook  # noqa: E402
 
 mode_name, model_dir = sys.argv[1], sys.argv[2]
 torch.manual_seed(0)
@@ -27,18 +31,6 @@ def model_fn(features, labels, mode):
     optimizer = mf.estimator.once(lambda: mf.optimizers.Adam(learning_rate=0.05))
     loss = nn.functional.cross_entropy(model(features), labels)
     return mf.estimator.EstimatorSpec(mode, loss=loss, train_op=optimizer.minimize(loss))
-
-
-class InterruptHook(mf.estimator.SessionRunHook):
-    def begin(self):
-        self._step = -1
-
-    def before_run(self, run_context):
-        self._step += 1
-
-    def after_run(self, run_context, run_values):
-        if self._step == 5:
-            raise RuntimeError("Interruption")
 
 
 def estimator():

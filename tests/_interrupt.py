@@ -1,0 +1,52 @@
+"""Interrupting training at a step, for the resume tests: a callback or a hook raises ``Interruption``.
+
+Each raises ``RuntimeError("Interruption")`` in the process that trains (the tests match that word),
+as a crash at that point would end the run; the test then starts again from the backup or checkpoint
+and compares with an uninterrupted run. Which hook raises matters: a callback that implements
+``on_train_batch_end`` makes fit read the step's logs, and the callbacks listed before it (a
+``BackupAndRestore`` among them) have already seen the step when it raises.
+"""
+
+from __future__ import annotations
+
+import meshfit as mf
+
+INTERRUPTION = "Interruption"
+
+
+class InterruptAtStepEnd(mf.callbacks.Callback):
+    """Raise in ``on_train_batch_end`` of the step that brings the loop's step count to ``step``."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.model.loop_state.iterations == self.step:
+            raise RuntimeError(INTERRUPTION)
+
+
+class InterruptAtStepBegin(mf.callbacks.Callback):
+    """Raise in ``on_train_batch_begin`` once the loop has run ``step`` steps: the next one never starts."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.model.loop_state.iterations == self.step:
+            raise RuntimeError(INTERRUPTION)
+
+
+class InterruptHook(mf.estimator.SessionRunHook):
+    """An Estimator hook (seed 002's): raises after the sixth run of ``train`` (its step counter reaches 5)."""
+
+    def begin(self):
+        self._step = -1
+
+    def before_run(self, run_context):
+        self._step += 1
+
+    def after_run(self, run_context, run_values):
+        if self._step == 5:
+            raise RuntimeError(INTERRUPTION)
