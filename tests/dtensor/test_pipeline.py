@@ -83,12 +83,14 @@ def _pipeline(rank: int, world_size: int, directory: str, schedule: str, split_p
     x, y = _data(rows)
     history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
                         callbacks=[mf.callbacks.BackupAndRestore(os.path.join(directory, "backup"), save_freq=4,
-                                                                 delete_checkpoint=False)])
+                                                                 delete_checkpoint=False),
+                                   mf.callbacks.VerifyReplicas(every_n_steps=2, on_divergence="stop")])
+    verified = mesh.strategy.verify_replicas(model)
     evaluated = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
     predicted = model.predict(x, batch_size=16, verbose=0)
     model.save(os.path.join(directory, "model.keras"))
     every = dict(zip(model.module.state_dict(), model.get_weights(), strict=True))  # every stage's, completed
-    return {"history": history.history, "evaluated": evaluated, "predicted": np.asarray(predicted), "every": every,
+    return {"history": history.history, "compared": verified.compared, "one_copy": verified.one_copy, "evaluated": evaluated, "predicted": np.asarray(predicted), "every": every,
             "digest": mf.train.state_digest(model).total,
             "stage": {k: v.detach().numpy().copy() for k, v in model.module.state_dict().items()
                       if model.residency.holds(k)}}
@@ -119,6 +121,8 @@ def test_pipeline_fit_equals_one_process(tmp_path: Any, schedule: str, split_poi
             np.testing.assert_allclose(value, weights[path], rtol=1e-5, atol=1e-6, err_msg=path)
         assert result["digest"] == results[0]["digest"]
     assert held == set(weights)  # every path is some stage's
+    for result in results:  # one copy of each stage: nothing to compare but the step count
+        assert result["compared"] == ("optimizer/iterations",) and set(result["stage"]) <= set(result["one_copy"])
     # model.save wrote every stage's weights: one plain process loads them
     loaded = mf.load_model(str(tmp_path / "model.keras"), module=Classifier())
     for path, value in loaded.module.state_dict().items():
@@ -145,6 +149,9 @@ def test_pipeline_with_replicated_stages_equals_one_process(tmp_path: Any, mesh_
         for path, value in result["every"].items():
             np.testing.assert_allclose(value, weights[path], rtol=1e-5, atol=1e-6, err_msg=path)
         assert result["digest"] == results[0]["digest"]
+    # the replica check compares every stage's tensors with the stage's replicas (never across stages)
+    for result in results:
+        assert set(result["stage"]) <= set(result["compared"]) and not result["one_copy"]
     # each stage's replicas hold bitwise the same weights (they were reduced alike)
     by_path: dict[str, list[np.ndarray]] = {}
     for result in results:
