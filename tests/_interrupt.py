@@ -14,28 +14,28 @@ import meshfit as mf
 INTERRUPTION = "Interruption"
 
 
-class InterruptAtStepEnd(mf.callbacks.Callback):
+class _InterruptAtStep(mf.callbacks.Callback):
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step = step
+
+    def _raise_at_the_step(self) -> None:
+        if self.model.loop_state.iterations == self.step:
+            raise RuntimeError(INTERRUPTION)
+
+
+class InterruptAtStepEnd(_InterruptAtStep):
     """Raise in ``on_train_batch_end`` of the step that brings the loop's step count to ``step``."""
 
-    def __init__(self, step: int) -> None:
-        super().__init__()
-        self.step = step
-
     def on_train_batch_end(self, batch, logs=None):
-        if self.model.loop_state.iterations == self.step:
-            raise RuntimeError(INTERRUPTION)
+        self._raise_at_the_step()
 
 
-class InterruptAtStepBegin(mf.callbacks.Callback):
+class InterruptAtStepBegin(_InterruptAtStep):
     """Raise in ``on_train_batch_begin`` once the loop has run ``step`` steps: the next one never starts."""
 
-    def __init__(self, step: int) -> None:
-        super().__init__()
-        self.step = step
-
     def on_train_batch_begin(self, batch, logs=None):
-        if self.model.loop_state.iterations == self.step:
-            raise RuntimeError(INTERRUPTION)
+        self._raise_at_the_step()
 
 
 class InterruptHook(mf.estimator.SessionRunHook):

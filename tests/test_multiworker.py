@@ -12,6 +12,7 @@ import torch
 from _interrupt import InterruptAtStepEnd
 from _multiproc import run_distributed
 from _procs import child_env, finish, free_ports, start, tf_config
+from _tutorial_paths import is_chief
 from torch import nn
 
 import meshfit as mf
@@ -213,10 +214,6 @@ def test_communication_options_refuse_non_finite_timeouts(kwargs, match):
         mf.CommunicationOptions(**kwargs)
 
 
-def _seed_is_chief(task_type, task_id):  # the tutorial's helper, as written there
-    return (task_type == "worker" and task_id == 0) or task_type is None
-
-
 def test_without_a_cluster_the_resolver_is_tensorflows_single_worker(monkeypatch):
     # TF's MultiWorkerMirroredStrategy without TF_CONFIG reports task_type None and task_id None;
     # the tutorial's _is_chief has a case for it ("effectively run with only a single worker").
@@ -227,7 +224,7 @@ def test_without_a_cluster_the_resolver_is_tensorflows_single_worker(monkeypatch
     assert isinstance(resolver, mf.cluster.SingleProcessClusterResolver)
     assert (resolver.task_type, resolver.task_id, resolver.rank, resolver.world_size) == (None, None, 0, 1)
     assert resolver.cluster_spec().as_dict() == {} and "chief" not in resolver.cluster_spec().as_dict()
-    assert _seed_is_chief(resolver.task_type, resolver.task_id) and resolver.is_chief
+    assert is_chief(resolver.task_type, resolver.task_id) and resolver.is_chief
     config = mf.estimator.RunConfig(train_distribute=strategy)  # TF's RunConfig alone: worker 0, chief
     assert (config.task_type, config.task_id, config.is_chief, config.cluster_spec) == ("worker", 0, True, {})
 

@@ -8,29 +8,10 @@ import shutil
 import numpy as np
 import torch
 from _multiproc import run_distributed
+from _tutorial_paths import is_chief, write_filepath
 from torch import nn
 
 import meshfit as mf
-
-
-# ---- the tutorial's helpers, as written (seed 000) ---------------------------------------------
-def _is_chief(task_type, task_id):
-    return (task_type == 'worker' and task_id == 0) or task_type is None
-
-
-def _get_temp_dir(dirpath, task_id):
-    base_dirpath = 'workertemp_' + str(task_id)
-    temp_dir = os.path.join(dirpath, base_dirpath)
-    os.makedirs(temp_dir, exist_ok=True)
-    return temp_dir
-
-
-def write_filepath(filepath, task_type, task_id):
-    dirpath = os.path.dirname(filepath)
-    base = os.path.basename(filepath)
-    if not _is_chief(task_type, task_id):
-        dirpath = _get_temp_dir(dirpath, task_id)
-    return os.path.join(dirpath, base)
 
 
 def _data():
@@ -53,7 +34,7 @@ def _dance(rank: int, world: int, root: str) -> dict:
     model_path = os.path.join(root, "keras-model")
     write_model_path = write_filepath(model_path, task_type, task_id)
     model.save(write_model_path)
-    if not _is_chief(task_type, task_id):
+    if not is_chief(task_type, task_id):
         shutil.rmtree(os.path.dirname(write_model_path))
 
     # CheckpointManager(checkpoint, directory=write_checkpoint_dir), as the tutorial writes it
@@ -66,7 +47,7 @@ def _dance(rank: int, world: int, root: str) -> dict:
     checkpoint_manager.save()  # max_to_keep=1: each rank prunes its own directory
     own_listing = sorted(os.listdir(write_checkpoint_dir))
     saved = model.get_weights()
-    if not _is_chief(task_type, task_id):
+    if not is_chief(task_type, task_id):
         shutil.rmtree(write_checkpoint_dir)
 
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)  # move away from the saved state

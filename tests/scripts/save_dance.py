@@ -8,7 +8,7 @@ file and ``save_weights`` to a ``.safetensors`` file, with one training step (a 
 saves, so each save holds other weights. Then:
 
 - the chief's save fails (its folder's parent is a file): every worker's call raises;
-- ``--chief-alone``, PyTorch's habit: the chief alone saves (``if _is_chief(...)``), the others go
+- ``--chief-alone``, PyTorch's habit: the chief alone saves (``if is_chief(...)``), the others go
   on, and after a barrier load it;
 - ``--other-alone``: the other worker alone saves while the chief ends without saving: it raises at
   once (a run of its own: the chief's saves alone would have moved the chief's count ahead).
@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import time
 
 import numpy as np
@@ -31,28 +32,11 @@ from torch import nn
 
 import meshfit as mf
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for its helpers
+from _tutorial_paths import get_temp_dir, is_chief, write_filepath  # noqa: E402
+
 FORMATS = ("folder", "keras", "weights")
 NAMES = {"folder": "keras-model", "keras": "keras-model.keras", "weights": "weights.safetensors"}
-
-
-def _is_chief(task_type, task_id):
-    # As in the tutorial: only `worker` tasks, worker 0 is the chief; `None` is a single worker.
-    return (task_type == "worker" and task_id == 0) or task_type is None
-
-
-def _get_temp_dir(dirpath, task_id):
-    base_dirpath = "workertemp_" + str(task_id)
-    temp_dir = os.path.join(dirpath, base_dirpath)
-    os.makedirs(temp_dir, exist_ok=True)  # tf.io.gfile.makedirs
-    return temp_dir
-
-
-def write_filepath(filepath, task_type, task_id):
-    dirpath = os.path.dirname(filepath)
-    base = os.path.basename(filepath)
-    if not _is_chief(task_type, task_id):
-        dirpath = _get_temp_dir(dirpath, task_id)
-    return os.path.join(dirpath, base)
 
 
 def _module() -> nn.Module:
@@ -86,17 +70,17 @@ def _save(model: mf.Model, fmt: str, path: str) -> None:
 def _failed_save(strategy, model, out, task_type, task_id, record) -> None:
     """The chief's save fails (its folder's parent is a file): every worker's call raises."""
     blocker = os.path.join(out, "blocker")
-    if _is_chief(task_type, task_id):
+    if is_chief(task_type, task_id):
         with open(blocker, "w") as f:
             f.write("a file where the chief's folder should go\n")
     strategy.barrier()
-    own = os.path.join(blocker if _is_chief(task_type, task_id) else _get_temp_dir(out, task_id), "keras-model")
+    own = os.path.join(blocker if is_chief(task_type, task_id) else get_temp_dir(out, task_id), "keras-model")
     try:
         model.save(own)
         record["failed_save"] = None
     except Exception as error:  # reported for the test to read
         record["failed_save"] = f"{type(error).__name__}: {error}"
-    if not _is_chief(task_type, task_id):
+    if not is_chief(task_type, task_id):
         shutil.rmtree(os.path.dirname(own))
     strategy.barrier()
 
@@ -130,7 +114,7 @@ def main() -> None:
         write_model_path = write_filepath(model_path, task_type, task_id)
         expected = model.get_weights()
         _save(model, fmt, write_model_path)
-        if not _is_chief(task_type, task_id):
+        if not is_chief(task_type, task_id):
             shutil.rmtree(os.path.dirname(write_model_path))  # tf.io.gfile.rmtree
         record["saves"].append(_what_loaded(fmt, model_path, expected))
         model.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=1, verbose=0)  # other weights for the next
@@ -143,7 +127,7 @@ def main() -> None:
     if args.chief_alone:
         chief_alone = os.path.join(args.out, "chief-alone.keras")
         expected = model.get_weights()
-        if _is_chief(task_type, task_id):
+        if is_chief(task_type, task_id):
             started = time.monotonic()
             for _ in range(3):
                 model.save(chief_alone)
@@ -154,7 +138,7 @@ def main() -> None:
         strategy.barrier()
 
     # 4. ``--other-alone``: the other worker alone saves; the chief ends without saving.
-    if args.other_alone and not _is_chief(task_type, task_id):
+    if args.other_alone and not is_chief(task_type, task_id):
         started = time.monotonic()
         try:
             model.save(os.path.join(args.out, "other-alone"))
