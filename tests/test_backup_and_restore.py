@@ -8,6 +8,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from _tamper import flip_bits
 from torch import nn
 
 import meshfit as mf
@@ -321,11 +322,7 @@ def test_a_corrupt_latest_backup_falls_back_to_the_previous_one(data, tmp_path):
     latest = mf.train.latest_checkpoint(backup)
     assert latest.endswith("ckpt-3")
     data_file = os.path.join(latest, "__0_0.distcp")
-    with open(data_file, "r+b") as f:
-        f.seek(os.path.getsize(data_file) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x01]))
+    flip_bits(data_file)
     recorder = Recorder()
     callback = mf.callbacks.BackupAndRestore(str(backup), save_freq=2, delete_checkpoint=False)
     with pytest.warns(RuntimeWarning, match=r"Skipping the corrupt backup .*ckpt-3.*__0_0\.distcp"):

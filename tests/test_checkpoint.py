@@ -12,6 +12,7 @@ import torch
 import torch._dynamo  # noqa: F401  (see below)
 import torch.distributed as dist
 from _multiproc import run_distributed
+from _tamper import flip_bits
 
 from meshfit.train import Checkpoint, CheckpointManager, PerRank, latest_checkpoint, load_checkpoint
 from tests._trackables import Position
@@ -354,11 +355,7 @@ def test_a_bit_flip_in_a_data_file_is_an_error_naming_the_file(tmp_path):
 
     path = Checkpoint(w=torch.arange(256.0)).save(tmp_path / "ckpt-1")
     data = os.path.join(path, "__0_0.distcp")
-    with open(data, "r+b") as f:
-        f.seek(os.path.getsize(data) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x01]))
+    flip_bits(data)
     with pytest.raises(ChecksumError, match="__0_0.distcp"):
         Checkpoint(w=torch.zeros(256)).restore(path)
     with pytest.raises(ChecksumError, match="__0_0.distcp"):

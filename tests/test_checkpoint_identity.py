@@ -23,15 +23,8 @@ import torch
 from meshfit._storage._atomic import _WRITER_ATTRIBUTE
 from meshfit.train import Checkpoint, CheckpointManager
 from tests import _procs
+from tests._tamper import flip_bits
 from tests._trackables import Position
-
-
-def _flip_a_byte(path: str) -> None:
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x01]))
 
 
 def test_the_manager_refuses_to_reuse_the_number_of_a_complete_checkpoint(tmp_path):
@@ -66,7 +59,7 @@ def test_restore_or_initialize_skips_a_corrupt_latest_checkpoint_and_names_it(tm
         step.value = value
         weights.fill_(float(value))
         manager.save()
-    _flip_a_byte(os.path.join(tmp_path, "ckpt-3", "__0_0.distcp"))
+    flip_bits(os.path.join(tmp_path, "ckpt-3", "__0_0.distcp"))
     step.value, weights = 0, torch.zeros(64)
     restarted = CheckpointManager(Checkpoint(s=step, w=weights), tmp_path)
     with pytest.warns(RuntimeWarning, match=r"Skipping the corrupt backup .*ckpt-3.*__0_0\.distcp"):
@@ -79,7 +72,7 @@ def test_restore_or_initialize_raises_when_no_checkpoint_verifies(tmp_path):
 
     manager = CheckpointManager(Checkpoint(w=torch.ones(64)), tmp_path)
     manager.save()
-    _flip_a_byte(os.path.join(tmp_path, "ckpt-1", "__0_0.distcp"))
+    flip_bits(os.path.join(tmp_path, "ckpt-1", "__0_0.distcp"))
     with pytest.warns(RuntimeWarning, match="ckpt-1"), pytest.raises(CorruptFileError, match="ckpt-1"):
         CheckpointManager(Checkpoint(w=torch.zeros(64)), tmp_path).restore_or_initialize()
 

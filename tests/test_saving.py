@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 from _disk import small_disk
+from _tamper import flip_bits
 
 import meshfit as mf
 from meshfit._storage._checksum import ChecksumError
@@ -26,20 +27,12 @@ def _model() -> mf.Model:
     return model
 
 
-def _flip_a_byte(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x10]))
-
-
 @pytest.mark.parametrize("name", ["model.safetensors", "optimizer.safetensors"])
 def test_a_bit_flip_in_a_tensor_file_is_an_error_naming_the_file(tmp_path, name):
     path = str(tmp_path / "saved")
     _model().save(path)
     file = os.path.join(path, name)
-    _flip_a_byte(file, os.path.getsize(file) - 6)  # inside the last tensor's data
+    flip_bits(file, os.path.getsize(file) - 6, mask=0x10)  # inside the last tensor's data
     with pytest.raises(ChecksumError, match=name):
         mf.load_model(path)
 

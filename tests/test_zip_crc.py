@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from _tamper import flip_bits
 
 from meshfit._storage import ChecksumError
 from meshfit.train import Checkpoint, _storage
@@ -56,11 +57,7 @@ def test_the_data_zips_skip_crc32_and_the_users_setting_is_kept(tmp_path, monkey
 def test_a_flipped_byte_in_a_data_file_is_still_refused(tmp_path, monkeypatch, crc_option):
     _, _, path = _save_recording_crc(tmp_path, monkeypatch, False)
     data = next(os.path.join(path, n) for n in os.listdir(path) if n.endswith(_storage.DCP_DATA))
-    with open(data, "r+b") as f:
-        f.seek(os.path.getsize(data) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x10]))
+    flip_bits(data, mask=0x10)
     with pytest.raises(ChecksumError):
         Checkpoint(model=torch.nn.Linear(5, 3)).restore(path)
 
