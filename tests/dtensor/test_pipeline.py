@@ -14,48 +14,20 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from _multiproc import run_distributed
-from torch import nn
+from _pipeline_model import Classifier, compile_model, data
 
 TIMEOUT = 300
 
 
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.fc = nn.Linear(width, width)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + torch.tanh(self.fc(h))
-
-
-class Classifier(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(11)
-        self.tokens = nn.Embedding(16, 8)
-        self.positions = nn.Embedding(6, 8)
-        self.blocks = nn.Sequential(*(Block(8) for _ in range(4)))
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.tokens(x) + self.positions(torch.arange(x.shape[1], device=x.device))
-        return self.head(self.blocks(h).mean(dim=1))
-
-
 def _data(rows: int = 64) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(5)
-    x = rng.integers(0, 16, size=(rows, 6)).astype("int64")
-    y = (x[:, 0] % 3).astype("int64")
-    return x, y
+    return data(rows)
 
 
 def _compile(model: Any) -> None:
     import meshfit as mf
 
-    model.compile(optimizer=mf.optimizers.Adam(0.01),
-                  loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    compile_model(mf, model)
 
 
 def _one_process(rows: int = 64) -> tuple[dict[str, np.ndarray], dict[str, list[float]], int]:
