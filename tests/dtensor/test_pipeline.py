@@ -135,6 +135,58 @@ def test_pipeline_with_replicated_stages_equals_one_process(tmp_path: Any, mesh_
         np.testing.assert_array_equal(copies[0], copies[1], err_msg=path)
 
 
+def _first_epoch(rank: int, world_size: int, backup: str, schedule: str, split_points: list[str],
+                 stages_per_rank: int, epochs: int) -> dict[str, Any]:
+    import meshfit as mf
+
+    mesh = mf.dtensor.create_mesh([("pipe", 2)])
+    layout_map = mf.dtensor.LayoutMap(mesh).pipeline(split_points, microbatches=4, schedule=schedule,
+                                                     stages_per_rank=stages_per_rank)
+    with layout_map.scope():
+        model = mf.Model(Classifier())
+    _compile(model)
+    x, y = _data()
+    steps: list[int] = []
+    history = model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0,
+                        callbacks=[mf.callbacks.BackupAndRestore(backup, delete_checkpoint=False),
+                                   mf.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: steps.append(batch))])
+    return {"history": history.history, "steps": len(steps),
+            "every": dict(zip(model.module.state_dict(), model.get_weights(), strict=True))}
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_pipeline_backup_resumes_on_another_depth_and_in_one_plain_process(tmp_path: Any) -> None:
+    """One epoch on 2 stages; the second resumed on 4 interleaved stages (another depth), and separately in
+    one plain process: both end at one uninterrupted process's weights and logs."""
+    import shutil
+
+    import meshfit as mf
+
+    weights, history, _ = _one_process()
+    first = str(tmp_path / "first")
+    run_distributed(_first_epoch, world_size=2, timeout=TIMEOUT - 60, args=(first, "1F1B", ["blocks.2"], 1, 1))
+    other_depth = str(tmp_path / "other")
+    shutil.copytree(first, other_depth)
+    results = run_distributed(_first_epoch, world_size=2, timeout=TIMEOUT - 60,
+                              args=(other_depth, "Interleaved1F1B", ["blocks.1", "blocks.2", "blocks.3"], 2, 2))
+    for result in results:
+        assert result["steps"] == 4  # the second epoch's 4 steps only: resumed, not trained again from the start
+        np.testing.assert_allclose(result["history"]["loss"], history["loss"], rtol=1e-5)
+        for path, value in result["every"].items():
+            np.testing.assert_allclose(value, weights[path], rtol=1e-5, atol=1e-6, err_msg=path)
+    model = mf.Model(Classifier())
+    _compile(model)
+    x, y = _data()
+    steps: list[int] = []
+    resumed = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                        callbacks=[mf.callbacks.BackupAndRestore(first, delete_checkpoint=False),
+                                   mf.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: steps.append(batch))])
+    assert len(steps) == 4
+    np.testing.assert_allclose(resumed.history["loss"], history["loss"], rtol=1e-5)
+    for path, value in model.module.state_dict().items():
+        np.testing.assert_allclose(value.numpy(), weights[path], rtol=1e-5, atol=1e-6, err_msg=path)
+
+
 def test_pipeline_bad_input_is_refused_naming_the_value() -> None:
     import meshfit as mf
     from meshfit.dtensor._pipeline import stage_paths
