@@ -51,6 +51,16 @@ def _listening(hosts, i: int) -> list[str]:
     return [line.split()[3] for line in out.splitlines() if "python" in line]
 
 
+def _assert_hosts_equal_one_process(out: str, single: str, epochs: int) -> None:
+    """The two hosts' weights in ``out`` are equal, and within 1e-5 of one process's trained alone into ``single``."""
+    code, output = finish(start([SCRIPT, "--strategy", "one", "--out", single, *SMALL, "--epochs", str(epochs)],
+                                child_env()), timeout=120)
+    assert code == 0, output
+    for a, b, c in zip(_weights(out, 0), _weights(out, 1), _weights(single, 0), strict=True):
+        np.testing.assert_array_equal(a, b)
+        assert np.abs(a - c).max() / max(np.abs(c).max(), 1e-12) <= 1e-5
+
+
 def test_two_hosts_via_tf_config_equal_one_process_and_bind_only_their_addresses(namespace_hosts, tmp_path):
     hosts = namespace_hosts(2)
     out = str(tmp_path / "hosts")
@@ -73,13 +83,7 @@ def test_two_hosts_via_tf_config_equal_one_process_and_bind_only_their_addresses
     assert f"{hosts.ip(0)}:{PORT}" in seen[0], seen  # the rendezvous store
     for i in (0, 1):
         assert seen[i] and all(a.startswith(f"{hosts.ip(i)}:") for a in seen[i]), seen
-    single = str(tmp_path / "single")
-    code, output = finish(start([SCRIPT, "--strategy", "one", "--out", single, *SMALL, "--epochs", "3"],
-                                child_env()), timeout=120)
-    assert code == 0, output
-    for a, b, c in zip(_weights(out, 0), _weights(out, 1), _weights(single, 0), strict=True):
-        np.testing.assert_array_equal(a, b)
-        assert np.abs(a - c).max() / max(np.abs(c).max(), 1e-12) <= 1e-5
+    _assert_hosts_equal_one_process(out, str(tmp_path / "single"), epochs=3)
 
 
 def _cut_while_training(hosts, tmp_path, backup: str) -> tuple[list[tuple[int, str]], float, list[float]]:
@@ -191,10 +195,4 @@ def test_two_hosts_under_torchrun_multi_node_equal_one_process(namespace_hosts, 
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     for p, output in zip(procs, outputs, strict=True):
         assert p.returncode == 0, output
-    single = str(tmp_path / "single")
-    code, output = finish(start([SCRIPT, "--strategy", "one", "--out", single, *SMALL, "--epochs", "2"],
-                                child_env()), timeout=120)
-    assert code == 0, output
-    for a, b, c in zip(_weights(out, 0), _weights(out, 1), _weights(single, 0), strict=True):
-        np.testing.assert_array_equal(a, b)
-        assert np.abs(a - c).max() / max(np.abs(c).max(), 1e-12) <= 1e-5
+    _assert_hosts_equal_one_process(out, str(tmp_path / "single"), epochs=2)
