@@ -35,6 +35,24 @@ class LayoutMap(MutableMapping):
         self._device_mesh = device_mesh
         self.is_fully_sharded = False
         self.blocks: list[str] | None = None
+        self._pipeline: tuple[tuple[str, ...], int, str, int] | None = None
+
+    def pipeline(self, split_points: Sequence[str], microbatches: int, schedule: str = "1F1B",
+                 stages_per_rank: int = 1) -> LayoutMap:
+        """Split the model into pipeline stages along the mesh's ``"pipe"`` axis; returns the map.
+
+        The same placement as ``mf.dtensor.LayoutMap.pipeline`` (see it for the arguments): give the map
+        to ``ModelParallel(layout_map=..., batch_dim_name=...)`` on a `DeviceMesh` with a ``"pipe"`` axis.
+
+        Example:
+            >>> mesh = DeviceMesh((2, 2), ["pipe", "batch"], [f"cpu:{i}" for i in range(4)])
+            >>> layout_map = LayoutMap(mesh).pipeline(["blocks.2"], microbatches=4)
+            >>> layout_map
+            LayoutMap({}, device_mesh=<DeviceMesh shape=(2, 2), axis_names=['pipe', 'batch']>).pipeline(['blocks.2'], microbatches=4, schedule='1F1B')
+        """
+        DTensorLayoutMap().pipeline(split_points, microbatches, schedule, stages_per_rank)  # its checks, now
+        self._pipeline = (tuple(split_points), microbatches, schedule, stages_per_rank)
+        return self
 
     @classmethod
     def fully_sharded(cls, device_mesh: DeviceMesh, blocks: Sequence[str] | None = None) -> LayoutMap:
@@ -125,9 +143,17 @@ class LayoutMap(MutableMapping):
             converted.tensor_parallel_first = True
         for key, layout in self._layout_map.items():
             converted[key] = layout.layout_for(batch_dim_name)
+        if self._pipeline is not None:
+            split_points, microbatches, schedule, stages_per_rank = self._pipeline
+            converted.pipeline(split_points, microbatches, schedule, stages_per_rank)
         return converted
 
     def __repr__(self) -> str:
         items = ", ".join(f"{key!r}: {layout.axes}" for key, layout in self._layout_map.items())
         kind = "LayoutMap.fully_sharded" if self.is_fully_sharded else "LayoutMap"
-        return f"{kind}({{{items}}}, device_mesh={self._device_mesh})"
+        text = f"{kind}({{{items}}}, device_mesh={self._device_mesh})"
+        if self._pipeline is not None:
+            points, microbatches, schedule, per_rank = self._pipeline
+            text += f".pipeline({list(points)!r}, microbatches={microbatches}, schedule={schedule!r}" + \
+                (f", stages_per_rank={per_rank})" if per_rank != 1 else ")")
+        return text

@@ -30,13 +30,13 @@ def _compile(model: Any) -> None:
     compile_model(mf, model)
 
 
-def _one_process(rows: int = 64) -> tuple[dict[str, np.ndarray], dict[str, list[float]], int]:
+def _one_process(rows: int = 64, epochs: int = 2) -> tuple[dict[str, np.ndarray], dict[str, list[float]], int]:
     import meshfit as mf
 
     model = mf.Model(Classifier())
     _compile(model)
     x, y = _data(rows)
-    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    history = model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
     weights = {k: v.detach().numpy().copy() for k, v in model.module.state_dict().items()}
     return weights, history.history, mf.train.state_digest(model).total
 
@@ -133,6 +133,45 @@ def test_pipeline_with_replicated_stages_equals_one_process(tmp_path: Any, mesh_
     for path, copies in by_path.items():
         assert len(copies) == 2, path
         np.testing.assert_array_equal(copies[0], copies[1], err_msg=path)
+
+
+def _both_spellings(rank: int, world_size: int) -> dict[str, Any]:
+    import meshfit as mf
+
+    def train() -> tuple[list[np.ndarray], list[float]]:
+        model = mf.Model(Classifier())
+        _compile(model)
+        x, y = _data()
+        history = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        return model.get_weights(), history.history["loss"]
+
+    mesh = mf.dtensor.create_mesh([("pipe", 2), ("batch", 2)])
+    with mf.dtensor.LayoutMap(mesh).pipeline(["blocks.2"], microbatches=2).scope():
+        dtensor = train()
+    device_mesh = mf.distribution.DeviceMesh((2, 2), ["pipe", "batch"], mf.distribution.list_devices())
+    layout_map = mf.distribution.LayoutMap(device_mesh).pipeline(["blocks.2"], microbatches=2)
+    mf.distribution.set_distribution(mf.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
+    try:
+        keras = train()
+    finally:
+        mf.distribution.set_distribution(None)
+    return {"dtensor": dtensor, "keras": keras}
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_keras_spelling_reaches_the_pipeline_bitwise() -> None:
+    """``mf.distribution.ModelParallel`` with a ``LayoutMap(...).pipeline(...)`` runs the same placement as the
+    DTensor spelling: bitwise equal weights and losses on 2 stages x 2 replicas, equal to one process."""
+    weights, history, _ = _one_process(epochs=1)
+    results = run_distributed(_both_spellings, world_size=4, timeout=TIMEOUT - 60)
+    for result in results:
+        (dtensor, dtensor_loss), (keras, keras_loss) = result["dtensor"], result["keras"]
+        assert dtensor_loss == keras_loss
+        for a, b in zip(dtensor, keras, strict=True):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(keras_loss, history["loss"], rtol=1e-5)
+        for a, path in zip(keras, weights, strict=True):
+            np.testing.assert_allclose(a, weights[path], rtol=1e-5, atol=1e-6, err_msg=path)
 
 
 def _first_epoch(rank: int, world_size: int, backup: str, schedule: str, split_points: list[str],
