@@ -174,6 +174,34 @@ def test_keras_spelling_reaches_the_pipeline_bitwise() -> None:
             np.testing.assert_allclose(a, weights[path], rtol=1e-5, atol=1e-6, err_msg=path)
 
 
+def _accumulating(rank: int, world_size: int) -> dict[str, Any]:
+    import meshfit as mf
+
+    mesh = mf.dtensor.create_mesh([("pipe", 2), ("batch", 2)])
+    with mf.dtensor.LayoutMap(mesh).pipeline(["blocks.2"], microbatches=2).scope():
+        model = mf.Model(Classifier())
+    model.compile(optimizer=mf.optimizers.Adam(0.01, gradient_accumulation_steps=2),
+                  loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data()
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    return {"every": dict(zip(model.module.state_dict(), model.get_weights(), strict=True))}
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_gradient_accumulation_under_a_pipeline_equals_one_process_with_twice_the_batch() -> None:
+    """``gradient_accumulation_steps=2`` on 2 stages x 2 replicas, batch 8: one process's batch of 16."""
+    import meshfit as mf
+
+    model = mf.Model(Classifier())
+    model.compile(optimizer=mf.optimizers.Adam(0.01), loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data()
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    weights = {k: v.detach().numpy() for k, v in model.module.state_dict().items()}
+    for result in run_distributed(_accumulating, world_size=4, timeout=TIMEOUT - 60):
+        for path, value in result["every"].items():
+            np.testing.assert_allclose(value, weights[path], rtol=1e-5, atol=1e-6, err_msg=path)
+
+
 def _first_epoch(rank: int, world_size: int, backup: str, schedule: str, split_points: list[str],
                  stages_per_rank: int, epochs: int) -> dict[str, Any]:
     import meshfit as mf
