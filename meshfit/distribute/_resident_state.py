@@ -114,6 +114,11 @@ class ResidentOptimizer:
             merged.update(received)
         completed = dict(state)
         completed["optimizer"] = {**state["optimizer"], "state": dict(sorted(merged.items()))}
+        if "ema" in state:  # the moving averages by parameter index: each from the rank that trains it
+            paths = self._paths()
+            by_path = {paths[int(i)]: average for i, average in state["ema"].items()}
+            averages = complete_tensors(by_path, self.residency, self.world)
+            completed["ema"] = {i: averages[paths[int(i)]] for i in state["ema"]}
         return completed
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

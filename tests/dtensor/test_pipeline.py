@@ -237,6 +237,43 @@ def test_mixed_bfloat16_under_a_pipeline_follows_one_process() -> None:
         assert abs(losses[0] - reference[0]) < abs(float32 - reference[0]) / 4, (losses, reference, float32)
 
 
+def _moving_averages(rank: int, world_size: int, backup: str) -> None:
+    import meshfit as mf
+
+    mesh = mf.dtensor.create_mesh([("pipe", 2)])
+    with mf.dtensor.LayoutMap(mesh).pipeline(["blocks.2"], microbatches=2).scope():
+        model = mf.Model(Classifier())
+    model.compile(optimizer=mf.optimizers.Adam(0.01, use_ema=True),
+                  loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data()
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
+              callbacks=[mf.callbacks.BackupAndRestore(backup, delete_checkpoint=False)])
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_pipeline_backup_holds_every_stage_moving_averages(tmp_path: Any) -> None:
+    """``use_ema``: the backup's moving averages come from the stage that trains each parameter, so one plain
+    process restoring it ends with one process's averaged weights."""
+    import meshfit as mf
+
+    def fresh() -> Any:
+        model = mf.Model(Classifier())
+        model.compile(optimizer=mf.optimizers.Adam(0.01, use_ema=True),
+                      loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    x, y = _data()
+    reference = fresh()
+    reference.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    backup = str(tmp_path / "backup")
+    run_distributed(_moving_averages, world_size=2, timeout=TIMEOUT - 60, args=(backup,))
+    restored = fresh()  # resumes at the end (no step runs); fit's end swaps the restored averages in
+    restored.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
+                 callbacks=[mf.callbacks.BackupAndRestore(backup, delete_checkpoint=False)])
+    for (path, a), b in zip(reference.module.state_dict().items(), restored.module.state_dict().values(), strict=True):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-6, err_msg=path)
+
+
 def _first_epoch(rank: int, world_size: int, backup: str, schedule: str, split_points: list[str],
                  stages_per_rank: int, epochs: int) -> dict[str, Any]:
     import meshfit as mf
