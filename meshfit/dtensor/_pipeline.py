@@ -81,11 +81,17 @@ def stage_paths(module: nn.Module, split_points: Sequence[str]) -> list[frozense
         raise ValueError(f"Invalid `split_points`: {list(split_points)} must be distinct and in the module's order "
                          f"(each starts a later stage).")
     stages: list[set[str]] = [set() for _ in range(len(starts) + 1)]
-    state = [*(n for n, _ in module.named_parameters()), *(n for n, _ in module.named_buffers())]
-    for path in state:
+    state = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    stage_of_tensor: dict[int, tuple[int, str]] = {}
+    for path, tensor in state:
         owner = path.rsplit(".", 1)[0] if "." in path else ""
         position = index.get(owner, 0)
         stage = sum(1 for s in starts if s <= position)
+        first = stage_of_tensor.setdefault(id(tensor), (stage, path))
+        if first[0] != stage:
+            raise ValueError(f"Invalid `split_points`: {list(split_points)} put the tied weight {first[1]!r} in stage "
+                             f"{first[0]} and its other path {path!r} in stage {stage}. A pipeline cannot share a "
+                             "weight across stages: choose split points that keep both paths in one stage, or untie it.")
         stages[stage].add(path)
     return [frozenset(s) for s in stages]
 

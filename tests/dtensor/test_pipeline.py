@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from _multiproc import run_distributed
 from _pipeline_model import Classifier, compile_model, data
 
@@ -339,6 +340,11 @@ def test_pipeline_bad_input_is_refused_naming_the_value() -> None:
         mf.dtensor.LayoutMap(mesh).pipeline(["blocks.2"], microbatches=2, stages_per_rank=2)
     with pytest.raises(ValueError, match=r"Invalid split point 'block.2'.*not a module path"):
         stage_paths(Classifier(), ["block.2"])
+    tied = Classifier()
+    tied.head = torch.nn.Linear(3, 16, bias=False)
+    tied.head.weight = tied.tokens.weight  # an embedding and a head sharing one weight
+    with pytest.raises(ValueError, match=r"tied weight 'tokens.weight' in stage 0 .*'head.weight' in stage 1"):
+        stage_paths(tied, ["blocks.2"])
     stages = stage_paths(Classifier(), ["blocks.2"])
     assert "tokens.weight" in stages[0] and "blocks.1.fc.bias" in stages[0]
     assert "blocks.2.fc.weight" in stages[1] and "head.weight" in stages[1]
