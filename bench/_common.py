@@ -70,6 +70,51 @@ def compile_seed(model, learning_rate: float = 0.01, gradient_accumulation_steps
                   loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
 
 
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What a multi-worker benchmark trains: data, the initial module, the global batch, how ``fit``
+    compiles it and the optimizer the hand-written loop builds on the same parameters."""
+
+    x: Any
+    y: Any
+    module: Any
+    global_batch: int
+    compile: Any  # (model, gradient_accumulation_steps=None) -> None
+    hand_optimizer: Any  # (parameters) -> torch.optim.Optimizer
+
+
+TINY_MLP_EXAMPLES = 50_000
+
+
+def workload(name: str) -> Workload:
+    """``"cnn"``: the seed CNN on the digits, SGD 0.01, global batch 128. ``"mlp"``: the tiny MLP of the
+    per-step overhead measurements (32-32-10, Adam 0.001 with Keras's epsilon 1e-7 in both loops,
+    global batch 64, 50,000 random examples), where the step is almost all framework."""
+    import numpy as np
+    import torch
+    from torch import nn
+
+    import meshfit as mf
+
+    if name == "cnn":
+        x, y = load_train()
+        return Workload(x, y, materialised_seed_module(torch.from_numpy(x[:2])), 128, compile_seed,
+                        lambda params: torch.optim.SGD(params, lr=0.01))
+    if name != "mlp":
+        raise ValueError(f"Invalid workload: expected 'cnn' or 'mlp', received {name!r}.")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((TINY_MLP_EXAMPLES, 32)).astype("float32")
+    y = rng.integers(0, 10, size=TINY_MLP_EXAMPLES).astype("int64")
+
+    def compile_mlp(model: Any, gradient_accumulation_steps: int | None = None) -> None:
+        model.compile(optimizer=mf.optimizers.Adam(learning_rate=1e-3, epsilon=1e-7,
+                                                   gradient_accumulation_steps=gradient_accumulation_steps),
+                      loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+
+    return Workload(x, y, nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10)), 64, compile_mlp,
+                    lambda params: torch.optim.Adam(params, lr=1e-3, eps=1e-7))
+
+
 # ---- timing, statistics and printing -----------------------------------------------------------
 class Clock:
     """Wall time, this process's CPU time (all its threads) and minor page faults since creation."""

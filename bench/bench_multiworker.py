@@ -20,7 +20,11 @@ throughput (examples/s = 128 / step time) as 2-worker / 1-worker (speedup; ideal
 inverse 1-worker / 2-worker (ideal 0.5). CPU time (summed over both ranks) is printed as the steadier
 proxy on a loaded machine.
 
-Run:  .venv/bin/python bench/bench_multiworker.py [--quick] [--rounds R] [--steps S]
+``--model mlp`` runs the same three variants on the tiny MLP (32-32-10, Adam, global batch 64: 32 rows
+per worker; see ``_common.workload``), where a step is almost all framework and the hand loop is the
+limit.
+
+Run:  .venv/bin/python bench/bench_multiworker.py [--quick] [--rounds R] [--steps S] [--model cnn|mlp]
 """
 
 from __future__ import annotations
@@ -33,23 +37,25 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as C  # noqa: E402
 
-GLOBAL_BATCH = 128
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a short smoke run (3 rounds of 15 steps)")
     parser.add_argument("--rounds", type=int, default=None, help="measured rounds (default 7; quick 3)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per block (default 40; quick 15)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per block (default 40, mlp 300; quick 15, mlp 100)")
     parser.add_argument("--tune-malloc", action="store_true", help="mallopt-tune glibc in the workers")
     parser.add_argument("--timeout", type=float, default=None, help="seconds before the workers are killed")
+    parser.add_argument("--model", choices=("cnn", "mlp"), default="cnn",
+                        help="the seed CNN (SGD, global batch 128) or the tiny MLP (Adam, global batch 64)")
     args = parser.parse_args()
     rounds = args.rounds or (3 if args.quick else 7)
-    steps = args.steps or (15 if args.quick else 40)
+    steps = args.steps or {"cnn": 15 if args.quick else 40, "mlp": 100 if args.quick else 300}[args.model]
     timeout = args.timeout or (120 if args.quick else 400)
-    extra = ["--tune-malloc"] if args.tune_malloc else []
-
-    print(f"bench_multiworker: seed CNN, global batch {GLOBAL_BATCH} (64 per worker), SGD lr 0.01, 1 torch "
+    extra = (["--tune-malloc"] if args.tune_malloc else []) + ["--model", args.model]
+    global_batch = {"cnn": 128, "mlp": 64}[args.model]
+    what = ("seed CNN, SGD lr 0.01" if args.model == "cnn"
+            else "tiny MLP 32-32-10, Adam lr 0.001 epsilon 1e-7 (fit's fused, the hand loop's torch default)")
+    print(f"bench_multiworker: {what}, global batch {global_batch} ({global_batch // 2} per worker), 1 torch "
           f"thread per worker, gloo; {rounds} rounds x {steps} steps per variant after 1 warm-up round",
           flush=True)
     result = C.run_mw_workers("ddp", rounds, steps, extra, timeout)
@@ -69,8 +75,8 @@ def main() -> None:
 
     speedups = [one / two for one, two in zip(wall["fit1w"], wall["fit2w"], strict=True)]
     speedup = C.median(speedups)
-    print(f"RESULT throughput: 1 worker {GLOBAL_BATCH / C.median(wall['fit1w']) * 1e3:.0f} examples/s, "
-          f"2 workers {GLOBAL_BATCH / C.median(wall['fit2w']) * 1e3:.0f} examples/s (medians); "
+    print(f"RESULT throughput: 1 worker {global_batch / C.median(wall['fit1w']) * 1e3:.0f} examples/s, "
+          f"2 workers {global_batch / C.median(wall['fit2w']) * 1e3:.0f} examples/s (medians); "
           f"median per-round 2-worker/1-worker = {speedup:.3f} (ideal 2.0; rounds {C.spread(speedups)}), "
           f"i.e. 1-worker/2-worker = {C.median([1 / s for s in speedups]):.3f} (ideal 0.5)")
     print(f"       context: one gloo all_reduce of the {r0['gradient_floats']:,} gradient floats takes "

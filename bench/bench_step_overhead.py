@@ -24,7 +24,7 @@ commit, unpacked in DIR) in child processes, alternating with this tree round by
 both figures side by side (before = DIR, after = this tree).
 
 Run:  .venv/bin/python bench/bench_step_overhead.py [--quick] [--rounds R] [--steps S] [--baseline DIR]
-      [--ops-detail]
+      [--ops-detail] [--only mlp|cnn]
 """
 
 from __future__ import annotations
@@ -149,10 +149,12 @@ def _calls(run: Callable[[int], None], steps: int) -> int:
     return count
 
 
-def measure(rounds: int, steps: int, detail: bool, timed: bool = True) -> list[dict[str, Any]]:
+def measure(rounds: int, steps: int, detail: bool, timed: bool = True, only: str | None = None) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     results = []
     for name, make, x, y in _workloads():
+        if only is not None and not name.lower().endswith(only):
+            continue
         pair = Pair(make, x, y, 2 * steps * BATCH)
         runs = {"hand": pair.hand_block, "fit": pair.fit_block}
         cpu: dict[str, list[float]] = {"hand": [], "fit": []}
@@ -203,10 +205,10 @@ def _print(results: list[dict[str, Any]], label: str = "") -> None:
                   + ", ".join(f"{k} {v:+g}" for k, v in r["extra_ops"].items()))
 
 
-def _child(tree: str, rounds: int, steps: int) -> list[dict[str, Any]]:
+def _child(tree: str, rounds: int, steps: int, only: str | None = None) -> list[dict[str, Any]]:
     env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     argv = [sys.executable, os.path.join(tree, "bench", "bench_step_overhead.py"), "--json",
-            "--rounds", str(rounds), "--steps", str(steps)]
+            "--rounds", str(rounds), "--steps", str(steps), *(["--only", only] if only else [])]
     if not os.path.exists(argv[1]):  # a tree from before this script: run this one with its meshfit
         argv[1] = os.path.abspath(__file__)
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
@@ -221,13 +223,13 @@ def _child(tree: str, rounds: int, steps: int) -> list[dict[str, Any]]:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def compare(baseline: str, rounds: int, steps: int) -> None:
+def compare(baseline: str, rounds: int, steps: int, only: str | None = None) -> None:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     runs: dict[str, list[list[dict[str, Any]]]] = {"before": [], "after": []}
     trees = {"before": os.path.abspath(baseline), "after": here}
     for r in range(rounds):
         for label in (("before", "after") if r % 2 == 0 else ("after", "before")):
-            runs[label].append(_child(trees[label], 2, steps))
+            runs[label].append(_child(trees[label], 2, steps, only))
             print(f"round {r + 1}/{rounds}: {label} done", flush=True)
     print(f"\nbefore = {trees['before']}, after = {trees['after']}; {rounds} child processes each, alternating; "
           "CPU figures: median over the children of their medians")
@@ -247,13 +249,14 @@ def main() -> None:
     parser.add_argument("--baseline", default=None, help="another meshfit tree to compare with (before)")
     parser.add_argument("--ops-detail", action="store_true", help="list the aten ops fit adds per step")
     parser.add_argument("--counts-only", action="store_true", help="only the op and call counts (no timing)")
+    parser.add_argument("--only", choices=("mlp", "cnn"), default=None, help="one workload (default: both)")
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     rounds, steps = args.rounds or (2 if args.quick else 7), args.steps or (10 if args.quick else 50)
     if args.baseline:
-        compare(args.baseline, rounds, steps)
+        compare(args.baseline, rounds, steps, args.only)
         return
-    results = measure(rounds, steps, args.ops_detail, timed=not args.counts_only)
+    results = measure(rounds, steps, args.ops_detail, timed=not args.counts_only, only=args.only)
     if args.json:
         print(json.dumps(results))
         return

@@ -87,6 +87,7 @@ class DataHandler:
         self._check_same_length_everywhere(length, steps, argument)
         self._prefetcher: Prefetcher | None = None
         self._prefetch_from: tuple[int, int] | None = None
+        self._prefetch_size = self.source.prefetch_size()  # the pipeline's, fixed: not asked at every step
 
     # ---- input adaptation ----------------------------------------------------------------
     def _adapt(self, x: Any, y: Any, sample_weight: Any, batch_size: int | None, shuffle: bool | str) -> DataSource:
@@ -188,12 +189,18 @@ class DataHandler:
         more batches than the pass had left.
         """
         count = steps_per_execution if self.steps is None or step < self.steps else 0
-        if self._length is not None:
-            count = min(count, self._length - self.index)
-        if self.exhausted or (self._length is not None and self.index >= self._length):
+        length = self._length
+        if length is not None:
+            left = length - self.index
+            if left <= 0:
+                self.ran_out(step)
+                return 0
+            if left < count:
+                count = left
+        if self.exhausted:
             self.ran_out(step)
             return 0
-        return max(count, 0)
+        return count
 
     def ran_out(self, step: int) -> None:
         """The pass ended at ``step`` of the epoch: warn once if ``steps`` wanted more (as Keras does)."""
@@ -218,8 +225,9 @@ class DataHandler:
         Raises:
             EndOfData: data of unknown length ended; the position moves to the next pass.
         """
-        self.pass_index, self.index = self._normalized()
-        size = self.source.prefetch_size()
+        if self._length is not None and self.index >= self._length:  # `_normalized`, inline (every step)
+            self.pass_index, self.index = self.pass_index + 1, 0
+        size = self._prefetch_size
         if size:
             if self._prefetcher is None:
                 self._prefetch_from = (self.pass_index, self.index)

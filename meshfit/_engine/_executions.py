@@ -16,18 +16,28 @@ from meshfit._engine._step_logs import agree
 from meshfit._protocols import Trainable
 
 
-def next_batch(trainable: Trainable, data: Any) -> tuple[Any, int] | None:
-    """This replica's next batch and the global batch size; None where the data ended (on any replica)."""
+def next_batch(trainable: Trainable, data: Any, agree_end: bool | None = None) -> tuple[Any, int] | None:
+    """This replica's next batch and the global batch size; None where the data ended (on any replica).
+
+    ``agree_end``: whether the processes agree on the data's end before each step (several processes
+    reading data of unknown length); None: decided here (the loop decides once per execution)."""
     try:
         batch, ended = data.next_batch(), False
     except EndOfData:
         batch, ended = None, True
-    if trainable.strategy.num_processes > 1 and not data.length_known:  # one process: nothing to agree
+    if agree_end is None:
+        agree_end = ends_unknown(trainable, data)
+    if agree_end:  # one process, or a known length: nothing to agree
         ended = agree(trainable, ended)
     if ended:
         data.mark_exhausted()
         return None
     return batch
+
+
+def ends_unknown(trainable: Trainable, data: Any) -> bool:
+    """Whether several processes read ``data`` of unknown length (they agree on its end at each step)."""
+    return trainable.strategy.num_processes > 1 and not data.length_known
 
 
 def steps_per_execution(trainable: Trainable) -> int:

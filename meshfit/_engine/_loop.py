@@ -8,15 +8,17 @@ The loop is `Stateful`: a backup is its state plus its trainable's parts (see `c
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from meshfit._engine._executions import next_batch
+from meshfit._engine._executions import ends_unknown, next_batch
 from meshfit._engine._preemption import PreemptionWatch
 from meshfit._engine._state import LoopState, RandomState
-from meshfit._engine._step_logs import agree, as_logs, may_own_logs, merge_returned, reduce_logs
+from meshfit._engine._step_logs import agree, as_logs, may_own_logs, merge_returned, reduce_logs, sum_flags
+from meshfit._engine._steps import StepsMixin
 from meshfit._protocols import CallbackListLike, PlacementLike, Stateful, Trainable
 from meshfit._runtime import PREEMPTED_EXIT_CODE, keep_freed_memory
+from meshfit.callbacks import implements_hook
 from meshfit.data import batch_size_of
 from meshfit.distribute import agree_buffers, replica_context_scope
 from meshfit.optimizers import AccumulatedGradients, defers_update, inside_window
@@ -87,6 +89,12 @@ class TrainingLoop:
         self.replica_state = ReplicaState(trainable)
         self._preemption: PreemptionWatch | None = None
         self._resumed = False  # a resume during run: the epoch loop starts over from the restored counters
+        self._agree_each_step = True  # several processes: share the stop / preemption flags after each execution
+        self._flags_pending = False  # ... or once, at the epoch's first execution (see `_step_needs`)
+        self._scope: AbstractContextManager[Any] = nullcontext()  # these four: set by `run` for its steps
+        self._failure: Any = None
+        self._single, self._agree_end = True, False
+        self._hooks = (True, True)  # whether a callback implements on_train_batch_begin / _end (`_step_needs`)
         callbacks.set_loop(self)
 
     # ---- Stateful: the state every replica shares ------------------------------------------
@@ -176,9 +184,13 @@ class TrainingLoop:
         trainable, cbs, counters = self.trainable, self.callbacks, self.counters
         counters.epoch, counters.step = initial_epoch, 0
         trainable.stop_training = False
-        batch_logs = agree(trainable, cbs.batch_logs_needed())
-        self._preemption = PreemptionWatch(any(c.handles_preemption for c in cbs),
-                                           self.strategy.failure)
+        handles_preemption = any(c.handles_preemption for c in cbs)
+        batch_logs, self._agree_each_step = self._step_needs(handles_preemption)
+        self._preemption = PreemptionWatch(handles_preemption, self.strategy.failure)
+        # Fixed for the run, looked up once: the strategy's replica scope and failure record, whether
+        # this is one process and whether several agree on the end of data of unknown length.
+        self._scope, self._failure = replica_context_scope(self.strategy), self.strategy.failure
+        self._single, self._agree_end = self.strategy.num_processes == 1, ends_unknown(trainable, self.data)
         logs: dict[str, float] = {}
         epoch_logs: dict[str, float] = {}
         try:
@@ -194,9 +206,10 @@ class TrainingLoop:
                     trainable.reset_metrics()
                     self.data.start_epoch()
                 cbs.on_epoch_begin(epoch)
+                self._flags_pending = True  # a stop asked for before the epoch's first step
                 trainable.module.train()
                 stopped = False
-                while not stopped and not self._reached(until_step):
+                while not stopped and (until_step is None or counters.iterations < until_step):
                     count = self.data.execution_size(counters.step, trainable.steps_per_execution)
                     if until_step is not None:
                         count = min(count, until_step - counters.iterations)
@@ -225,6 +238,24 @@ class TrainingLoop:
             self._preemption = None
         return logs
 
+    def _step_needs(self, handles_preemption: bool) -> tuple[bool, bool]:
+        """What the steps of this run share between processes, agreed by all of them in one collective:
+        whether a callback reads batch logs (Keras's rule: logs are reduced only for a reader), and
+        whether anything may ask to stop inside an epoch, so that the stop and preemption flags are
+        summed after every execution. That is a callback with a training batch hook (it may set
+        ``stop_training``), a preemption handler (SIGTERM), or a ``train_step`` other than the
+        built-in one. Otherwise the flags are summed once an epoch, at its first execution (a stop
+        asked for in ``on_train_begin`` or ``on_epoch_begin``), and the epoch's end agrees on
+        ``stop_training`` as always: a several-process step then has no collective besides the
+        gradients' own."""
+        cbs, trainable = self.callbacks, self.trainable
+        # Which training batch hooks any callback implements (the others are not called at each step).
+        self._hooks = (any(implements_hook(c, "on_train_batch_begin") for c in cbs),
+                       any(implements_hook(c, "on_train_batch_end") for c in cbs))
+        may_stop = handles_preemption or not _builtin_train_step(trainable) or any(self._hooks)
+        reads, stops = sum_flags(self.strategy, [float(cbs.batch_logs_needed()), float(may_stop)])
+        return reads > 0, stops > 0
+
     def _done(self, epochs: int | None, until_step: int | None) -> bool:
         return (epochs is not None and self.counters.epoch >= epochs) or self._reached(until_step)
 
@@ -235,49 +266,57 @@ class TrainingLoop:
                      logs: dict[str, float]) -> tuple[dict[str, float], bool]:
         """One execution: up to ``count`` steps between two batch-callback calls (fewer where data of
         unknown length ends); returns the logs and whether every replica agreed to stop."""
-        trainable, strategy, counters, cbs = self.trainable, self.strategy, self.counters, self.callbacks
+        trainable, strategy, counters, cbs, data = self.trainable, self.strategy, self.counters, self.callbacks, self.data
         strategy.check_alive()
-        fetched = next_batch(trainable, self.data)
+        agree_end, single = self._agree_end, self._single
+        fetched = next_batch(trainable, data, agree_end)
         if fetched is None:
             return logs, False  # the data ended before this execution: Keras calls no hook for it
         begin = counters.step
-        cbs.on_train_batch_begin(begin)
+        if self._hooks[0]:
+            cbs.on_train_batch_begin(begin)
         if self._resumed:  # a callback rolled back before the step (VerifyReplicas' at-rest check): not run
             return logs, False
         returned = None
-        scope, failure = replica_context_scope(strategy), strategy.failure  # one of each per strategy
+        scope, failure = self._scope, self._failure
+        accumulates = _accumulates(trainable)
         for done in range(count):
             if done:
                 strategy.check_alive()
-                fetched = next_batch(trainable, self.data)
+                fetched = next_batch(trainable, data, agree_end)
                 if fetched is None:
                     break
-            returned = _train_step(trainable, scope, *fetched)
+            returned = _train_step(trainable, scope, *fetched, accumulates=accumulates)
             counters.step += 1
             counters.iterations += 1
             failure.step = counters.iterations
         preemption_requested = self._preemption is not None and self._preemption.requested
         last = begin + trainable.steps_per_execution - 1  # Keras's nominal index, also when fewer ran
-        if not batch_logs and strategy.num_processes == 1:
+        if not batch_logs and single:
             # The usual step of one process without a reader of batch logs: nothing to reduce or read.
             logs = merge_returned(trainable, {}, returned, convert=False) if may_own_logs(returned) else {}
-            cbs.on_train_batch_end(last, logs)
+            if self._hooks[1]:
+                cbs.on_train_batch_end(last, logs)
             if preemption_requested:
                 self._stop_for_preemption()
             return logs, trainable.stop_training
-        if batch_logs or strategy.num_processes == 1 or not inside_window(getattr(trainable, "optimizer", None)):
+        if batch_logs or single or (
+                (self._agree_each_step or self._flags_pending) and not inside_window(getattr(trainable, "optimizer", None))):
             logs, (preempt, stop) = reduce_logs(trainable, [float(preemption_requested),
                                                             float(trainable.stop_training)], with_metrics=batch_logs)
             trainable.stop_training = stop > 0
-        else:  # inside a gradient accumulation window: no collective, the replicas agree at its last batch
+            self._flags_pending = False
+        else:  # inside a gradient accumulation window (the replicas agree at its last batch), or nothing
+            # can ask to stop inside this epoch (the epoch's end agrees): no collective
             logs, preempt, stop = {}, 0.0, 0.0
         merge_returned(trainable, logs, returned, convert=batch_logs)  # read (a host sync) only where logs are
-        cbs.on_train_batch_end(last, logs)
+        if self._hooks[1]:
+            cbs.on_train_batch_end(last, logs)
         if preempt > 0:
             self._stop_for_preemption()
         # A stop asked for in on_train_batch_end reaches the other replicas with the next step's
         # reduction; stopping on it alone here would leave them waiting.
-        return logs, stop > 0 or (trainable.stop_training and strategy.num_processes == 1)
+        return logs, stop > 0 or (trainable.stop_training and single)
 
     def _end_epoch(self, epoch: int, logs: dict[str, float],
                    validate: Callable[[int], dict[str, float]] | None) -> dict[str, float]:
@@ -309,15 +348,30 @@ def run_train_step(trainable: Trainable, batch: Any, global_size: int) -> Any:
     return _train_step(trainable, replica_context_scope(trainable.strategy), batch, global_size)
 
 
-def _train_step(trainable: Trainable, scope: AbstractContextManager[Any], batch: Any, global_size: int) -> Any:
-    """`run_train_step` inside the strategy's replica ``scope``, which the loop looks up once per execution."""
+def _train_step(trainable: Trainable, scope: AbstractContextManager[Any], batch: Any, global_size: int, *,
+                accumulates: bool = True) -> Any:
+    """`run_train_step` inside the strategy's replica ``scope``, which the loop looks up once per execution
+    (and whether the optimizer accumulates gradients at all: False, no window is looked for)."""
     strategy = trainable.strategy
     with strategy.batch_weight(batch_size_of(batch), global_size), scope:
-        window = _gradient_window(trainable)
+        window = _gradient_window(trainable) if accumulates else None
         if window is None:  # the common case: no third context manager entered at every step
             return trainable.train_step(strategy.distribute_batch(batch))
         with window:
             return trainable.train_step(strategy.distribute_batch(batch))
+
+
+def _builtin_train_step(trainable: Trainable) -> bool:
+    """Whether ``trainable`` steps with `meshfit.Model`'s own ``train_step``, which never sets
+    ``stop_training`` (an override, or another trainable's step, may)."""
+    return getattr(getattr(trainable, "train_step", None), "__func__", None) is StepsMixin.train_step
+
+
+def _accumulates(trainable: Trainable) -> bool:
+    """Whether ``trainable``'s optimizer accumulates gradients over several batches; read once per
+    execution (callbacks, which may change it, run between executions)."""
+    steps = getattr(getattr(trainable, "optimizer", None), "gradient_accumulation_steps", None)
+    return bool(steps) and steps != 1
 
 
 def _gradient_window(trainable: Trainable) -> AbstractContextManager[None] | None:

@@ -4,6 +4,7 @@ from meshfit._export import publish as _publish
 from meshfit.callbacks._backup_and_restore import BackupAndRestore
 from meshfit.callbacks._callback import Callback
 from meshfit.callbacks._callback_list import CallbackList
+from meshfit.callbacks._callback_list import implements_hook as implements_hook  # a seam (the training loop)
 from meshfit.callbacks._checkpoint_saver import CheckpointSaver, SavePolicy
 from meshfit.callbacks._checkpoint_saver import checkpoint_settings as checkpoint_settings  # a seam (fit)
 from meshfit.callbacks._csv_logger import CSVLogger

@@ -25,7 +25,7 @@ def _overrides(callback: Callback, hook: str) -> bool:
 _ALIASES = {"on_train_batch_begin": "on_batch_begin", "on_train_batch_end": "on_batch_end"}
 
 
-def _implements(callback: Callback, hook: str) -> bool:
+def implements_hook(callback: object, hook: str) -> bool:
     """Whether calling ``callback``'s ``hook`` can do anything: the callback (its class, or the instance
     itself) replaces the base class's empty hook, or the older name the base hook calls."""
     for name in (hook, _ALIASES.get(hook)):
@@ -142,7 +142,7 @@ class CallbackList:
         `append`): a batch hook that only the base class defines is not called at every step."""
         callers = self._hooked.get(hook)
         if callers is None:
-            callers = self._hooked[hook] = [c for c in self.callbacks if _implements(c, hook)]
+            callers = self._hooked[hook] = [c for c in self.callbacks if implements_hook(c, hook)]
         return callers
 
     def restorer(self) -> RestoresTraining | None:

@@ -12,35 +12,58 @@ from meshfit.metrics._metrics import MeanMetricWrapper
 
 def _sparse_labels(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
     """Integer labels with one dim fewer than the class scores."""
-    return (y_true.squeeze(-1) if y_true.ndim == y_pred.ndim and y_true.shape[-1] == 1 else y_true).long()
+    labels = y_true.squeeze(-1) if y_true.ndim == y_pred.ndim and y_true.shape[-1] == 1 else y_true
+    return labels if labels.dtype is torch.int64 else labels.long()
+
+
+# The hits (True / False per sample): the accuracy metrics count them (`Mean` sums booleans in float64,
+# exactly, without a float64 copy); the public functions below return them as Keras's 1.0 / 0.0.
+def _sparse_categorical_hits(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+    return y_pred.argmax(dim=-1) == _sparse_labels(y_true, y_pred)
+
+
+def _categorical_hits(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+    return y_pred.argmax(dim=-1) == y_true.argmax(dim=-1)
+
+
+def _binary_hits(y_true: torch.Tensor, y_pred: torch.Tensor, threshold: float = 0.5) -> torch.Tensor:
+    y_true, y_pred = squeeze_or_expand(y_true, y_pred)
+    return (y_pred > threshold) == (y_true > 0.5)
+
+
+def _exact_hits(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+    y_true, y_pred = squeeze_or_expand(y_true, y_pred)
+    return y_pred == y_true.to(y_pred.dtype)
+
+
+def _sparse_top_k_hits(y_true: torch.Tensor, y_pred: torch.Tensor, k: int = 5) -> torch.Tensor:
+    top = y_pred.topk(min(k, y_pred.shape[-1]), dim=-1).indices
+    return (top == _sparse_labels(y_true, y_pred).unsqueeze(-1)).any(dim=-1)
 
 
 def sparse_categorical_accuracy(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
     """1.0 where the integer label equals the arg-max of the last dim of `y_pred`, else 0.0."""
-    return (y_pred.argmax(dim=-1) == _sparse_labels(y_true, y_pred)).to(torch.float64)
+    return _sparse_categorical_hits(y_true, y_pred).to(torch.float64)
 
 
 def categorical_accuracy(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
     """1.0 where the arg-maxes of one-hot `y_true` and `y_pred` agree, else 0.0."""
-    return (y_pred.argmax(dim=-1) == y_true.argmax(dim=-1)).to(torch.float64)
+    return _categorical_hits(y_true, y_pred).to(torch.float64)
 
 
 def binary_accuracy(y_true: torch.Tensor, y_pred: torch.Tensor, threshold: float = 0.5) -> torch.Tensor:
     """1.0 where `y_pred > threshold` equals the 0/1 label, per element."""
-    y_true, y_pred = squeeze_or_expand(y_true, y_pred)
-    return ((y_pred > threshold) == (y_true > 0.5)).to(torch.float64)
+    return _binary_hits(y_true, y_pred, threshold).to(torch.float64)
 
 
 def accuracy(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
     """1.0 where `y_pred` equals `y_true` exactly, per element."""
-    y_true, y_pred = squeeze_or_expand(y_true, y_pred)
-    return (y_pred == y_true.to(y_pred.dtype)).to(torch.float64)
+    return _exact_hits(y_true, y_pred).to(torch.float64)
 
 
 def sparse_top_k_categorical_accuracy(y_true: torch.Tensor, y_pred: torch.Tensor, k: int = 5) -> torch.Tensor:
     """1.0 where the integer label is among the `k` highest scores of the last dim, else 0.0."""
-    top = y_pred.topk(min(k, y_pred.shape[-1]), dim=-1).indices
-    return (top == _sparse_labels(y_true, y_pred).unsqueeze(-1)).any(dim=-1).to(torch.float64)
+    return _sparse_top_k_hits(y_true, y_pred, k).to(torch.float64)
 
 
 class SparseCategoricalAccuracy(MeanMetricWrapper):
@@ -55,14 +78,14 @@ class SparseCategoricalAccuracy(MeanMetricWrapper):
     """
 
     def __init__(self, name: str = "sparse_categorical_accuracy", mesh: Any = None) -> None:
-        super().__init__(sparse_categorical_accuracy, name, mesh)
+        super().__init__(_sparse_categorical_hits, name, mesh)
 
 
 class CategoricalAccuracy(MeanMetricWrapper):
     """How often the arg-max of `y_pred` equals the arg-max of one-hot `y_true`."""
 
     def __init__(self, name: str = "categorical_accuracy", mesh: Any = None) -> None:
-        super().__init__(categorical_accuracy, name, mesh)
+        super().__init__(_categorical_hits, name, mesh)
 
 
 class BinaryAccuracy(MeanMetricWrapper):
@@ -76,14 +99,14 @@ class BinaryAccuracy(MeanMetricWrapper):
     def __init__(self, name: str = "binary_accuracy", threshold: float = 0.5) -> None:
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
             raise TypeError(f"Invalid `threshold`: expected a float, received threshold={threshold!r}.")
-        super().__init__(binary_accuracy, name, threshold=float(threshold))
+        super().__init__(_binary_hits, name, threshold=float(threshold))
 
 
 class Accuracy(MeanMetricWrapper):
     """How often `y_pred` equals `y_true` exactly."""
 
     def __init__(self, name: str = "accuracy") -> None:
-        super().__init__(accuracy, name)
+        super().__init__(_exact_hits, name)
 
 
 class SparseTopKCategoricalAccuracy(MeanMetricWrapper):
@@ -97,7 +120,7 @@ class SparseTopKCategoricalAccuracy(MeanMetricWrapper):
     def __init__(self, k: int = 5, name: str = "sparse_top_k_categorical_accuracy") -> None:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"Invalid `k`: expected a positive int, received k={k!r}.")
-        super().__init__(sparse_top_k_categorical_accuracy, name, k=k)
+        super().__init__(_sparse_top_k_hits, name, k=k)
 
 
 class _AutoAccuracy(MeanMetricWrapper):
@@ -109,7 +132,7 @@ class _AutoAccuracy(MeanMetricWrapper):
     @staticmethod
     def _pick(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
         if y_pred.ndim <= 1 or y_pred.shape[-1] == 1:
-            return binary_accuracy(y_true, y_pred)
+            return _binary_hits(y_true, y_pred)
         if y_true.ndim < y_pred.ndim or y_true.shape[-1] == 1:
-            return sparse_categorical_accuracy(y_true, y_pred)
-        return categorical_accuracy(y_true, y_pred)
+            return _sparse_categorical_hits(y_true, y_pred)
+        return _categorical_hits(y_true, y_pred)

@@ -193,23 +193,38 @@ class Mean(Metric):
 
     def update_state(self, values: Any, sample_weight: Any = None) -> None:  # type: ignore[override]
         """Add `values` (any shape), each weighted by the broadcast `sample_weight`."""
-        values = _as_tensor(values).to(torch.float64)
-        if values.is_contiguous() and (sample_weight is None or type(sample_weight) is int
-                                       or _whole_number(sample_weight)):
+        # Called for every metric at every step: attribute reads (``__class__``, ``ndim``, ``dtype``)
+        # rather than calls where they give the same answer.
+        if values.__class__ is not torch.Tensor or values.requires_grad:
+            values = _as_tensor(values)
+        ndim = values.ndim
+        if ndim and sample_weight is None and values.dtype is torch.bool and values.is_contiguous():
+            # Hits (the accuracies): their float64 sum is the whole number of hits, as the sum of
+            # their float64 copies is; no copy made.
+            total = self._states["total"]
+            if total.device == values.device:
+                total += values.sum(dtype=torch.float64)
+                self._pending_count += values.numel()
+                return
+        if values.dtype is not torch.float64:
+            values = values.to(torch.float64)
+        if (sample_weight is None or sample_weight.__class__ is int or _whole_number(sample_weight)) and (
+                not ndim or values.is_contiguous()):
             # No weight, or a whole number (the loss tracker's batch size): the count is known on
             # the host, ``n * w`` exactly (the sum of ``n`` copies of ``w``), so it is one scalar
             # add with no tensor of weights made; the total is the same sum of the same products.
             each = 1.0 if sample_weight is None else float(sample_weight)
             weighted = values if sample_weight is None else values * each
-            if values.dim():
+            if ndim:
                 weighted = weighted.sum()
             total = self._states["total"]
+            count = values.numel() * each if ndim else each  # whole numbers: exact in any order
             if total.device == values.device:  # the usual step: the count stays on the host for now
                 total += weighted
-                self._pending_count += values.numel() * each  # whole numbers: exact in any order
+                self._pending_count += count
                 return
             self._accumulate("total", weighted)
-            self._accumulate("count", values.numel() * each, values.device)
+            self._accumulate("count", count, values.device)
             return
         self._add_pending_count()  # a weighted count may be fractional: keep its order of additions
         if isinstance(sample_weight, (int, float)) and not isinstance(sample_weight, bool):
@@ -283,8 +298,12 @@ class MeanMetricWrapper(Mean):
 
     def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:  # type: ignore[override]
         """Accumulate `fn`'s values for one batch."""
-        y_pred = _as_tensor(y_pred)
-        y_true = _as_tensor(y_true).to(y_pred.device)
+        if y_pred.__class__ is not torch.Tensor or y_pred.requires_grad:
+            y_pred = _as_tensor(y_pred)
+        if y_true.__class__ is not torch.Tensor or y_true.requires_grad:
+            y_true = _as_tensor(y_true)
+        if y_true.device != y_pred.device:
+            y_true = y_true.to(y_pred.device)
         # Both inputs are detached, so ``fn`` records no graph (no ``no_grad`` to enter at each step);
         # `Mean.update_state` detaches what it is given all the same.
         values = self._fn(y_true, y_pred, **self._fn_kwargs)

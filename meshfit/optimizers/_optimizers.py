@@ -10,7 +10,7 @@ from torch.nn.parameter import is_lazy
 
 from meshfit._validation import invalid_argument
 from meshfit.distribute import synchronize_gradients
-from meshfit.optimizers._accumulation import check_accumulation_steps, defers_update
+from meshfit.optimizers._accumulation import check_accumulation_steps
 from meshfit.optimizers._apply_gradients import AppliesGradients
 from meshfit.optimizers._clipping import GradientClipping
 from meshfit.optimizers._ema import MovingAverage, check_ema
@@ -110,6 +110,7 @@ class Optimizer(AppliesGradients):
                  gradient_accumulation_steps: int | None = None) -> None:
         self.gradient_accumulation_steps = check_accumulation_steps(gradient_accumulation_steps)
         self._clipping = GradientClipping(clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm)
+        self._clips = self._clipping.active  # the clipping arguments are fixed at construction
         self.use_ema, self.ema_momentum, self.ema_overwrite_frequency = check_ema(
             use_ema, ema_momentum, ema_overwrite_frequency)
         self._moving_average: MovingAverage | None = None
@@ -248,29 +249,34 @@ class Optimizer(AppliesGradients):
         ``gradient_accumulation_steps``, a batch before a window's last only counts (its gradients
         stay in ``.grad``, summed with the next ones, and are not reduced yet).
         """
-        optimizer = self._require_built("step()")
+        optimizer = self._torch_optimizer
+        if optimizer is None:
+            optimizer = self._require_built("step()")  # raises
         loss = None
         if closure is not None:  # evaluated once here, so that its gradients can be synchronised
             with torch.enable_grad():
                 loss = closure()
-        if defers_update(self):
+        steps = self.gradient_accumulation_steps
+        if steps and steps > 1 and (self.batches + 1) % steps:  # `defers_update`, inline: asked at every step
             self.batches += 1
             return loss
         # A generator: with one process (no group) synchronize_gradients returns before reading it.
         synchronize_gradients(p for group in optimizer.param_groups for p in group["params"])
-        self._apply_update()
+        self._apply_update(optimizer)
         return loss
 
-    def _apply_update(self) -> None:
-        """Clip the (already summed) gradients, then the torch optimizer's step at the schedule's rate."""
-        optimizer = self._require_built("step()")
+    def _apply_update(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Clip the (already summed) gradients, then the torch optimizer's step at the schedule's rate
+        (``optimizer``: the built torch optimizer, when the caller has it at hand)."""
+        if optimizer is None:
+            optimizer = self._require_built("step()")
         steps = self.gradient_accumulation_steps
         if steps and steps > 1:  # the window's sum -> its mean, before clipping (Keras 3)
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     if p.grad is not None:
                         p.grad.div_(steps)
-        if self._clipping.active:  # after the reduction: every replica clips the global gradient
+        if self._clips:  # after the reduction: every replica clips the global gradient
             self._clipping.clip_([p.grad for group in optimizer.param_groups for p in group["params"]
                                   if p.grad is not None])
         if self._schedule is not None:
@@ -295,7 +301,9 @@ class Optimizer(AppliesGradients):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of the optimised parameters; inside a gradient accumulation window
         (after its first batch) keep them: they hold the window's sum."""
-        optimizer = self._require_built("zero_grad()")
+        optimizer = self._torch_optimizer
+        if optimizer is None:
+            optimizer = self._require_built("zero_grad()")  # raises
         steps = self.gradient_accumulation_steps
         if steps and self.batches % steps != 0:
             return

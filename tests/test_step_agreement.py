@@ -1,0 +1,127 @@
+"""What a step of ``fit`` on 2 workers shares besides the gradients: nothing, where nothing can ask to stop
+inside an epoch (no callback with a training batch hook, no preemption handler, the built-in
+``train_step``). A stop asked for before an epoch's first step, or inside a ``train_step`` override,
+still stops every worker at the same step as before; one asked for elsewhere on one worker is agreed at
+the epoch's end. Real processes, gloo; gradients travel inside DDP's reducer and are not counted."""
+
+from __future__ import annotations
+
+import traceback
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from _multiproc import run_distributed
+from torch import nn
+
+import meshfit as mf
+
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_object", "broadcast_object_list",
+               "barrier", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "gather_object")
+BATCH = 8  # global: 4 rows a worker
+
+
+def _count_collectives() -> list[int]:
+    """Count this process's control collectives from now on (DDP's gradient buckets excluded)."""
+    counts = [0]
+    for name in COLLECTIVES:
+        original = getattr(dist, name)
+
+        def counted(*args, _original=original, **kwargs):
+            if not any("ddp_comm_hooks" in frame.filename for frame in traceback.extract_stack(limit=6)):
+                counts[0] += 1
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, counted)
+    return counts
+
+
+def _model(strategy: mf.MultiWorkerMirroredStrategy, model_class: type[mf.Model] = mf.Model) -> mf.Model:
+    with strategy.scope():
+        torch.manual_seed(0)
+        model = model_class(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)))
+        model.compile(optimizer="adam", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    return model
+
+
+def _data(steps: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(steps * BATCH, 4)).astype("float32"), rng.integers(0, 3, size=steps * BATCH)
+
+
+class _EpochsOnly(mf.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        pass
+
+
+def _marginal_collectives(rank: int, size: int) -> dict[str, float]:
+    """Collectives a further step costs in one fit of one epoch: a 16-step fit minus an 8-step one."""
+    strategy = mf.MultiWorkerMirroredStrategy()
+    counts = _count_collectives()
+    figures = {}
+    for name, callbacks in (("plain", []), ("epoch_hooks_only", [_EpochsOnly()]),
+                            ("batch_hook", [mf.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: None)])):
+        model = _model(strategy)
+        per_fit = []
+        for steps in (8, 16, 8, 16):  # the first pair warms DDP up (its first steps set up)
+            x, y = _data(steps)
+            before = counts[0]
+            model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+            per_fit.append(counts[0] - before)
+        figures[name] = (per_fit[3] - per_fit[2]) / 8
+    return figures
+
+
+def test_a_step_without_anything_that_can_stop_makes_no_control_collective():
+    for figures in run_distributed(_marginal_collectives, world_size=2, timeout=240):
+        # Before: one reduction of the stop / preemption flags at every step (1.0 each).
+        assert figures["plain"] == 0.0, figures
+        assert figures["epoch_hooks_only"] == 0.0, figures
+        assert figures["batch_hook"] == 1.0, figures
+
+
+class _StopAtEpochBegin(mf.callbacks.Callback):
+    """Asks to stop on one worker only, before the epoch's first step (no batch hook)."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 1 and self.rank == 0:
+            self.model.stop_training = True
+
+
+class _StopInStep(mf.Model):
+    """A train_step override that asks to stop on worker 1 only, at its 3rd step."""
+
+    def train_step(self, data):
+        logs = super().train_step(data)
+        if self.optimizer.iterations == 3 and dist.get_rank() == 1:
+            self.stop_training = True
+        return logs
+
+
+def _stops(rank: int, size: int) -> dict[str, tuple[int, int]]:
+    strategy = mf.MultiWorkerMirroredStrategy()
+    out = {}
+    x, y = _data(6)
+    model = _model(strategy)
+    history = model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+                        callbacks=[_StopAtEpochBegin(rank)])
+    out["epoch_begin"] = (int(model.optimizer.iterations), len(history.history["loss"]))
+    model = _model(strategy, _StopInStep)
+    history = model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0)
+    out["train_step"] = (int(model.optimizer.iterations), len(history.history["loss"]))
+    return out
+
+
+def test_a_stop_on_one_worker_stops_both_at_the_same_step():
+    results = run_distributed(_stops, world_size=2, timeout=240)
+    assert results[0] == results[1], results
+    # Epoch 0's 6 steps, then the stop asked for at epoch 1's beginning is agreed after its first step
+    # (as Keras, which looks at stop_training after each step); that epoch still ends and is logged.
+    assert results[0]["epoch_begin"] == (7, 2), results
+    # The override's stop (worker 1 only) is agreed at that step: both stop after 3 steps.
+    assert results[0]["train_step"] == (3, 1), results
