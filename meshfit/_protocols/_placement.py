@@ -70,6 +70,9 @@ class StepHost(Protocol):
     def compute_loss(self, x: Any = None, y: Any = None, y_pred: Any = None, sample_weight: Any = None,
                      training: bool = True) -> torch.Tensor: ...
 
+    @property
+    def optimizer(self) -> Any: ...  # its ``scale_loss`` gives the loss a backward starts from
+
 
 class StepRunner(Protocol):
     """How a placement runs forward → loss → backward (``train``), forward → loss (``evaluate``) and

@@ -156,6 +156,7 @@ class PipelineStep:
         self._schedules: dict[Any, Any] = {}
         self._host: Any = None
         self._losses: list[torch.Tensor] = []
+        self._training = False
 
     @property
     def first(self) -> bool:
@@ -166,7 +167,11 @@ class PipelineStep:
         return self.spec.num_stages - 1 in self.stages
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
-        return self._host.compute_loss(None, target, output, None)
+        """A microbatch's loss (its rows' mean), recorded as computed; in training, the loss the backward
+        starts from is the optimizer's scaled one (a `LossScaleOptimizer` under ``mixed_float16``)."""
+        loss = self._host.compute_loss(None, target, output, None)
+        self._losses.append(loss.detach())
+        return self._host.optimizer.scale_loss(loss) if self._training else loss
 
     def _schedule(self, x: torch.Tensor, with_loss: bool = True) -> Any:
         # traced per batch shape and mode (a traced graph keeps train-mode layers such as dropout)
@@ -228,7 +233,7 @@ class PipelineStep:
                 self.replicas.reduce(self._held_parameters(), 0)
             return None
         schedule = self._schedule(x)
-        losses: list[torch.Tensor] = []
+        self._losses, self._training = [], train
         args = (x,) if self.first else ()
         target = y if self.last else None
         run = schedule.step if train else schedule.eval
@@ -236,14 +241,14 @@ class PipelineStep:
         earlier = {p: p.grad for p in held if p.grad is not None}  # an accumulation window's sum so far
         for param in earlier:
             param.grad = None
-        output = run(*args, target=target, losses=losses)
+        output = run(*args, target=target)
         if held:  # this batch's gradient over the stage's replicas, weighted by rows; then the window's
             self.replicas.reduce(held, x.shape[0])  # type: ignore[union-attr]
             for param, grad in earlier.items():
                 param.grad.add_(grad)  # type: ignore[union-attr]
         if not self.last:
             return None
-        loss = torch.stack([loss.detach() for loss in losses]).mean()
+        loss = torch.stack(self._losses).mean()
         return _Outputs(output, loss, x.shape[0])
 
     def _held_parameters(self) -> list[nn.Parameter]:

@@ -203,10 +203,10 @@ def test_gradient_accumulation_under_a_pipeline_equals_one_process_with_twice_th
             np.testing.assert_allclose(value, weights[path], rtol=1e-5, atol=1e-6, err_msg=path)
 
 
-def _bfloat16(rank: int, world_size: int) -> list[float]:
+def _bfloat16(rank: int, world_size: int, policy: str = "mixed_bfloat16") -> list[float]:
     import meshfit as mf
 
-    mf.mixed_precision.set_global_policy("mixed_bfloat16")
+    mf.mixed_precision.set_global_policy(policy)
     mesh = mf.dtensor.create_mesh([("pipe", 2)])
     with mf.dtensor.LayoutMap(mesh).pipeline(["blocks.2"], microbatches=2).scope():
         model = mf.Model(Classifier())
@@ -216,12 +216,14 @@ def _bfloat16(rank: int, world_size: int) -> list[float]:
 
 
 @pytest.mark.timeout(TIMEOUT)
-def test_mixed_bfloat16_under_a_pipeline_follows_one_process() -> None:
-    """The stages compute in bfloat16 as one process does under ``mixed_bfloat16`` (the schedule runs inside the
-    step's autocast). bfloat16 rounds each microbatch alone: 1e-4 relative here (measured 6e-5)."""
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_mixed_precision_under_a_pipeline_follows_one_process(policy: str) -> None:
+    """The stages compute in the policy's dtype as one process does (the schedule runs inside the step's
+    autocast; under ``mixed_float16`` the backward starts from the loss scale optimizer's scaled loss). The
+    half precision rounds each microbatch alone: 1e-4 relative here (measured 6e-5 for bfloat16)."""
     import meshfit as mf
 
-    mf.mixed_precision.set_global_policy("mixed_bfloat16")
+    mf.mixed_precision.set_global_policy(policy)
     try:
         model = mf.Model(Classifier())
         _compile(model)
@@ -232,7 +234,7 @@ def test_mixed_bfloat16_under_a_pipeline_follows_one_process() -> None:
     model = mf.Model(Classifier())
     _compile(model)
     float32 = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0).history["loss"][0]
-    for losses in run_distributed(_bfloat16, world_size=2, timeout=TIMEOUT - 60):
+    for losses in run_distributed(_bfloat16, world_size=2, timeout=TIMEOUT - 60, args=(policy,)):
         np.testing.assert_allclose(losses, reference, rtol=1e-4)
         # bfloat16 indeed: the first epoch's loss is bfloat16's (6e-6 from it), not float32's (1.6e-4 away)
         assert abs(losses[0] - reference[0]) < abs(float32 - reference[0]) / 4, (losses, reference, float32)
