@@ -329,6 +329,37 @@ def test_a_pipeline_backup_resumes_on_another_depth_and_in_one_plain_process(tmp
         np.testing.assert_allclose(value.numpy(), weights[path], rtol=1e-5, atol=1e-6, err_msg=path)
 
 
+def _refusals(rank: int, world_size: int) -> list[str]:
+    import meshfit as mf
+
+    class Custom(mf.Model):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    x, y = _data()
+    messages = []
+    for dims, kind, points in (([("pipe", 2)], Custom, ["blocks.2"]), ([("batch", 2)], mf.Model, ["blocks.2"]),
+                               ([("pipe", 2)], mf.Model, ["blocks.1", "blocks.2", "blocks.3"])):
+        mesh = mf.dtensor.create_mesh(dims)
+        with mf.dtensor.LayoutMap(mesh).pipeline(points, microbatches=2).scope():
+            model = kind(Classifier())
+        _compile(model)
+        try:
+            model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+            messages.append("not refused")
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_pipeline_refuses_an_override_a_mesh_without_its_axis_and_a_wrong_stage_count() -> None:
+    for override, no_axis, count in run_distributed(_refusals, world_size=2, timeout=TIMEOUT - 60):
+        assert "Invalid `train_step` override on Custom" in override and "layout_map.pipeline" in override, override
+        assert "has no pipeline axis" in no_axis and "create_mesh([('pipe', 2)" in no_axis, no_axis
+        assert "4 stages for a 'pipe' axis of 2" in count and "give 1 split points" in count, count
+
+
 def test_pipeline_bad_input_is_refused_naming_the_value() -> None:
     import meshfit as mf
     from meshfit.dtensor._pipeline import stage_paths
