@@ -157,6 +157,7 @@ class PipelineStep:
         self._host: Any = None
         self._losses: list[torch.Tensor] = []
         self._training = False
+        self._weights: tuple[torch.Tensor, ...] | None = None  # this batch's sample weights, by microbatch
 
     @property
     def first(self) -> bool:
@@ -169,7 +170,8 @@ class PipelineStep:
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         """A microbatch's loss (its rows' mean), recorded as computed; in training, the loss the backward
         starts from is the optimizer's scaled one (a `LossScaleOptimizer` under ``mixed_float16``)."""
-        loss = self._host.compute_loss(None, target, output, None)
+        weights = self._weights[len(self._losses)] if self._weights is not None else None  # microbatch order
+        loss = self._host.compute_loss(None, target, output, weights)
         self._losses.append(loss.detach())
         return self._host.optimizer.scale_loss(loss) if self._training else loss
 
@@ -221,9 +223,6 @@ class PipelineStep:
         return schedule
 
     def _run(self, host: Any, x: Any, y: Any, sample_weight: Any, train: bool) -> _Outputs | None:
-        if sample_weight is not None:
-            raise ValueError("Invalid `sample_weight` under a pipeline: per-example weights are not split into "
-                             "microbatches yet. Train without sample_weight (or class_weight), or without a pipeline.")
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"Invalid input under a pipeline: expected one tensor per batch, received "
                              f"{type(x).__name__}. Feed the model one input tensor.")
@@ -234,6 +233,9 @@ class PipelineStep:
             return None
         schedule = self._schedule(x)
         self._losses, self._training = [], train
+        # the last stage computes each microbatch's loss in microbatch order, with that microbatch's weights
+        self._weights = None if sample_weight is None or not self.last else \
+            torch.as_tensor(sample_weight).tensor_split(self.spec.microbatches)
         args = (x,) if self.first else ()
         target = y if self.last else None
         run = schedule.step if train else schedule.eval

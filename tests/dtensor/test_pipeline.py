@@ -277,6 +277,43 @@ def test_a_pipeline_backup_holds_every_stage_moving_averages(tmp_path: Any) -> N
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-6, err_msg=path)
 
 
+CLASS_WEIGHT = {0: 1.0, 1: 2.5, 2: 0.5}
+
+
+def _weighted(rank: int, world_size: int, schedule: str, split_points: list[str], stages_per_rank: int) -> dict:
+    import meshfit as mf
+
+    mesh = mf.dtensor.create_mesh([("pipe", 2)])
+    with mf.dtensor.LayoutMap(mesh).pipeline(split_points, microbatches=4, schedule=schedule,
+                                             stages_per_rank=stages_per_rank).scope():
+        model = mf.Model(Classifier())
+    _compile(model)
+    x, y = _data()
+    history = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, class_weight=CLASS_WEIGHT)
+    return {"loss": history.history["loss"], "every": dict(zip(model.module.state_dict(), model.get_weights(),
+                                                               strict=True))}
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize(("schedule", "split_points", "stages_per_rank"), [
+    ("1F1B", ["blocks.2"], 1), ("Interleaved1F1B", ["blocks.1", "blocks.2", "blocks.3"], 2)])
+def test_class_weight_under_a_pipeline_equals_one_process(schedule: str, split_points: list[str],
+                                                           stages_per_rank: int) -> None:
+    """Each microbatch's loss takes its own rows' sample weights (``class_weight`` here)."""
+    import meshfit as mf
+
+    model = mf.Model(Classifier())
+    _compile(model)
+    x, y = _data()
+    history = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, class_weight=CLASS_WEIGHT)
+    weights = {k: v.detach().numpy() for k, v in model.module.state_dict().items()}
+    for result in run_distributed(_weighted, world_size=2, timeout=TIMEOUT - 60,
+                                  args=(schedule, split_points, stages_per_rank)):
+        np.testing.assert_allclose(result["loss"], history.history["loss"], rtol=1e-5)
+        for path, value in result["every"].items():
+            np.testing.assert_allclose(value, weights[path], rtol=1e-5, atol=1e-6, err_msg=path)
+
+
 def _first_epoch(rank: int, world_size: int, backup: str, schedule: str, split_points: list[str],
                  stages_per_rank: int, epochs: int) -> dict[str, Any]:
     import meshfit as mf
