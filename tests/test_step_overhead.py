@@ -127,6 +127,20 @@ def test_a_hook_added_between_fits_is_called():
     assert seen == [0]
 
 
+def test_a_hook_a_callback_gives_itself_in_on_train_begin_is_called():
+    """The loop skips the batch hooks no callback implements; it decides after ``on_train_begin``."""
+    seen: list[int] = []
+
+    class Late(mf.callbacks.Callback):
+        def on_train_begin(self, logs: dict | None = None) -> None:
+            self.on_train_batch_end = lambda batch, logs=None: seen.append(batch)  # type: ignore[method-assign]
+
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((2 * BATCH, 8)).astype("float32"), rng.integers(0, 4, size=2 * BATCH)
+    _model().fit(x, y, batch_size=BATCH, verbose=0, callbacks=[Late()])
+    assert seen == [0, 1]
+
+
 def test_mean_count_kept_on_the_host_reads_as_if_added_at_each_step():
     """The mean metrics' whole-number counts wait on the host between reads: every read (result,
     state_dict, a reset, a load) sees them, and a fractional weight after them keeps the old order of

@@ -5,6 +5,9 @@ An execution at step ``begin`` of an epoch calls ``on_*_batch_begin(begin)`` and
 It runs ``DataHandler.execution_size`` steps: never past ``steps``, never past the end of a pass
 (an epoch ends there, as in Keras 3). Data of unknown length is read until it ends; with several
 processes they agree on that end before each step, so that none waits for a step the others skip.
+The helpers at the end are what the loop decides once per ``fit`` or per execution rather than at
+every step: which batch hooks any callback implements, whether the built-in ``train_step`` runs,
+whether the optimizer accumulates gradients.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from typing import Any
 
 from meshfit._engine._data_handler import EndOfData
 from meshfit._engine._step_logs import agree
+from meshfit._engine._steps import StepsMixin
 from meshfit._protocols import Trainable
+from meshfit.callbacks import implements_hook
 
 
 def next_batch(trainable: Trainable, data: Any, agree_end: bool | None = None) -> tuple[Any, int] | None:
@@ -43,3 +48,23 @@ def ends_unknown(trainable: Trainable, data: Any) -> bool:
 def steps_per_execution(trainable: Trainable) -> int:
     """The trainable's ``steps_per_execution`` (compile's argument; every `Trainable` has one)."""
     return trainable.steps_per_execution
+
+
+def batch_hooks(cbs: Any) -> tuple[bool, bool]:
+    """Whether any callback implements ``on_train_batch_begin`` / ``on_train_batch_end`` (the loop does
+    not call a hook no callback implements)."""
+    return (any(implements_hook(c, "on_train_batch_begin") for c in cbs),
+            any(implements_hook(c, "on_train_batch_end") for c in cbs))
+
+
+def builtin_train_step(trainable: Trainable) -> bool:
+    """Whether ``trainable`` steps with `meshfit.Model`'s own ``train_step``, which never sets
+    ``stop_training`` (an override, or another trainable's step, may)."""
+    return getattr(getattr(trainable, "train_step", None), "__func__", None) is StepsMixin.train_step
+
+
+def accumulates(trainable: Trainable) -> bool:
+    """Whether ``trainable``'s optimizer accumulates gradients over several batches; read once per
+    execution (callbacks, which may change it, run between executions)."""
+    steps = getattr(getattr(trainable, "optimizer", None), "gradient_accumulation_steps", None)
+    return bool(steps) and steps != 1

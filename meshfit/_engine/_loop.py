@@ -11,14 +11,12 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from meshfit._engine._executions import ends_unknown, next_batch
+from meshfit._engine._executions import accumulates, batch_hooks, builtin_train_step, ends_unknown, next_batch
 from meshfit._engine._preemption import PreemptionWatch
 from meshfit._engine._state import LoopState, RandomState
 from meshfit._engine._step_logs import agree, as_logs, may_own_logs, merge_returned, reduce_logs, sum_flags
-from meshfit._engine._steps import StepsMixin
 from meshfit._protocols import CallbackListLike, PlacementLike, Stateful, Trainable
 from meshfit._runtime import PREEMPTED_EXIT_CODE, keep_freed_memory
-from meshfit.callbacks import implements_hook
 from meshfit.data import batch_size_of
 from meshfit.distribute import agree_buffers, replica_context_scope
 from meshfit.optimizers import AccumulatedGradients, defers_update, inside_window
@@ -199,6 +197,7 @@ class TrainingLoop:
             if restorer is not None:  # resume before any hook: every callback's on_train_begin sees the restored state
                 restorer.restore_training(self)
             cbs.on_train_begin()
+            self._hooks = batch_hooks(cbs)  # again: on_train_begin may have given a callback a hook
             self._resumed = False  # a resume at the start is where the epoch loop begins anyway
             while not self._done(epochs, until_step) and not trainable.stop_training:
                 epoch = counters.epoch
@@ -249,18 +248,14 @@ class TrainingLoop:
         ``stop_training`` as always: a several-process step then has no collective besides the
         gradients' own."""
         cbs, trainable = self.callbacks, self.trainable
-        # Which training batch hooks any callback implements (the others are not called at each step).
-        self._hooks = (any(implements_hook(c, "on_train_batch_begin") for c in cbs),
-                       any(implements_hook(c, "on_train_batch_end") for c in cbs))
-        may_stop = handles_preemption or not _builtin_train_step(trainable) or any(self._hooks)
+        self._hooks = batch_hooks(cbs)
+        may_stop = handles_preemption or not builtin_train_step(trainable) or any(self._hooks)
         reads, stops = sum_flags(self.strategy, [float(cbs.batch_logs_needed()), float(may_stop)])
         return reads > 0, stops > 0
 
     def _done(self, epochs: int | None, until_step: int | None) -> bool:
-        return (epochs is not None and self.counters.epoch >= epochs) or self._reached(until_step)
-
-    def _reached(self, until_step: int | None) -> bool:
-        return until_step is not None and self.counters.iterations >= until_step
+        return ((epochs is not None and self.counters.epoch >= epochs)
+                or (until_step is not None and self.counters.iterations >= until_step))
 
     def _train_steps(self, batch_logs: bool, count: int,
                      logs: dict[str, float]) -> tuple[dict[str, float], bool]:
@@ -279,14 +274,14 @@ class TrainingLoop:
             return logs, False
         returned = None
         scope, failure = self._scope, self._failure
-        accumulates = _accumulates(trainable)
+        window_possible = accumulates(trainable)
         for done in range(count):
             if done:
                 strategy.check_alive()
                 fetched = next_batch(trainable, data, agree_end)
                 if fetched is None:
                     break
-            returned = _train_step(trainable, scope, *fetched, accumulates=accumulates)
+            returned = _train_step(trainable, scope, *fetched, accumulates=window_possible)
             counters.step += 1
             counters.iterations += 1
             failure.step = counters.iterations
@@ -361,17 +356,7 @@ def _train_step(trainable: Trainable, scope: AbstractContextManager[Any], batch:
             return trainable.train_step(strategy.distribute_batch(batch))
 
 
-def _builtin_train_step(trainable: Trainable) -> bool:
-    """Whether ``trainable`` steps with `meshfit.Model`'s own ``train_step``, which never sets
-    ``stop_training`` (an override, or another trainable's step, may)."""
-    return getattr(getattr(trainable, "train_step", None), "__func__", None) is StepsMixin.train_step
 
-
-def _accumulates(trainable: Trainable) -> bool:
-    """Whether ``trainable``'s optimizer accumulates gradients over several batches; read once per
-    execution (callbacks, which may change it, run between executions)."""
-    steps = getattr(getattr(trainable, "optimizer", None), "gradient_accumulation_steps", None)
-    return bool(steps) and steps != 1
 
 
 def _gradient_window(trainable: Trainable) -> AbstractContextManager[None] | None:
