@@ -99,6 +99,16 @@ def finish(proc: subprocess.Popen | _warm.WarmProcess, timeout: float) -> tuple[
     return proc.returncode, out
 
 
+def finish_survivor(survivor: subprocess.Popen | _warm.WarmProcess, victim: subprocess.Popen | _warm.WarmProcess,
+                    timeout: float) -> tuple[int, str]:
+    """``finish(survivor)``; then the victim's group is ended (a stopped one too) and reaped, whatever happened."""
+    try:
+        return finish(survivor, timeout=timeout)
+    finally:
+        kill_group(victim)
+        finish(victim, timeout=30)
+
+
 def kill_group(proc: subprocess.Popen | _warm.WarmProcess) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)

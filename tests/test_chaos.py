@@ -15,15 +15,11 @@ import time
 import numpy as np
 import pytest
 from _procs import child_env, finish, free_ports, start, tf_config
+from _script_outputs import assert_ranks_saved, read_weights
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "train_digits.py")
 # 256 examples, global batch 32: 8 steps per epoch, 3 epochs = 24 steps.
 COMMON = ["--examples", "256", "--global-batch", "32", "--epochs", "3"]
-
-
-def _weights(out: str, rank: int) -> list[np.ndarray]:
-    with np.load(os.path.join(out, f"weights-{rank}.npz")) as f:
-        return [f[f"w{i}"] for i in range(len(f.files))]
 
 
 def _launch(out: str, *extra: str, restarts: int = 3, workers: int = 2, timeout: float = 240,
@@ -38,7 +34,7 @@ def uninterrupted(tmp_path_factory) -> list[np.ndarray]:
     out = str(tmp_path_factory.mktemp("reference"))
     code, output = _launch(out, "--backup-dir", os.path.join(out, "backup"), "--save-freq", "5", restarts=0)
     assert code == 0, output
-    w0, w1 = _weights(out, 0), _weights(out, 1)
+    w0, w1 = read_weights(out, 0), read_weights(out, 1)
     for a, b in zip(w0, w1, strict=True):
         np.testing.assert_array_equal(a, b)
     return w0
@@ -51,8 +47,7 @@ def _kill_and_resume(tmp_path, uninterrupted, rank: int, step: int, save_freq: s
                            "--kill-rank", str(rank), "--kill-at", str(step), *extra, preload=preload)
     assert code == 0, output
     assert "restarting the group" in output and "resuming from" in output, output
-    for a, b in zip(_weights(out, rank), uninterrupted, strict=True):
-        np.testing.assert_array_equal(a, b)  # bitwise equal to the run that was never killed
+    assert_ranks_saved(out, [rank], uninterrupted)  # bitwise equal to the run that was never killed
     return output
 
 
@@ -89,8 +84,7 @@ def test_a_frozen_worker_under_launch_is_replaced_and_the_job_ends_bitwise_withi
     assert f"Worker {rank} stopped" in output and "restarting the group" in output, output
     frozen = float(open(os.path.join(out, "frozen-at.txt")).read())
     assert ended - frozen <= 30.0, (ended - frozen, output)
-    for a, b in zip(_weights(out, 0), uninterrupted, strict=True):
-        np.testing.assert_array_equal(a, b)
+    assert_ranks_saved(out, [0], uninterrupted)
 
 
 def test_synchronous_backups_survive_a_kill(tmp_path, uninterrupted):
@@ -104,7 +98,7 @@ def uninterrupted_batchnorm(tmp_path_factory) -> list[np.ndarray]:
     code, output = _launch(out, "--batchnorm", "--backup-dir", os.path.join(out, "backup"), "--save-freq", "5",
                            restarts=0)
     assert code == 0, output
-    w0, w1 = _weights(out, 0), _weights(out, 1)
+    w0, w1 = read_weights(out, 0), read_weights(out, 1)
     for a, b in zip(w0, w1, strict=True):
         np.testing.assert_array_equal(a, b)  # after fit both workers hold the same running statistics
     return w0
@@ -117,7 +111,7 @@ def test_a_batchnorm_model_killed_and_resumed_ends_bitwise_equal_buffers_include
     assert code == 0, output
     assert "restarting the group" in output and "resuming from" in output, output
     for rank in (0, 1):
-        weights = _weights(out, rank)
+        weights = read_weights(out, rank)
         assert len(weights) == 9  # 2 linear layers, BatchNorm1d's weight and bias, and its 3 buffers
         for a, b in zip(weights, uninterrupted_batchnorm, strict=True):
             np.testing.assert_array_equal(a, b)  # parameters, running_mean, running_var, num_batches_tracked
@@ -133,8 +127,7 @@ def test_sigterm_preemption_saves_at_one_step_and_restarts(tmp_path, uninterrupt
     match = re.search(r"resuming from \S+ at epoch (\d+), batch (\d+) \(iteration (\d+)\)", output)
     assert match, output
     assert int(match.group(3)) == 11
-    for a, b in zip(_weights(out, 0), uninterrupted, strict=True):
-        np.testing.assert_array_equal(a, b)
+    assert_ranks_saved(out, [0], uninterrupted)
 
 
 def test_dead_peer_is_detected_within_ten_seconds(tmp_path):

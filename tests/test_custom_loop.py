@@ -16,6 +16,7 @@ import pytest
 import torch
 from _multiproc import run_distributed
 from _procs import child_env, finish, free_ports, start, tf_config
+from _script_outputs import assert_ranks_saved, read_weights
 from torch import nn
 
 import meshfit as mf
@@ -31,11 +32,6 @@ def _launch(out: str, workers: int, *extra: str, restarts: int = 0, preload: boo
     code, output = finish(proc, timeout=240)
     assert code == 0, output
     return output
-
-
-def _weights(out: str, rank: int) -> list[np.ndarray]:
-    with np.load(os.path.join(out, f"weights-{rank}.npz")) as f:
-        return [f[f"w{i}"] for i in range(len(f.files))]
 
 
 def _log(out: str, rank: int) -> list[dict]:
@@ -59,7 +55,7 @@ def one_worker(tmp_path_factory) -> str:
 
 def test_seed_custom_loop_on_two_workers_equals_one_process(two_workers, one_worker):
     single = one_worker
-    w0, w1, ref = _weights(two_workers, 0), _weights(two_workers, 1), _weights(single, 0)
+    w0, w1, ref = read_weights(two_workers, 0), read_weights(two_workers, 1), read_weights(single, 0)
     for a, b in zip(w0, w1, strict=True):
         np.testing.assert_array_equal(a, b)  # the replicas' weights stay identical
     for a, b in zip(w0, ref, strict=True):
@@ -83,8 +79,7 @@ def test_seed_custom_loop_runs_as_a_plain_process_like_one_launched_worker(one_w
     code, output = finish(start([SCRIPT, "--out", out, *COMMON, "--workers-batch", "2"], child_env()), timeout=120)
     assert code == 0, output
     assert "Epoch: 2, accuracy:" in output, output  # printed by the chief only
-    for a, b in zip(_weights(out, 0), _weights(one_worker, 0), strict=True):
-        np.testing.assert_array_equal(a, b)
+    assert_ranks_saved(out, [0], read_weights(one_worker, 0))
 
 
 def test_seed_custom_loop_killed_at_a_random_step_resumes_bitwise(two_workers, tmp_path):
@@ -93,9 +88,7 @@ def test_seed_custom_loop_killed_at_a_random_step_resumes_bitwise(two_workers, t
     output = _launch(out, 2, "--kill-at", str(step), "--kill-rank", str(step % 2), restarts=1, preload=True)
     assert "restarting the group" in output, output
     assert ("resuming from" in output) == (step > 7), (step, output)  # a checkpoint after each epoch
-    for rank in (0, 1):
-        for a, b in zip(_weights(out, rank), _weights(two_workers, 0), strict=True):
-            np.testing.assert_array_equal(a, b, err_msg=f"killed at step {step}")
+    assert_ranks_saved(out, (0, 1), read_weights(two_workers, 0), err_msg=f"killed at step {step}")
     assert _log(out, 0)[-1] == _log(two_workers, 0)[-1]
 
 

@@ -15,7 +15,7 @@ from datetime import timedelta
 
 import pytest
 from _multiproc import run_distributed
-from _procs import child_env, finish, free_ports, kill_group, start, tf_config
+from _procs import child_env, finish, finish_survivor, free_ports, kill_group, start, tf_config
 from torch import nn
 
 import meshfit as mf
@@ -101,11 +101,7 @@ def test_under_torchrun_variables_a_dead_peer_is_named_with_its_address(tmp_path
     env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     procs = [start([CUSTOM, "--kill-rank", "1", "--out", out], child_env(RANK=str(r), LOCAL_RANK=str(r), **env))
              for r in (0, 1)]
-    try:
-        code, output = finish(procs[0], timeout=120)
-    finally:
-        kill_group(procs[1])
-        finish(procs[1], timeout=30)
+    code, output = finish_survivor(procs[0], procs[1], timeout=120)
     assert code != 0, output
     victim_pid = procs[1].pid
     assert re.search(rf"Worker 1 stopped \(worker 1 at 127\.0\.0\.1 \([^,]+, pid {victim_pid}\)\)", output), output

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from _hosts import namespace_hosts_fixture  # noqa: F401  (provides the namespace_hosts fixture)
 from _procs import ROOT, child_env, finish, start, wait_until
+from _script_outputs import assert_ranks_saved, read_weights
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "train_digits.py")
 EXAMPLE = os.path.join(ROOT, "examples", "main.py")
@@ -27,11 +28,6 @@ SMALL = ["--examples", "256", "--global-batch", "32", "--dropout", "0", "--heart
 def _tf_config(hosts, index: int) -> str:
     workers = [f"{hosts.ip(i)}:{PORT}" for i in range(hosts.count)]
     return json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})
-
-
-def _weights(out: str, rank: int) -> list[np.ndarray]:
-    with np.load(os.path.join(out, f"weights-{rank}.npz")) as f:
-        return [f[f"w{i}"] for i in range(len(f.files))]
 
 
 def _on_hosts(hosts, argv: list[str], **env: str) -> list[subprocess.Popen]:
@@ -56,7 +52,7 @@ def _assert_hosts_equal_one_process(out: str, single: str, epochs: int) -> None:
     code, output = finish(start([SCRIPT, "--strategy", "one", "--out", single, *SMALL, "--epochs", str(epochs)],
                                 child_env()), timeout=120)
     assert code == 0, output
-    for a, b, c in zip(_weights(out, 0), _weights(out, 1), _weights(single, 0), strict=True):
+    for a, b, c in zip(read_weights(out, 0), read_weights(out, 1), read_weights(single, 0), strict=True):
         np.testing.assert_array_equal(a, b)
         assert np.abs(a - c).max() / max(np.abs(c).max(), 1e-12) <= 1e-5
 
@@ -144,9 +140,7 @@ def test_after_a_cut_link_a_relaunch_resumes_bitwise(namespace_hosts, tmp_path):
     for p, output in zip(procs, outputs, strict=True):
         assert p.returncode == 0, output
     assert re.search(r"resuming from", "".join(outputs)), outputs
-    for rank in (0, 1):
-        for a, b in zip(_weights(out, rank), _weights(reference, 0), strict=True):
-            np.testing.assert_array_equal(a, b)
+    assert_ranks_saved(out, (0, 1), read_weights(reference, 0))
 
 
 @pytest.mark.slow

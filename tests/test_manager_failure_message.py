@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 
-from _procs import child_env, finish, free_ports, kill_group, start, tf_config
+from _procs import child_env, finish_survivor, free_ports, start, tf_config
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "watched_loop.py")
 
@@ -21,11 +21,7 @@ def test_a_dead_peer_message_names_the_checkpoint_managers_folder_latest_checkpo
     args = [SCRIPT, "--kill-rank", "1", "--at", "22", "--sleep", "0.1", "--heartbeat", "4",
             "--manager-dir", directory, "--out", out]
     procs = [start(args, child_env(TF_CONFIG=tf_config(ports, rank))) for rank in (0, 1)]
-    try:
-        code, output = finish(procs[0], timeout=120)
-    finally:
-        kill_group(procs[1])
-        finish(procs[1], timeout=30)
+    code, output = finish_survivor(procs[0], procs[1], timeout=120)
     assert code != 0, output
     # Saved every 5 steps from step 1 (1, 6, ..., 21): step 21 is the last one both workers completed.
     latest = os.path.join(directory, "ckpt-21")

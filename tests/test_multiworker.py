@@ -12,6 +12,7 @@ import torch
 from _interrupt import InterruptAtStepEnd
 from _multiproc import run_distributed
 from _procs import child_env, finish, free_ports, start, tf_config
+from _script_outputs import assert_ranks_saved, read_weights
 from _tutorial_paths import is_chief
 from torch import nn
 
@@ -126,11 +127,6 @@ def test_global_batch_not_divisible_is_a_clear_error():
     assert run_distributed(_worker_bad_batch, world_size=2, timeout=120) == [True, True]
 
 
-def _load(out: str, rank: int) -> list[np.ndarray]:
-    with np.load(os.path.join(out, f"weights-{rank}.npz")) as f:
-        return [f[f"w{i}"] for i in range(len(f.files))]
-
-
 def test_tutorial_flow_with_tf_config_two_separate_processes(tmp_path):
     ports = free_ports(2)
     out = str(tmp_path / "out")
@@ -146,8 +142,7 @@ def test_tutorial_flow_with_tf_config_two_separate_processes(tmp_path):
     assert code1 == 0, out1
     assert "Epoch 2/2" in out0 and "Epoch" not in out1  # progress from the chief only
     assert "rank 0 of 2 done" in out0 and "rank 1 of 2 done" in out1
-    for a, b in zip(_load(out, 0), _load(out, 1), strict=True):
-        np.testing.assert_array_equal(a, b)
+    assert_ranks_saved(out, [1], read_weights(out, 0))
 
 
 def test_meshfit_launch_runs_the_same_script(tmp_path):
@@ -157,8 +152,7 @@ def test_meshfit_launch_runs_the_same_script(tmp_path):
     code, output = finish(proc, timeout=180)
     assert code == 0, output
     assert "[worker 0]" in output and "[worker 1] rank 1 of 2 done (task worker 1, chief False)" in output
-    for a, b in zip(_load(out, 0), _load(out, 1), strict=True):
-        np.testing.assert_array_equal(a, b)
+    assert_ranks_saved(out, [1], read_weights(out, 0))
 
 
 def test_mirrored_strategy_from_a_plain_script_starts_its_second_replica(tmp_path):
@@ -173,8 +167,7 @@ def test_mirrored_strategy_from_a_plain_script_starts_its_second_replica(tmp_pat
     # the second replica's output is prefixed, as meshfit launch prefixes its workers'
     # (replica 0 is this process: its own prints are not redirected, so lines may interleave)
     assert output.count("rank 1 of 2 done") == output.count("[replica 1] rank 1 of 2 done") == 1, output
-    for a, b in zip(_load(out, 0), _load(out, 1), strict=True):
-        np.testing.assert_array_equal(a, b)
+    assert_ranks_saved(out, [1], read_weights(out, 0))
 
 
 def test_mirrored_strategy_single_device_and_bad_devices():
@@ -257,8 +250,7 @@ def test_the_same_script_under_torchrun(tmp_path):
     code, output = finish(proc, timeout=180)
     assert code == 0, output
     assert "rank 1 of 2 done" in output
-    for a, b in zip(_load(out, 0), _load(out, 1), strict=True):
-        np.testing.assert_array_equal(a, b)
+    assert_ranks_saved(out, [1], read_weights(out, 0))
 
 
 def test_launch_with_an_evaluator_task_evaluates_every_checkpoint(tmp_path):

@@ -16,6 +16,7 @@ import os
 import numpy as np
 import pytest
 from _procs import child_env, finish, start
+from _script_outputs import assert_ranks_saved, read_weights
 
 from tests._multiproc import run_distributed
 
@@ -140,11 +141,6 @@ def test_a_resumed_run_on_four_processes_ends_bitwise_equal_to_one_never_interru
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "dtensor_keras.py")
 
 
-def _script_weights(out: str, rank: int) -> list[np.ndarray]:
-    with np.load(os.path.join(out, f"weights-{rank}.npz")) as f:
-        return [f[f"w{i}"] for i in range(len(f.files))]
-
-
 def test_sigkill_on_a_batch_mesh_without_keys_under_launch_resumes_bitwise(tmp_path):
     """The seed's DTensor script on ``create_mesh([("batch", 4)])`` with a LayoutMap without keys: a
     worker killed with SIGKILL at step 9 under ``meshfit launch --max-restarts``, resumed from the
@@ -162,7 +158,4 @@ def test_sigkill_on_a_batch_mesh_without_keys_under_launch_resumes_bitwise(tmp_p
     code, output = finish(proc, timeout=500)
     assert code == 0, output
     assert "restarting the group" in output and "resuming from" in output, output
-    expected = _script_weights(reference, 0)
-    for rank in range(4):
-        for got, want in zip(_script_weights(out, rank), expected, strict=True):
-            np.testing.assert_array_equal(got, want)
+    assert_ranks_saved(out, range(4), read_weights(reference, 0))

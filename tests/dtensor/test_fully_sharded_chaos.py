@@ -10,6 +10,7 @@ import random
 import numpy as np
 import pytest
 from _procs import child_env, finish, start
+from _script_outputs import assert_ranks_saved, read_weights
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "dtensor_keras.py")
 STEPS = 16  # 256 examples, global batch 32, 2 epochs
@@ -24,20 +25,14 @@ def _run(out: str, *extra: str, restarts: int, preload: bool = False) -> str:
     return output
 
 
-def _weights(out: str, rank: int) -> list[np.ndarray]:
-    with np.load(os.path.join(out, f"weights-{rank}.npz")) as f:
-        return [f[f"w{i}"] for i in range(len(f.files))]
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> list[np.ndarray]:
     out = str(tmp_path_factory.mktemp("fsdp-reference"))
     _run(out, "--backup-dir", os.path.join(out, "backup"), "--save-freq", "5", restarts=0)
     assert "fully sharded" in open(os.path.join(out, "layouts-0.txt")).read()  # the FSDP path ran
-    reference = _weights(out, 0)
+    reference = read_weights(out, 0)
     assert [w.shape for w in reference] == [(16, 64), (16,), (10, 16), (10,)]  # gathered full arrays
-    for a, b in zip(_weights(out, 1), reference, strict=True):
-        np.testing.assert_array_equal(a, b)
+    assert_ranks_saved(out, [1], reference)
     return reference
 
 
@@ -48,6 +43,4 @@ def test_sigkill_a_fully_sharded_worker_at_a_random_step_resumes_bitwise(tmp_pat
     output = _run(out, "--backup-dir", str(tmp_path / "backup"), "--save-freq", "5", "--kill-rank", str(rank),
                   "--kill-at", str(step), restarts=2, preload=True)  # forks of one preloaded process
     assert "restarting the group" in output and "resuming from" in output, (rank, step, output)
-    for r in (0, 1):
-        for a, b in zip(_weights(out, r), uninterrupted, strict=True):
-            np.testing.assert_array_equal(a, b)  # bitwise equal to the run that was never killed
+    assert_ranks_saved(out, (0, 1), uninterrupted)  # bitwise equal to the run that was never killed

@@ -7,9 +7,9 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from tests._multiproc import run_distributed
+from tests.dtensor._model_axis_mlp import mlp, model_axis_layouts
 
 BATCH, STEPS_PER_EPOCH = 8, 10
 
@@ -26,16 +26,10 @@ def _train(mesh_dims, backup_dir, epochs):
 
     import meshfit as mf
 
-    torch.manual_seed(0)
-    module = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    module = mlp()
     scope = mf.get_strategy().scope()
     if mesh_dims:
-        mesh = mf.dtensor.create_mesh(mesh_dims)
-        layout_map = mf.dtensor.LayoutMap(mesh)
-        layout_map[r"^0\.weight$"] = mf.dtensor.Layout(["model", mf.dtensor.UNSHARDED], mesh)
-        layout_map[r"^0\.bias$"] = mf.dtensor.Layout(["model"], mesh)
-        layout_map[r"^2\.weight$"] = mf.dtensor.Layout([mf.dtensor.UNSHARDED, "model"], mesh)
-        scope = layout_map.scope()
+        scope = model_axis_layouts(mf.dtensor.create_mesh(mesh_dims)).scope()
     with scope:
         model = mf.Model(module)
         model.compile(optimizer=mf.optimizers.Adam(0.01),
@@ -114,10 +108,9 @@ def test_backup_from_2x2_continues_on_the_same_mesh(backup, uninterrupted, tmp_p
 def _train_and_save(mesh_dims, path):
     import meshfit as mf
 
-    torch.manual_seed(0)
-    module = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    module = mlp()
     mesh = mf.dtensor.create_mesh(mesh_dims)
-    with _layouts(mf, mesh).scope():
+    with model_axis_layouts(mesh).scope():
         model = mf.Model(module)
         model.compile(optimizer=mf.optimizers.Adam(0.01),
                       loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -127,21 +120,13 @@ def _train_and_save(mesh_dims, path):
     return model.get_weights()
 
 
-def _layouts(mf, mesh):
-    layout_map = mf.dtensor.LayoutMap(mesh)
-    layout_map[r"^0\.weight$"] = mf.dtensor.Layout(["model", mf.dtensor.UNSHARDED], mesh)
-    layout_map[r"^0\.bias$"] = mf.dtensor.Layout(["model"], mesh)
-    layout_map[r"^2\.weight$"] = mf.dtensor.Layout([mf.dtensor.UNSHARDED, "model"], mesh)
-    return layout_map
-
-
 def _load_on_model_mesh(rank, world, path):
     from torch.distributed.tensor import DTensor
 
     import meshfit as mf
 
     mesh = mf.dtensor.create_mesh([("model", 2)])
-    with _layouts(mf, mesh).scope():
+    with model_axis_layouts(mesh).scope():
         model = mf.load_model(path)
     first = model.module[0].weight
     state = model.optimizer.torch_optimizer.state[first]

@@ -5,16 +5,11 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 from _procs import child_env, finish, start
+from _script_outputs import assert_ranks_saved, read_weights
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "dtensor_keras.py")
-
-
-def _weights(out: str, rank: int) -> list[np.ndarray]:
-    with np.load(os.path.join(out, f"weights-{rank}.npz")) as f:
-        return [f[f"w{i}"] for i in range(len(f.files))]
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +26,9 @@ def test_plain_script_starts_four_processes_for_a_2x2_mesh(plain_script_run):
     assert len(set(layouts)) == 1  # the same layouts and the same loss on every process
     assert "feature.weight DTensor sharding_specs:model,unsharded, mesh:|batch=2,model=2|cpu" in layouts[0]
     assert "feature_2.bias DTensor sharding_specs:model, mesh:|batch=2,model=2|cpu" in layouts[0]
-    reference = _weights(out, 0)
+    reference = read_weights(out, 0)
     assert [w.shape for w in reference] == [(16, 64), (16,), (10, 16), (10,)]  # full arrays
-    for rank in range(1, 4):
-        for a, b in zip(_weights(out, rank), reference, strict=True):
-            np.testing.assert_array_equal(a, b)
+    assert_ranks_saved(out, range(1, 4), reference)
 
 
 def test_sigkill_on_a_2x2_mesh_under_launch_resumes_bitwise(plain_script_run, tmp_path):
@@ -47,7 +40,4 @@ def test_sigkill_on_a_2x2_mesh_under_launch_resumes_bitwise(plain_script_run, tm
     code, output = finish(proc, timeout=500)
     assert code == 0, output
     assert "restarting the group" in output and "resuming from" in output, output
-    reference = _weights(plain_script_run, 0)
-    for rank in range(4):
-        for a, b in zip(_weights(out, rank), reference, strict=True):
-            np.testing.assert_array_equal(a, b)  # bitwise equal to the run that was never killed
+    assert_ranks_saved(out, range(4), read_weights(plain_script_run, 0))  # bitwise equal to the never-killed run

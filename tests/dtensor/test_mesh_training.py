@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from tests._multiproc import run_distributed
+from tests.dtensor._model_axis_mlp import mlp, model_axis_layouts
 
 STEPS, BATCH = 20, 8
 
@@ -19,19 +20,6 @@ def _data():
     x = rng.normal(size=(STEPS * BATCH, 8)).astype("float32")
     y = rng.integers(0, 4, size=(STEPS * BATCH,)).astype("int64")
     return x, y
-
-
-def _mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-
-
-def _layouts(mf, mesh):
-    layout_map = mf.dtensor.LayoutMap(mesh)
-    layout_map[r"^0\.weight$"] = mf.dtensor.Layout(["model", mf.dtensor.UNSHARDED], mesh)
-    layout_map[r"^0\.bias$"] = mf.dtensor.Layout(["model"], mesh)
-    layout_map[r"^2\.weight$"] = mf.dtensor.Layout([mf.dtensor.UNSHARDED, "model"], mesh)
-    return layout_map
 
 
 def _full_weights(module):
@@ -45,7 +33,7 @@ def _fit(mf, layout_map=None):
     x, y = _data()
     scope = layout_map.scope() if layout_map is not None else mf.get_strategy().scope()
     with scope:
-        model = mf.Model(_mlp())
+        model = mf.Model(mlp())
         model.compile(optimizer=mf.optimizers.Adam(0.01), loss=mf.losses.SparseCategoricalCrossentropy(
             from_logits=True), metrics=["accuracy"])
     history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
@@ -61,7 +49,7 @@ def _fit_on_mesh(rank, world, shape, sharded):
 
     names = ("batch", "model")[:len(shape)] if len(shape) == 2 else ("batch",)
     mesh = mf.dtensor.create_mesh(list(zip(names, shape, strict=True)))
-    layout_map = _layouts(mf, mesh) if sharded else mf.dtensor.LayoutMap(mesh)
+    layout_map = model_axis_layouts(mesh) if sharded else mf.dtensor.LayoutMap(mesh)
     model, (history, evaluation, predictions) = _fit(mf, layout_map)
     first = model.module[0].weight
     layout = first.layout
@@ -107,7 +95,7 @@ def _fit_multiworker(rank, world):
     strategy = mf.MultiWorkerMirroredStrategy()
     x, y = _data()
     with strategy.scope():
-        model = mf.Model(_mlp())
+        model = mf.Model(mlp())
         model.compile(optimizer=mf.optimizers.Adam(0.01), loss=mf.losses.SparseCategoricalCrossentropy(
             from_logits=True), metrics=["accuracy"])
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
@@ -227,8 +215,8 @@ def _stop_on_one_process(rank, world):
                 self.model.stop_training = True
 
     x, y = _data()
-    with _layouts(mf, mesh).scope():
-        model = mf.Model(_mlp())
+    with model_axis_layouts(mesh).scope():
+        model = mf.Model(mlp())
         model.compile(optimizer="sgd", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
     model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[StopOnRankZero()])
     return model.loop_state.iterations
