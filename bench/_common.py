@@ -61,13 +61,15 @@ def load_train():
     return x, y
 
 
-def compile_seed(model, learning_rate: float = 0.01, gradient_accumulation_steps: int | None = None) -> None:
+def compile_seed(model, learning_rate: float = 0.01, gradient_accumulation_steps: int | None = None,
+                 steps_per_execution: int = 1) -> None:
     """What a user of the tutorial writes: SGD, sparse CE from logits, accuracy."""
     import meshfit as mf
 
     model.compile(optimizer=mf.optimizers.SGD(learning_rate=learning_rate,
                                               gradient_accumulation_steps=gradient_accumulation_steps),
-                  loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+                  loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
+                  steps_per_execution=steps_per_execution)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +81,7 @@ class Workload:
     y: Any
     module: Any
     global_batch: int
-    compile: Any  # (model, gradient_accumulation_steps=None) -> None
+    compile: Any  # (model, gradient_accumulation_steps=None, steps_per_execution=1) -> None
     hand_optimizer: Any  # (parameters) -> torch.optim.Optimizer
 
 
@@ -106,10 +108,11 @@ def workload(name: str) -> Workload:
     x = rng.standard_normal((TINY_MLP_EXAMPLES, 32)).astype("float32")
     y = rng.integers(0, 10, size=TINY_MLP_EXAMPLES).astype("int64")
 
-    def compile_mlp(model: Any, gradient_accumulation_steps: int | None = None) -> None:
+    def compile_mlp(model: Any, gradient_accumulation_steps: int | None = None, steps_per_execution: int = 1) -> None:
         model.compile(optimizer=mf.optimizers.Adam(learning_rate=1e-3, epsilon=1e-7,
                                                    gradient_accumulation_steps=gradient_accumulation_steps),
-                      loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+                      loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
+                      steps_per_execution=steps_per_execution)
 
     return Workload(x, y, nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10)), 64, compile_mlp,
                     lambda params: torch.optim.Adam(params, lr=1e-3, eps=1e-7))

@@ -68,6 +68,9 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--tune-malloc", action="store_true")
     parser.add_argument("--model", choices=("cnn", "mlp"), default="cnn")
+    parser.add_argument("--steps-per-execution", type=int, default=1)
+    parser.add_argument("--batch-hook", action="store_true",
+                        help="fit gets a callback with an empty on_train_batch_end (mode ddp)")
     args = parser.parse_args()
     if args.model != "cnn" and args.mode != "ddp":
         parser.error(f"--model {args.model} is measured in --mode ddp only")
@@ -107,7 +110,7 @@ def main() -> None:
             # refused while a multi-replica strategy runs in the process)
             with mf.OneDeviceStrategy("cpu").scope():
                 model = mf.Model(copy.deepcopy(base))
-        work.compile(model, gradient_accumulation_steps=accumulate)
+        work.compile(model, gradient_accumulation_steps=accumulate, steps_per_execution=args.steps_per_execution)
         return model
 
     def timed(run, only_rank0: bool = False):
@@ -124,6 +127,13 @@ def main() -> None:
         stream = mf.data.Dataset.from_tensor_slices(np.arange(n)).shuffle(n, seed=0).repeat().batch(global_batch)
         return [b[rank * local:(rank + 1) * local].clone() for b in itertools.islice(iter(stream), blocks * args.steps)]
 
+    def fit_callbacks() -> list[mf.callbacks.Callback]:
+        """With --batch-hook, a callback implementing on_train_batch_end (it may set stop_training, so the
+        workers share the stop and preemption flags after every execution, as with a BackupAndRestore)."""
+        if not args.batch_hook:
+            return []
+        return [mf.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: None)]
+
     variants: dict[str, object] = {}
     models: dict[str, torch.nn.Module] = {}
     if args.mode == "ddp":
@@ -133,7 +143,7 @@ def main() -> None:
         def run_fit2w():
             k = count["fit2w"]
             count["fit2w"] += 1
-            fit2w.fit(block_data(k), steps_per_epoch=args.steps, epochs=1, verbose=0)
+            fit2w.fit(block_data(k), steps_per_epoch=args.steps, epochs=1, verbose=0, callbacks=fit_callbacks())
 
         # The hand-written DDP loop, on the process group the strategy initialised.
         indices = rank_indices()
@@ -155,7 +165,7 @@ def main() -> None:
         def run_fit1w():
             k = count["fit1w"]
             count["fit1w"] += 1
-            fit1w.fit(block_data(k), steps_per_epoch=args.steps, epochs=1, verbose=0)
+            fit1w.fit(block_data(k), steps_per_epoch=args.steps, epochs=1, verbose=0, callbacks=fit_callbacks())
 
         variants = {"fit2w": lambda: timed(run_fit2w), "ddp2w": lambda: timed(run_ddp2w),
                     "fit1w": lambda: timed(run_fit1w, only_rank0=True)}
