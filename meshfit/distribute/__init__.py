@@ -11,6 +11,7 @@ from meshfit.distribute._failure import FailureState as FailureState
 from meshfit.distribute._gradient_sync import DataParallelSync as DataParallelSync
 from meshfit.distribute._gradient_sync import ReplicatedSync as ReplicatedSync
 from meshfit.distribute._gradient_weight import GradientWeight as GradientWeight
+from meshfit.distribute._gradient_weight import scale_accumulated_gradients as scale_accumulated_gradients
 from meshfit.distribute._heartbeat import PEER_FAILURE_EXIT_CODE, PeerFailureError
 from meshfit.distribute._mirrored import MirroredStrategy
 
@@ -34,6 +35,14 @@ from meshfit.distribute._placement import gradient_reduced as gradient_reduced
 from meshfit.distribute._placement import mark_reduced as mark_reduced
 from meshfit.distribute._placement import placement_hook as placement_hook
 from meshfit.distribute._placement import register_placement as register_placement
+from meshfit.distribute._plan_builder import InPlace as InPlace  # the one builder of placements
+from meshfit.distribute._plan_builder import MoveTo as MoveTo
+from meshfit.distribute._plan_builder import compiled as compiled
+from meshfit.distribute._plan_builder import place_data_parallel as place_data_parallel
+from meshfit.distribute._plan_builder import place_laid_out as place_laid_out
+from meshfit.distribute._plan_builder import place_replicated as place_replicated
+from meshfit.distribute._plan_builder import place_sharded as place_sharded
+from meshfit.distribute._plan_builder import place_staged as place_staged
 from meshfit.distribute._rendezvous import agree_on_settings as agree_on_settings
 from meshfit.distribute._replica_context import (
     ReplicaContext,
@@ -58,7 +67,6 @@ from meshfit.distribute._scope import global_distribution as global_distribution
 from meshfit.distribute._scope import process_world as process_world
 from meshfit.distribute._scope import set_global_distribution as set_global_distribution
 from meshfit.distribute._strategy import OneDeviceStrategy, Strategy, get_strategy
-from meshfit.distribute._strategy import compiled as compiled
 from meshfit.distribute._torch_loader import LoaderPlan as LoaderPlan
 from meshfit.distribute._torch_loader import PerReplicaLoader as PerReplicaLoader
 from meshfit.distribute._unused_parameters import ProbingDataParallel as ProbingDataParallel

@@ -27,7 +27,7 @@ from meshfit.cluster import (
     parse_address,
     resolve_cluster,
 )
-from meshfit.distribute._gradient_sync import DataParallelSync, ReplicatedSync
+from meshfit.distribute._gradient_sync import DataParallelSync
 from meshfit.distribute._gradient_weight import GradientWeight, bfloat16_allreduce_hook
 from meshfit.distribute._heartbeat import Heartbeat, PeerFailureError, report_uncaught_peer_failures
 from meshfit.distribute._liveness import (
@@ -39,10 +39,11 @@ from meshfit.distribute._liveness import (
 )
 from meshfit.distribute._model_agreement import agree_on_tensors, module_entries
 from meshfit.distribute._placement import Placement
+from meshfit.distribute._plan_builder import place_data_parallel, place_replicated
 from meshfit.distribute._rendezvous import client_for, form_rendezvous, store_host_rank
 from meshfit.distribute._scope import clear_process_world, process_world, set_process_world
 from meshfit.distribute._startup import quiet_c10d_retries, share_cores
-from meshfit.distribute._strategy import Strategy, compiled
+from meshfit.distribute._strategy import Strategy
 from meshfit.distribute._unused_parameters import ProbingDataParallel
 from meshfit.distribute._values import CommunicationImplementation, CommunicationOptions
 from meshfit.distribute._world import World
@@ -271,10 +272,8 @@ class CollectiveStrategy(Strategy):
         if self._distributed:  # other shapes on another worker would abort gloo in DDP's first broadcast
             agree_on_tensors(self.all_gather_object, module_entries(module), "models",
                              "Build the same model on every worker.")
-        source = module
-        module = compiled(module.to(self._device), jit_compile)
         if not self._distributed or not any(p.requires_grad for p in module.parameters()):
-            return Placement(module, source, ReplicatedSync())
+            return place_replicated(module, self._device, jit_compile)
         device_ids = [self._device.index] if self._device.type == "cuda" else None
         options = self.communication_options
         pack: dict[str, Any] = {"bucket_cap_mb": options.bytes_per_pack / 2**20} if options.bytes_per_pack else {}
@@ -288,11 +287,11 @@ class CollectiveStrategy(Strategy):
                 ddp.register_comm_hook(weight, bfloat16_allreduce_hook)
             return ddp
 
-        # the search only if the model needs it; one bucket layout for the run
-        wrapped = ProbingDataParallel(module, build, self._on_every_replica, self._world)
-        sync = DataParallelSync(self._gradient_weight, self._world)
-        sync.install(wrapped)  # the optimizer must not reduce these gradients again
-        return Placement(wrapped, source, sync)
+        def wrap(module: torch.nn.Module) -> torch.nn.Module:  # the search only if the model needs it
+            return ProbingDataParallel(module, build, self._on_every_replica, self._world)
+
+        return place_data_parallel(module, self._device, jit_compile, wrap,
+                                   DataParallelSync(self._gradient_weight, self._world))
 
     def _on_every_replica(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every process (summed on the control plane)."""

@@ -19,8 +19,8 @@ from meshfit.data import Dataset, map_structure
 from meshfit.distribute._distributed_dataset import DistributedDataset, agree_on_shuffle_seeds
 from meshfit.distribute._extended import CrossReplicaMethods
 from meshfit.distribute._failure import FailureState
-from meshfit.distribute._gradient_sync import ReplicatedSync
 from meshfit.distribute._placement import Placement
+from meshfit.distribute._plan_builder import place_replicated
 from meshfit.distribute._replica_context import replica_context_scope, use_default_strategy
 from meshfit.distribute._replication import tracking_scope
 from meshfit.distribute._scope import _DEFAULT, _GLOBAL_DISTRIBUTION, _SCOPE_STACK
@@ -224,12 +224,13 @@ class Strategy(CrossReplicaMethods):
         """Place ``module`` for training; returns its `Placement` (the module to run the training
         forward through, and the `GradientSync` an optimizer step asks).
 
-        The order of module transforms lives here, once: layouts (a mesh strategy replaces
-        parameters), then ``torch.compile`` when ``jit_compile``, then DDP (distributed strategies).
+        Every strategy asks the one plan builder (`meshfit.distribute._plan_builder`), which keeps the
+        order of module transforms once: the device, layouts (a mesh strategy replaces parameters),
+        then ``torch.compile`` when ``jit_compile``, then DDP (distributed strategies).
         Call it before building the optimizer: a layout replaces parameters, and an optimizer built
         earlier would hold stale ones. The module's own parameters stay the ones trained.
         """
-        return Placement(compiled(module.to(self.device), jit_compile), module, ReplicatedSync())
+        return place_replicated(module, self.device, jit_compile)
 
     def distribute_batch(self, batch: Any) -> Any:
         """This replica's batch placed for its module: tensors on the device, float64 as the default dtype.
@@ -379,9 +380,3 @@ def _parse_device(device: str | torch.device | None) -> torch.device:
         raise ValueError(f"Invalid `device`: {device!r} asks for a GPU but none is available here. "
                          "Use 'cpu'.")
     return parsed
-
-
-def compiled(module: torch.nn.Module, jit_compile: bool) -> torch.nn.Module:
-    """``module`` compiled with ``torch.compile`` when asked (it shares the module's parameters)."""
-    # For a Module, torch.compile returns an OptimizedModule (a Module); its stub says a Callable.
-    return torch.compile(module) if jit_compile else module  # type: ignore[return-value]

@@ -3,7 +3,8 @@
 On a 2-D mesh ``[("batch", B), ("model", M)]``, the map's keys split their weights over ``model``
 first (`meshfit.dtensor._tensor_parallel`), then every weight is sharded over ``batch`` (on the
 ``batch`` sub-mesh), as torchtitan composes FSDP2 with tensor parallelism: a placement is a
-`PlacementPlan` of those two transforms, then the gradient sync that remains (none).
+`PlacementPlan` of those two transforms, then the gradient sync that remains (none), built by
+`meshfit.distribute`'s one plan builder.
 
 Every weight is split over the mesh's data axis, ``batch`` here (ZeRO-3; the data axis is whichever
 axis has the data role, ``mesh.dims.data_axis``, and the map's `dims` mark it ``shard``): each process
@@ -40,10 +41,10 @@ from meshfit.distribute import (
     DataParallelSync,
     GradientWeight,
     Placement,
-    PlacementPlan,
     ReplicatedSync,
     Transform,
     World,
+    place_sharded,
 )
 from meshfit.dtensor._tensor_parallel import TensorParallel, tensor_parallel_styles
 
@@ -139,7 +140,7 @@ def fully_shard_module(module: nn.Module, layout_map: Any, world: World, batch_a
     if axis is not None and mesh.dim_size(axis) > 1:
         transforms.append(TensorParallel(axis, styles, world.sub_mesh(axis)))
     transforms.append(FullyShard(world.sub_mesh(batch_axis), world, blocks, on_meta, weight, replicas))
-    return PlacementPlan(transforms, FullyShardedSync(weight, replicas)).apply(module)
+    return place_sharded(module, transforms, FullyShardedSync(weight, replicas))
 
 
 def _check_keys(module: nn.Module, layout_map: Any) -> None:

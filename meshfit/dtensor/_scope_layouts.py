@@ -62,6 +62,14 @@ class _Created:
 
 _ENTRIES: list[_Created] = []
 _HANDLES: list[Any] = []
+# Modules a strategy placed while they were created inside a scope (``mf.Model(module)`` in it): the
+# scope's end leaves them as their placement made them.
+_PLACED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def mark_placed(module: nn.Module) -> None:
+    """Tell the scope that ``module`` is placed already: its end must not lay it out again."""
+    _PLACED.add(module)
 
 
 def _on_parameter(module: nn.Module, name: str, param: Any) -> None:
@@ -102,7 +110,7 @@ def laying_out(layout_map: Any, strategy: DistributionStrategy) -> Iterator[None
         return
     for root in created.roots():
         params = list(root.parameters())
-        if not params or all(is_dtensor(p) for p in params):  # none, or placed already (e.g. load_model)
+        if not params or root in _PLACED or all(is_dtensor(p) for p in params):  # none, or placed already (e.g. load_model)
             continue
         if any(is_lazy(p) for p in params):
             _lay_out_at_first_call(root, layout_map, strategy)

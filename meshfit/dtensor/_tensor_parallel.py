@@ -73,16 +73,23 @@ class TensorParallel:
                 plan[path] = RowwiseParallel(input_layouts=Replicate()) if style == _ROW \
                     else ColwiseParallel(output_layouts=Replicate())
             elif style == _HEAD:
-                plan[path] = ColwiseParallel(output_layouts=Replicate())
+                plan[path] = _column_wise_class()(output_layouts=Replicate())
             else:
-                plan[path] = ColwiseParallel() if style == _COLUMN else _row_wise_linear()
+                plan[path] = _column_wise_class()() if style == _COLUMN else _row_wise_linear()
                 if style == _ROW:
                     layer = module.get_submodule(path)
                     if isinstance(layer, nn.Linear):  # what tensor_parallel_styles keyed
                         _check_row_inputs(layer, path, self.axis, self.sub_mesh.size(),
                                           self.sub_mesh.get_local_rank())
         groups = tied_groups(module)
+        before = {path: (set(module.get_submodule(path)._forward_pre_hooks),
+                         set(module.get_submodule(path)._forward_hooks)) for path in plan}
         parallelize_module(module, self.sub_mesh, plan)  # one new parameter per holding module
+        for path, (pre, post) in before.items():  # torch's input/output hooks move tensors, change no math:
+            layer = module.get_submodule(path)  # saving still describes the layer as itself
+            for table, known in ((layer._forward_pre_hooks, pre), (layer._forward_hooks, post)):
+                for key in [k for k in table if k not in known]:
+                    table[key] = placement_hook(table[key])
         retie(module, groups)  # one layout per tie (keyed_layouts): the copies are alike, keep the first
         return module
 
@@ -142,6 +149,29 @@ def tensor_parallel_styles(module: nn.Module, layout_map: Any, batch_axis: str) 
                              f"{owner_path + '.weight'!r} with Layout([{layout.sharding_specs[0]!r}, UNSHARDED], mesh) "
                              "(its bias follows), or remove the bias key.")
     return (next(iter(axes)) if axes else None), styles
+
+
+def slices_meet_their_readers(module: nn.Module, styles: dict[str, tuple[str, type]]) -> bool:
+    """Whether every column-wise ``nn.Linear``'s output slice has a layer that reads a slice: an attention
+    (its parent declares ``head_dim``), a row-wise layer as wide as the slice's whole, or a column-wise one
+    (it gathers the slice first). Otherwise the slice may reach the model's output or a layer that needs
+    the whole tensor, which only the whole-mesh layouts express (the output is gathered at the boundary).
+    """
+    widths: dict[str, set[int]] = {_ROW: set(), _COLUMN: set()}
+    linears = {path: layer for path in styles if isinstance(layer := module.get_submodule(path), nn.Linear)}
+    for path, (style, _) in styles.items():
+        if path in linears and style in widths:
+            widths[style].add(linears[path].in_features)
+    for path, (style, _) in styles.items():
+        if path not in linears or style != _COLUMN:
+            continue
+        parent = module.get_submodule(path.rpartition(".")[0])
+        head_dim = getattr(parent, "head_dim", None)
+        if isinstance(head_dim, int) and not isinstance(head_dim, bool) and head_dim > 0:
+            continue
+        if linears[path].out_features not in widths[_ROW] | widths[_COLUMN]:
+            return False
+    return True
 
 
 def _check_whole_heads(module: nn.Module, owner_path: str, owner: nn.Linear, kind: str, layout: Layout, axis: str,
@@ -219,6 +249,34 @@ def _row_wise_class() -> type:
             return tensor
 
     return _RowwiseLinear
+
+
+@functools.cache
+def _column_wise_class() -> type:
+    """torch's ``ColwiseParallel`` for an ``nn.Linear`` that may be fed another column-wise layer's slice.
+
+    torch's own takes its local input as the whole (replicated) input. Two column-wise layers in a row
+    (``feature`` then ``feature_2``, both ``Layout(["model", UNSHARDED])``) hand the second a slice of
+    its ``in_features``: it is gathered over the axis first (``torch.chunk``'s shares, as DTensor splits
+    them), and its gradient goes back to each process's slice, as the whole-mesh layouts compute it.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    class _ColwiseLinear(ColwiseParallel):
+        @staticmethod
+        def _prepare_input_fn(input_layouts: Any, desired_input_layouts: Any, mod: Any, inputs: Any,
+                              device_mesh: Any) -> Any:
+            tensor = inputs[0]
+            if isinstance(mod, nn.Linear) and not isinstance(tensor, DTensor) and tensor.dim() > 0 \
+                    and tensor.shape[-1] != mod.in_features:
+                shape = torch.Size((*tensor.shape[:-1], mod.in_features))
+                sliced = DTensor.from_local(tensor, device_mesh, [Shard(tensor.dim() - 1)], run_check=False,
+                                            shape=shape, stride=_contiguous_strides(shape))
+                return sliced.redistribute(placements=desired_input_layouts, async_op=True)
+            return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
+
+    return _ColwiseLinear
 
 
 def _row_wise_linear() -> Any:
