@@ -6,7 +6,8 @@ runs ``F.scaled_dot_product_attention``, built in ``layout_map.scope()`` with th
 trains with ``fit`` (the last batch uneven) equal to one process, and bitwise equal to the same model under
 ``mf.distribution.ModelParallel`` with the same keys. The plain map keeps every weight replicated over
 ``batch``: a keyed weight holds its ``model`` slice and says its `Layout`. Two column-wise layers in a row
-(the second gathers the first's slice) before a row-wise one train equal to one process too.
+(the second gathers the first's slice) before a row-wise one train equal to one process too, also with
+gradient accumulation and in TF's custom loop (``compute_average_loss``, the replicas' gradients summed).
 
 Which maps take that mechanism is decided without processes: what it cannot express (a column-wise slice
 that no layer reads, a key over ``batch``, a kernel) keeps the whole-mesh layouts.
@@ -52,7 +53,7 @@ def _two_by_two(rank, world):
 
     mesh = mf.dtensor.create_mesh([("batch", 2), ("model", 2)],
                                   communication_options=mf.CommunicationOptions(heartbeat_timeout_seconds=60))
-    out = {"chain": _chain(mf, mesh)}
+    out = {"chain": _chain(mf, mesh), "accumulated": _chain(mf, mesh, 2), "custom": _chain_custom_loop(mf, mesh)}
     for name in NAMES:
         with _plain_map(mf, mesh).scope():
             model, weights, losses = _train(mf, name)
@@ -86,18 +87,48 @@ def _chain_map(mf, mesh):
     return layout_map
 
 
-def _chain(mf, mesh):
+def _chain_data():
     rng = np.random.default_rng(3)
-    x = rng.normal(size=(BATCH * 3 + 5, 8)).astype("float32")
+    x = rng.normal(size=(BATCH * 4 + 5, 8)).astype("float32")
     y = rng.integers(0, 4, size=(len(x),)).astype("int64")
+    return x, y
+
+
+def _chain(mf, mesh, accumulation=None):
+    """``fit``; ``accumulation``: the optimizer's ``gradient_accumulation_steps``."""
+    x, y = _chain_data()
     scope = _chain_map(mf, mesh).scope() if mesh is not None else mf.get_strategy().scope()
     with scope:
         model = mf.Model(_chain_module())
-        model.compile(optimizer=mf.optimizers.SGD(0.1),
+        model.compile(optimizer=mf.optimizers.SGD(0.1, gradient_accumulation_steps=accumulation),
                       loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     weight = model.module[2].weight
     return model.get_weights(), tuple((weight.to_local() if hasattr(weight, "to_local") else weight).shape)
+
+
+def _chain_custom_loop(mf, mesh):
+    """TF's custom loop: each replica's rows, ``compute_average_loss`` over the global batch, the replicas'
+    gradients summed by the placement."""
+    import torch.nn.functional as F
+
+    x, y = (torch.from_numpy(a) for a in _chain_data())
+    scope = _chain_map(mf, mesh).scope() if mesh is not None else mf.get_strategy().scope()
+    with scope:
+        model = mf.Model(_chain_module())
+        optimizer = mf.optimizers.SGD(0.1)
+    optimizer.build(list(model.module.parameters()))
+    context = model.strategy.input_context()
+    for start in range(0, BATCH * 4, BATCH):
+        rows = slice(start, start + BATCH)
+        local_x = x[rows].tensor_split(context.num_input_pipelines)[context.input_pipeline_id]
+        local_y = y[rows].tensor_split(context.num_input_pipelines)[context.input_pipeline_id]
+        per_example = F.cross_entropy(model.module(local_x), local_y, reduction="none")
+        loss = mf.nn.compute_average_loss(per_example, global_batch_size=BATCH)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.get_weights()
 
 
 def _one_process(rank, world):
@@ -105,7 +136,8 @@ def _one_process(rank, world):
 
     with mf.get_strategy().scope():
         out = {name: _train(mf, name)[1:] for name in NAMES}
-    out["chain"] = _chain(mf, None)
+    out["chain"], out["accumulated"] = _chain(mf, None), _chain(mf, None, 2)
+    out["custom"] = _chain_custom_loop(mf, None)
     return out
 
 
@@ -147,6 +179,18 @@ def test_a_column_wise_layer_fed_a_slice_gathers_it(two_by_two, one_process):
         weights, local = result["chain"]
         assert local == (8, 16)  # the second column-wise layer holds its slice
         assert_weights_match(weights, want_weights, "sgd")
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.crowded
+def test_gradient_accumulation_and_a_custom_loop_equal_one_process(two_by_two, one_process):
+    """Accumulation: the replicas reduce once per update, the window's sum; a custom loop: the replicas'
+    gradients of ``compute_average_loss`` are summed (TF's contract)."""
+    for result in two_by_two:
+        assert_weights_match(result["accumulated"][0], one_process["accumulated"][0], "sgd")
+        assert_weights_match(result["custom"], one_process["custom"], "sgd")
+    assert not all(np.array_equal(a, b) for a, b in zip(one_process["accumulated"][0], one_process["chain"][0],
+                                                         strict=True))  # accumulating changed the run
 
 
 # ---- which maps take the tensor-parallel mechanism (no process is started) --------------------------
