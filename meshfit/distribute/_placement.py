@@ -4,9 +4,10 @@
 ``placement.module``, weights and state dicts are read from ``placement.source`` (the user's module),
 and ``placement.gradient_sync`` answers for the gradients its wrapper reduced (`gradient_reduced`,
 the one question an optimizer step asks), so that the step reduces only the others. A placement
-is built by a `PlacementPlan`: transforms applied in order, then the gradient sync that remains.
+is built by a `PlacementPlan`: transforms applied in order, then the gradient sync that remains; only
+the plan builder (`meshfit.distribute._plan_builder`) constructs plans and placements.
 
-Four ways gradients are kept in sync, each a `GradientSync`:
+Five ways gradients are kept in sync, each a `GradientSync`:
 
 Implementations (`meshfit.distribute._gradient_sync`):
 
@@ -22,6 +23,8 @@ Implementations (`meshfit.distribute._gradient_sync`):
 - layouts (DTensor parameters, `meshfit.dtensor`): their placements say how each gradient is reduced
   (`ReplicatedSync` reduces a DTensor gradient by its layout).
 
+- tensor parallel with weights replicated over the data axis (`meshfit.dtensor._data_axis_sync.DataAxisSync`,
+  a plain map's tensor-parallel keys): one all-reduce over the data axis at the end of the backward.
 - fully sharded (`meshfit.dtensor._fully_sharded.FullyShardedSync`, ``LayoutMap.fully_sharded``):
   torch's ``fully_shard`` reduce-scatters the gradients in the backward, weighted as DDP's hook does.
 """

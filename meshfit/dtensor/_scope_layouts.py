@@ -8,6 +8,9 @@ torch's global registration hooks (``register_module_parameter_registration_hook
 which; when the block ends the hooks are removed and every *root* (a recorded module no recorded
 module holds) gets its layouts (`apply_layouts`) and the boundary hooks of `accept_inputs`.
 
+A root that ``mf.Model`` placed while the scope was open (a plain map's tensor-parallel keys: Keras lays
+variables out when they are created) is left as its placement made it (`mark_placed`).
+
 A root with lazy parameters (``nn.LazyLinear``) gets them at its first call instead: the call runs
 once on this process's rows to learn the shapes (``eval`` mode, no gradient), the module is laid
 out, and the call goes on.

@@ -2,7 +2,8 @@
 
 A mesh strategy whose map is ``LayoutMap.fully_sharded(mesh)`` (``train_distribute``, or the
 strategy ``layout_map.scope()`` yields) shards each module ``model_fn`` uses in place, through the
-same ``strategy.setup_module`` that places a `Model`'s module: ``model_fn`` keeps calling the same
+same ``strategy.setup_module`` that places a `Model`'s module (the strategy asks the one plan builder,
+`meshfit.distribute._plan_builder`, as every strategy does): ``model_fn`` keeps calling the same
 module object, now torch's ``fully_shard`` module, which all-gathers a block's weights for its
 forward and backward and reduce-scatters its gradients. The train op then neither averages the
 gradients again (FSDP's reduce-scatter averages them over the replicas, TF's Estimator semantics)
