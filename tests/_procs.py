@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import multiprocessing as mp
 import os
 import re
 import signal
@@ -11,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import _warm
 
@@ -97,6 +98,18 @@ def finish(proc: subprocess.Popen | _warm.WarmProcess, timeout: float) -> tuple[
         raise AssertionError(f"process {proc.args} timed out after {timeout}s; output:\n{out}") from None
     kill_group(proc)
     return proc.returncode, out
+
+
+def exit_code_of(target: Callable[..., object], *args: object, timeout: float) -> int | None:
+    """Run ``target(*args)`` in a new interpreter (multiprocessing's spawn); its exit code, the kill's after
+    ``timeout`` seconds."""
+    process = mp.get_context("spawn").Process(target=target, args=args)
+    process.start()
+    process.join(timeout=timeout)
+    if process.is_alive():
+        process.kill()
+        process.join()
+    return process.exitcode
 
 
 def finish_survivor(survivor: subprocess.Popen | _warm.WarmProcess, victim: subprocess.Popen | _warm.WarmProcess,

@@ -17,22 +17,49 @@ if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
 
 # `make test-quick` runs `-m "not slow"`: a test is slow when it starts processes (gloo groups through
-# run_distributed, scripts, meshfit launch) directly or through a helper of its module, or is marked.
+# run_distributed, scripts, meshfit launch) directly or through a helper (of its module, or one it imports
+# from another module of tests/, such as tests/_procs.py), or is marked.
 _STARTS_PROCESSES = re.compile(r"\b(run_distributed|start|subprocess\.\w+|Popen|spawn_local_replicas|"
                                r"_cli\.main|launch_main)\(")
 
 
+def _tests_module(name: str) -> object | None:
+    """The loaded module called ``name`` when its file is in tests/, else None."""
+    module = sys.modules.get(name or "")
+    return module if module is not None and (getattr(module, "__file__", None) or "").startswith(TESTS) else None
+
+
+_STARTERS: dict[str, set[str]] = {}  # per module name, once per session: collection asks per test item
+
+
 def _process_starters(module: object) -> set[str]:
-    """Names of the module's functions that start processes, directly or through each other."""
-    functions = {name: _source(value) for name, value in vars(module).items()
-                 if inspect.isfunction(value) and value.__module__ == getattr(module, "__name__", None)}
-    starters = {name for name, source in functions.items() if _STARTS_PROCESSES.search(source)}
+    """Names of the module's functions that start processes, directly or through each other; a function it
+    imports from another tests/ module counts as it does in its own module, and so does ``helpers.name``
+    for a tests/ module it imports as ``helpers``."""
+    name = getattr(module, "__name__", "")
+    if name in _STARTERS:
+        return _STARTERS[name]
+    _STARTERS[name] = set()  # two helper modules importing each other: the inner look-up sees none yet
+    functions: dict[str, str] = {}
+    starters: set[str] = set()
+    for key, value in vars(module).items():
+        if inspect.ismodule(value) and (helpers := _tests_module(value.__name__)) is not None:
+            starters |= {f"{key}.{s}" for s in _process_starters(helpers) if "." not in s}  # `_procs.start(`
+        if not inspect.isfunction(value):
+            continue
+        if value.__module__ == name:
+            functions[key] = _source(value)
+        elif (home := _tests_module(value.__module__)) is not None and value.__name__ in _process_starters(home):
+            starters.add(key)
+    starters |= {key for key, source in functions.items() if _STARTS_PROCESSES.search(source)}
     while True:
-        more = {name for name, source in functions.items() if name not in starters
+        more = {key for key, source in functions.items() if key not in starters
                 and any(re.search(rf"\b{re.escape(s)}\(", source) for s in starters)}
         if not more:
-            return starters
+            break
         starters |= more
+    _STARTERS[name] = starters
+    return starters
 
 
 _SOURCES: dict[object, str] = {}
@@ -40,7 +67,9 @@ _SOURCES: dict[object, str] = {}
 
 def _source(function: object) -> str:
     """The function's source, read once per code object (collection asks for it per test item)."""
-    key = getattr(function, "__code__", function)
+    # Keyed by the code of the function itself: every @contextmanager function is a wrapper sharing
+    # contextlib's one code object, and inspect.getsource reads through the wrapper.
+    key = getattr(inspect.unwrap(function), "__code__", function)
     if key not in _SOURCES:
         try:
             _SOURCES[key] = inspect.getsource(function)  # type: ignore[arg-type]
@@ -51,16 +80,12 @@ def _source(function: object) -> str:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist turns the xdist_group marks added here into groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    starters: dict[str, set[str]] = {}
-
     def starts_processes(function: object) -> bool:
         """``function`` starts processes itself or through a process-starting function of its module."""
-        module = sys.modules.get(getattr(function, "__module__", "") or "")
-        if module is None or not (getattr(module, "__file__", None) or "").startswith(TESTS):
+        module = _tests_module(getattr(function, "__module__", "") or "")
+        if module is None:
             return False  # pytest's own fixtures (tmp_path, capsys...) start nothing
-        if module.__name__ not in starters:  # once per module: setdefault would evaluate it per item
-            starters[module.__name__] = _process_starters(module)
-        names = starters[module.__name__]
+        names = _process_starters(module)
         source = _source(function)
         return (getattr(function, "__name__", None) in names or bool(_STARTS_PROCESSES.search(source))
                 or any(re.search(rf"\b{re.escape(s)}\(", source) for s in names))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import shutil
 import subprocess
@@ -62,13 +61,7 @@ def _save_checkpoint_twice_and_crash(directory: str) -> None:
 
 
 def _run(target, *args) -> None:
-    process = mp.get_context("spawn").Process(target=target, args=args)
-    process.start()
-    process.join(timeout=120)
-    if process.is_alive():
-        process.kill()
-        process.join()
-    assert process.exitcode == 17
+    assert _procs.exit_code_of(target, *args, timeout=120) == 17
 
 
 def test_model_save_crash_between_the_two_renames_is_recovered_by_load_model(tmp_path):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import pickle
 
@@ -12,6 +11,7 @@ import torch
 import torch._dynamo  # noqa: F401  (see below)
 import torch.distributed as dist
 from _multiproc import run_distributed
+from _procs import exit_code_of
 from _tamper import flip_bits
 
 from meshfit.train import Checkpoint, CheckpointManager, PerRank, latest_checkpoint, load_checkpoint
@@ -249,13 +249,7 @@ def _crash_while_publishing(directory: str) -> None:
 
 
 def test_process_killed_mid_save_leaves_previous_checkpoint_latest(tmp_path):
-    process = mp.get_context("spawn").Process(target=_crash_while_publishing, args=(str(tmp_path),))
-    process.start()
-    process.join(timeout=90)
-    if process.is_alive():
-        process.kill()
-        process.join()
-    assert process.exitcode == 17
+    assert exit_code_of(_crash_while_publishing, str(tmp_path), timeout=90) == 17
     assert _dir_names(tmp_path) == ["checkpoint", "ckpt-1", "ckpt-2.tmp"]
     assert latest_checkpoint(tmp_path) == str(tmp_path / "ckpt-1")
     position = Position()
