@@ -128,14 +128,19 @@ def _custom_loop(rank, world, sharded, optimizer_name):
     return model.get_weights(), losses, optimizer.iterations
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_seed_custom_loop_on_two_sharded_processes_equals_one_plain_process(optimizer):
+def _assert_custom_loop_equals_one_plain_process(world: int, optimizer: str, timeout: float) -> None:
+    """The seed's custom loop on ``world`` sharded processes: each ends as one plain process does."""
     plain = run_distributed(_custom_loop, world_size=1, args=(False, optimizer), timeout=300)[0]
-    for weights, losses, iterations in run_distributed(_custom_loop, world_size=2, args=(True, optimizer),
-                                                       timeout=300):
+    for weights, losses, iterations in run_distributed(_custom_loop, world_size=world, args=(True, optimizer),
+                                                       timeout=timeout):
         assert iterations == STEPS
         _assert_weights_match(weights, plain[0], optimizer)
         np.testing.assert_allclose(losses, plain[1], rtol=1e-5)  # SUM of compute_average_loss: global mean
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_seed_custom_loop_on_two_sharded_processes_equals_one_plain_process(optimizer):
+    _assert_custom_loop_equals_one_plain_process(2, optimizer, timeout=300)
 
 
 # ---- memory: 1/N of parameters + gradients + optimizer state ---------------------------------------

@@ -13,8 +13,8 @@ import pytest
 from test_fully_sharded import (
     BATCH,
     STEPS,
+    _assert_custom_loop_equals_one_plain_process,
     _assert_weights_match,
-    _custom_loop,
     _data,
     _fit,
     _max_rel,
@@ -48,12 +48,7 @@ def test_fit_on_four_sharded_processes_equals_one_plain_process(optimizer, plain
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_seed_custom_loop_on_four_sharded_processes_equals_one_plain_process(optimizer):
-    plain = run_distributed(_custom_loop, world_size=1, args=(False, optimizer), timeout=300)[0]
-    for weights, losses, iterations in run_distributed(_custom_loop, world_size=4, args=(True, optimizer),
-                                                       timeout=400):
-        assert iterations == STEPS
-        _assert_weights_match(weights, plain[0], optimizer)
-        np.testing.assert_allclose(losses, plain[1], rtol=1e-5)
+    _assert_custom_loop_equals_one_plain_process(4, optimizer, timeout=400)
 
 
 # ---- resharding a mid-epoch backup: 4 -> 2 -> 1 -> a plain process --------------------------------
