@@ -125,3 +125,48 @@ def test_a_stop_on_one_worker_stops_both_at_the_same_step():
     assert results[0]["epoch_begin"] == (7, 2), results
     # The override's stop (worker 1 only) is agreed at that step: both stop after 3 steps.
     assert results[0]["train_step"] == (3, 1), results
+
+
+class _ReadsTestLogs(mf.callbacks.Callback):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[float] = []
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.seen.append(logs["loss"])
+
+
+def _validation_collectives(rank: int, size: int) -> dict[str, object]:
+    """Collectives a further validation step costs inside fit (16 validation batches minus 8), and the
+    logs a reader of test batch logs gets."""
+    strategy = mf.MultiWorkerMirroredStrategy()
+    counts = _count_collectives()
+    x, y = _data(4)
+    out: dict[str, object] = {}
+    for name, callbacks in (("plain", []), ("reader", [_ReadsTestLogs()])):
+        model = _model(strategy)
+        per_fit, results = [], []
+        for batches in (8, 16, 8, 16):
+            vx, vy = _data(batches)
+            before = counts[0]
+            history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=callbacks,
+                                validation_data=(vx, vy))
+            per_fit.append(counts[0] - before)
+            results.append(history.history["val_loss"][0])
+        out[name] = (per_fit[3] - per_fit[2]) / 8
+        out[name + "_val_loss"] = results
+        if callbacks:
+            out["reader_seen"] = len(callbacks[0].seen)
+    return out
+
+
+def test_validation_steps_reduce_logs_only_for_a_reader():
+    results = run_distributed(_validation_collectives, world_size=2, timeout=240)
+    assert results[0] == results[1], results
+    figures = results[0]
+    # Before: the metrics were reduced after every validation step (one all-reduce a step).
+    assert figures["plain"] == 0.0, figures
+    assert figures["reader"] == 1.0, figures
+    assert figures["reader_seen"] == 8 + 16 + 8 + 16, figures
+    # The epoch's validation logs are the same with or without per-step reductions.
+    assert figures["plain_val_loss"] == figures["reader_val_loss"], figures

@@ -11,9 +11,10 @@ import torch
 
 from meshfit._engine._executions import next_batch, steps_per_execution
 from meshfit._engine._outputs import host_outputs
-from meshfit._engine._step_logs import MetricResults, as_logs, merge_returned, own_logs, reduce_logs
+from meshfit._engine._step_logs import MetricResults, agree, as_logs, merge_returned, own_logs, reduce_logs
 from meshfit._protocols import CallbackListLike, Trainable
 from meshfit._saving import require_every_worker, split_across_workers
+from meshfit.callbacks import implements_hook
 from meshfit.data import batch_size_of
 from meshfit.distribute import DistributedDataset, LoaderPlan, OneDeviceStrategy, replica_context_scope
 
@@ -61,20 +62,36 @@ def evaluate(trainable: Trainable, data: Any, callbacks: Any) -> dict[str, float
     callbacks.on_test_begin()
     logs: dict[str, float] = {}
     returned: Any = None
+    readers = agree(trainable, _reads_test_logs(callbacks))
     try:
         module.eval()
         with torch.no_grad():
             for returned in _executions(trainable, data, callbacks.on_test_batch_begin, trainable.test_step,
                                         empty_ok=False):
-                logs, _ = reduce_logs(trainable)
-                merge_returned(trainable, logs, returned[1])
+                if readers:  # Keras's rule: the metrics are reduced at each step only for a reader of the logs
+                    logs, _ = reduce_logs(trainable)
+                    merge_returned(trainable, logs, returned[1])
                 callbacks.on_test_batch_end(returned[0], logs)
+        if returned is not None and not readers:  # once, after the last step: the same values
+            logs, _ = reduce_logs(trainable)
+            merge_returned(trainable, logs, returned[1])
     finally:
         module.train(was_training)
     if returned is not None and not isinstance(returned[1], MetricResults) and own_logs(trainable, returned[1]) is not None:
         logs = as_logs(returned[1])  # a dict of the override's own is the result (Keras)
     callbacks.on_test_end(logs)
     return logs
+
+
+def _reads_test_logs(callbacks: Any) -> bool:
+    """Whether a callback reads ``on_test_batch_end``'s logs: it implements the hook and does not say
+    otherwise (``reads_test_batch_logs``, e.g. `ProgbarLogger` inside ``fit``). Callbacks that cannot be
+    listed (the Estimator's hooks) are taken to read them."""
+    try:
+        listed = list(callbacks)
+    except TypeError:
+        return True
+    return any(implements_hook(c, "on_test_batch_end") and getattr(c, "reads_test_batch_logs", True) for c in listed)
 
 
 def _executions(trainable: Trainable, data: Any, on_begin: Callable[[int], None], step_fn: Callable[[Any], Any],

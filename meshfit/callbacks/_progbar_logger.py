@@ -44,6 +44,12 @@ class ProgbarLogger(Callback):
         """Only the live bar (``verbose=1``) shows per-batch values; ``verbose=2`` prints epochs."""
         return self.verbose == 1
 
+    @property
+    def reads_test_batch_logs(self) -> bool:
+        """Whether ``on_test_batch_end`` reads its logs: the live bar of an ``evaluate`` outside ``fit``
+        (``fit``'s validation draws no bar, so its steps need no reduced logs)."""
+        return self.verbose == 1 and not self._called_in_fit
+
     def __init__(self, count_mode: str = "steps", stream: TextIO | None = None,
                  stateful_metrics: Iterable[str] | None = None, interval: float = 0.05,
                  file_interval: float = _FILE_INTERVAL_SECONDS) -> None:
