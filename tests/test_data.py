@@ -5,11 +5,11 @@ from __future__ import annotations
 import doctest
 import gc
 import threading
-import time
 
 import numpy as np
 import pytest
 import torch
+from _procs import wait_until
 
 import meshfit.data
 from meshfit.data import (
@@ -29,15 +29,6 @@ from meshfit.data import (
 
 def _ints(ds) -> list[int]:
     return [int(v) for v in ds]
-
-
-def _wait_for(condition, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return condition()
 
 
 # ---- sources -----------------------------------------------------------------------------------
@@ -227,7 +218,7 @@ def test_prefetch_computes_ahead_of_the_consumer():
     calls: list[int] = []
     it = iter(Dataset.range(100).map(lambda v: calls.append(int(v)) or v).prefetch(3))
     assert int(next(it)) == 0
-    assert _wait_for(lambda: len(calls) >= 3)
+    assert wait_until(lambda: len(calls) >= 3, 5.0, interval=0.01)
     assert len(calls) < 100  # bounded: it does not run to the end
     it.close()
 
@@ -251,7 +242,7 @@ def test_prefetch_thread_stops_when_an_abandoned_iterator_is_dropped():
     assert set(threading.enumerate()) - before
     del it
     gc.collect()
-    assert _wait_for(lambda: not (set(threading.enumerate()) - before))
+    assert wait_until(lambda: not (set(threading.enumerate()) - before), 5.0, interval=0.01)
 
 
 def test_prefetch_stops_at_the_end_and_keeps_stopping():

@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from _procs import child_env, finish, free_ports, start, tf_config
+from _procs import child_env, finish, free_ports, start, tf_config, wait_until
 
 from meshfit.distribute._liveness import Liveness, invitation, read_invitation
 
@@ -23,15 +23,6 @@ def _pair(world: int = 2):
     return chief, port, deaths
 
 
-def _wait(condition, seconds: float = 5.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return condition()
-
-
 def test_a_connection_closed_without_goodbye_is_a_death_at_once_and_the_others_are_told():
     chief, port, deaths = _pair(world=3)
     told: list[int] = []
@@ -42,7 +33,7 @@ def test_a_connection_closed_without_goodbye_is_a_death_at_once_and_the_others_a
         time.sleep(0.2)  # both said who they are
         closed = time.monotonic()
         victim.stop(goodbye=False)  # what the kernel does for a killed process
-        assert _wait(lambda: deaths and told == [1]), (deaths, told)
+        assert wait_until(lambda: deaths and told == [1], 5.0, interval=0.01), (deaths, told)
         assert deaths[0][0] == 1 and deaths[0][1] - closed < 0.5
     finally:
         other.stop(goodbye=True)
@@ -63,7 +54,7 @@ def test_a_goodbye_is_not_a_death_and_a_worker_sees_rank_0_die():
     time.sleep(0.2)
     chief.stop(goodbye=False)
     try:
-        assert _wait(lambda: seen == [0]), seen
+        assert wait_until(lambda: seen == [0], 5.0, interval=0.01), seen
     finally:
         worker.stop(goodbye=False)
 

@@ -12,7 +12,7 @@ import textwrap
 import uuid
 
 import pytest
-from _procs import child_env, finish, start, wait_until
+from _procs import child_env, finish, pids_carrying, start, wait_until
 
 from meshfit._runtime._supervisor import Child
 
@@ -76,19 +76,7 @@ def _launch(*argv: str, token: str, timeout: float = 240) -> tuple[int, str]:
 
 
 def _with_token(token: str) -> list[int]:
-    marker = f"MESHFIT_TEST_PRELOAD={token}".encode()
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                environ = f.read()
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if marker in environ and state != "Z":
-            found.append(int(pid))
-    return found
+    return pids_carrying("MESHFIT_TEST_PRELOAD", token)
 
 
 def _end_leftovers(token: str) -> None:

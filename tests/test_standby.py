@@ -9,6 +9,7 @@ import time
 import uuid
 
 import pytest
+from _procs import pids_carrying
 
 from meshfit._runtime._launch import main
 
@@ -75,27 +76,10 @@ def _seen(out: str, index: int, round_: int) -> dict:
         return json.load(f)
 
 
-def _left_running(token: str) -> list[int]:
-    """Processes that still carry this test's token (standbys or workers), zombies excluded."""
-    marker = f"MESHFIT_TEST_STANDBY={token}".encode()
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if marker not in f.read():
-                    continue
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    continue
-        except OSError:
-            continue
-        found.append(int(pid))
-    return found
-
-
 def _assert_none_left(token: str, timeout: float = 5.0) -> None:
+    """No process still carries this test's token (standbys or workers)."""
     deadline = time.monotonic() + timeout
-    while (left := _left_running(token)) and time.monotonic() < deadline:
+    while (left := pids_carrying("MESHFIT_TEST_STANDBY", token)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not left, f"processes left running: {left}"
 
