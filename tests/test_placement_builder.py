@@ -18,9 +18,6 @@ CONSTRUCTORS = frozenset({"Placement", "PlacementPlan"})
 ALLOWED = {
     os.path.join("distribute", "_plan_builder.py"),  # the builder
     os.path.join("distribute", "_placement.py"),  # the classes themselves (PlacementPlan.apply)
-    # The pipeline builder returns a placement with its stage residency and runner; the mesh placement
-    # calls it for a pipeline map.
-    os.path.join("dtensor", "_pipeline.py"),
 }
 
 

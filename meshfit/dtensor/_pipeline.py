@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshfit.distribute import Placement, StageResidency, register_placement
+from meshfit.distribute import Placement, StageResidency, place_staged
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 
@@ -321,6 +321,4 @@ class PipelineBuilder:
         module = module.to(strategy.device)
         replicas = _Replicas(world, data) if data is not None and mesh.dim_size(data) > 1 else None
         step = PipelineStep(module, self.spec, residency, pipe_rank, size, group, strategy.device, replicas)
-        sync = _StageSync()
-        register_placement([p for p in module.parameters() if p.requires_grad], sync)
-        return Placement(module, module, sync, residency, step)
+        return place_staged(module, _StageSync(), residency, step)  # registers the parameters with the sync
