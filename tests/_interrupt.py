@@ -1,6 +1,7 @@
-"""Interrupting training at a step, for the resume tests: a callback or a hook raises ``Interruption``.
+"""Interrupting training at a step, for the resume tests: a callback or a hook raises ``Interruption``;
+or stopping it there, as a user's callback asks fit to stop.
 
-Each raises ``RuntimeError("Interruption")`` in the process that trains (the tests match that word),
+Each interrupter raises ``RuntimeError("Interruption")`` in the process that trains (the tests match that word),
 as a crash at that point would end the run; the test then starts again from the backup or checkpoint
 and compares with an uninterrupted run. Which hook raises matters: a callback that implements
 ``on_train_batch_end`` makes fit read the step's logs, and the callbacks listed before it (a
@@ -36,6 +37,19 @@ class InterruptAtStepBegin(_InterruptAtStep):
 
     def on_train_batch_begin(self, batch, logs=None):
         self._raise_at_the_step()
+
+
+class StopAfterBatch(mf.callbacks.Callback):
+    """Set ``model.stop_training`` in ``on_train_batch_end`` of the epoch's batch ``batch``; built with
+    ``asks=False`` (on the processes that do not ask), never: the others must follow the one that asks."""
+
+    def __init__(self, batch: int, asks: bool = True) -> None:
+        super().__init__()
+        self.batch, self.asks = batch, asks
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.asks and batch == self.batch:
+            self.model.stop_training = True
 
 
 class InterruptHook(mf.estimator.SessionRunHook):

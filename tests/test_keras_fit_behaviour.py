@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _interrupt import InterruptAtStepEnd
+from _interrupt import InterruptAtStepEnd, StopAfterBatch
 from torch import nn
 
 import meshfit as mf
@@ -137,14 +137,9 @@ def test_infinite_data_without_steps_per_epoch_runs_until_a_callback_stops_train
     x, y = ten_batches()
     infinite = mf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(4)
 
-    class StopAfter(mf.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if batch == 6:
-                self.model.stop_training = True
-
     model = linear_model()
     recorder = Recorder()
-    history = model.fit(infinite, epochs=3, verbose=0, callbacks=[StopAfter(), recorder])
+    history = model.fit(infinite, epochs=3, verbose=0, callbacks=[StopAfterBatch(6), recorder])
     assert recorder.ends == [list(range(7))] and model.optimizer.iterations == 7
     assert history.epoch == [0]
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import meshfit as mf
+from tests._interrupt import StopAfterBatch
 from tests._multiproc import run_distributed
 
 
@@ -114,14 +115,9 @@ def _worker_stop(rank: int, world: int):
     x, y = _data()
     infinite = mf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(4)
 
-    class StopAfter(mf.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if batch == 6:
-                self.model.stop_training = True
-
     with mf.MultiWorkerMirroredStrategy().scope():
         model = _model()
-        history = model.fit(infinite, epochs=3, verbose=0, callbacks=[StopAfter()])
+        history = model.fit(infinite, epochs=3, verbose=0, callbacks=[StopAfterBatch(6)])
         return model.optimizer.iterations, history.epoch
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests._interrupt import StopAfterBatch
 from tests._multiproc import run_distributed
 from tests.dtensor._model_axis_mlp import mlp, model_axis_layouts
 
@@ -209,16 +210,11 @@ def _stop_on_one_process(rank, world):
 
     mesh = mf.dtensor.create_mesh([("model", 2)])  # no batch axis: one replica, two processes
 
-    class StopOnRankZero(mf.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if rank == 0 and batch == 1:
-                self.model.stop_training = True
-
     x, y = _data()
     with model_axis_layouts(mesh).scope():
         model = mf.Model(mlp())
         model.compile(optimizer="sgd", loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
-    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[StopOnRankZero()])
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[StopAfterBatch(1, asks=rank == 0)])
     return model.loop_state.iterations
 
 
