@@ -11,6 +11,7 @@ import textwrap
 import time
 
 import pytest
+from _procs import pid_alive
 
 from meshfit._runtime._exit_codes import PEER_FAILURE_EXIT_CODE, PREEMPTED_EXIT_CODE
 from meshfit._runtime._launch import main
@@ -55,17 +56,9 @@ def _assert_dead(pids: list[int], timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     alive = list(pids)
     while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if _is_alive(p)]
+        alive = [p for p in alive if pid_alive(p)]
         time.sleep(0.05)
     assert not alive, f"processes left running: {alive}"
-
-
-def _is_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.slow  # starts processes
