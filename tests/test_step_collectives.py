@@ -4,19 +4,14 @@ reducer (the device plane) and are not counted here."""
 
 from __future__ import annotations
 
-import traceback
-
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
+from _collectives import count_collectives
 from _multiproc import run_distributed
 from torch import nn
 
 import meshfit as mf
-
-COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_object", "broadcast_object_list",
-               "barrier", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "gather_object")
 
 
 class _Counter(mf.callbacks.Callback):
@@ -34,17 +29,7 @@ class _Counter(mf.callbacks.Callback):
 
 
 def _worker(rank: int, size: int, steps_per_execution: int) -> list[int]:
-    counts = [0]
-    for name in COLLECTIVES:
-        original = getattr(dist, name)
-
-        def counted(*args, _original=original, **kwargs):
-            # DDP's gradient buckets (the device plane) are all-reduced from its comm hook: not counted
-            if not any("ddp_comm_hooks" in frame.filename for frame in traceback.extract_stack(limit=6)):
-                counts[0] += 1
-            return _original(*args, **kwargs)
-
-        setattr(dist, name, counted)
+    counts = count_collectives()  # DDP's gradient buckets (the device plane) not counted
     strategy = mf.MultiWorkerMirroredStrategy()
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(64, 4)).astype("float32"), rng.integers(0, 3, size=64)
