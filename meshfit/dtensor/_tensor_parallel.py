@@ -152,26 +152,30 @@ def tensor_parallel_styles(module: nn.Module, layout_map: Any, batch_axis: str) 
 
 
 def slices_meet_their_readers(module: nn.Module, styles: dict[str, tuple[str, type]]) -> bool:
-    """Whether every column-wise ``nn.Linear``'s output slice has a layer that reads a slice: an attention
-    (its parent declares ``head_dim``), a row-wise layer as wide as the slice's whole, or a column-wise one
-    (it gathers the slice first). Otherwise the slice may reach the model's output or a layer that needs
-    the whole tensor, which only the whole-mesh layouts express (the output is gathered at the boundary).
+    """Whether the keyed ``nn.Linear`` layers pair up as tensor parallelism reads them: each column-wise
+    layer's output slice is read by an attention (its parent declares ``head_dim``), a row-wise layer as
+    wide as the slice's whole, or a column-wise one (it gathers the slice first); each row-wise layer
+    reads a column-wise layer's slice (or an attention's heads). Otherwise a slice may reach the model's
+    output, or a whole tensor a row-wise layer, which only the whole-mesh layouts express.
     """
-    widths: dict[str, set[int]] = {_ROW: set(), _COLUMN: set()}
     linears = {path: layer for path in styles if isinstance(layer := module.get_submodule(path), nn.Linear)}
-    for path, (style, _) in styles.items():
-        if path in linears and style in widths:
-            widths[style].add(linears[path].in_features)
-    for path, (style, _) in styles.items():
-        if path not in linears or style != _COLUMN:
+    kinds = {path: styles[path][0] for path in linears}
+    column_outs = {linears[p].out_features for p, kind in kinds.items() if kind == _COLUMN}
+    readers = {linears[p].in_features for p, kind in kinds.items() if kind in (_ROW, _COLUMN)}
+    for path, kind in kinds.items():
+        if _in_attention(module, path):
             continue
-        parent = module.get_submodule(path.rpartition(".")[0])
-        head_dim = getattr(parent, "head_dim", None)
-        if isinstance(head_dim, int) and not isinstance(head_dim, bool) and head_dim > 0:
-            continue
-        if linears[path].out_features not in widths[_ROW] | widths[_COLUMN]:
+        if kind == _COLUMN and linears[path].out_features not in readers:
+            return False
+        if kind == _ROW and linears[path].in_features not in column_outs:
             return False
     return True
+
+
+def _in_attention(module: nn.Module, path: str) -> bool:
+    """Whether the layer at ``path`` is an attention's projection (its parent declares an int ``head_dim``)."""
+    head_dim = getattr(module.get_submodule(path.rpartition(".")[0]), "head_dim", None)
+    return isinstance(head_dim, int) and not isinstance(head_dim, bool) and head_dim > 0
 
 
 def _check_whole_heads(module: nn.Module, owner_path: str, owner: nn.Linear, kind: str, layout: Layout, axis: str,

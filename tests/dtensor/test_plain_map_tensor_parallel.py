@@ -231,10 +231,17 @@ def _conv_map(mf, mesh):
     return layout_map
 
 
+def _row_only_map(mf, mesh):
+    layout_map = mf.dtensor.LayoutMap(mesh)
+    layout_map[r"^0\.weight$"] = mf.dtensor.Layout([mf.dtensor.UNSHARDED, "model"], mesh)  # fed the whole input
+    return layout_map
+
+
 def test_tensor_parallel_keys_take_the_mechanism_and_the_rest_keep_whole_mesh_layouts():
     assert _decide(_chain_map, _chain_module())[0] == "model"
     assert set(_decide(_plain_map, arange_gpt())[1]) == {f"layers.{i}.{layer}" for i in range(2)
                                                          for layer in ("attn.qkv", "attn.out", "mlp.fc1", "mlp.fc2")}
     assert _decide(_seed_map, _Seed()) is None  # the slice would reach the loss
+    assert _decide(_row_only_map, _chain_module()) is None  # no slice for the row-wise layer to read
     assert _decide(_batch_key_map, _chain_module()) is None
     assert _decide(_conv_map, nn.Sequential(nn.Conv2d(1, 4, 3))) is None
