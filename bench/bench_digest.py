@@ -95,8 +95,8 @@ def _measure(rounds: int, steps: int, layout: str = "replicated") -> dict:
     import numpy as np
 
     import meshfit as mf
-    from meshfit.distribute._one_copy import AtRest
-    from meshfit.distribute._verify import named_state, resolve_state
+    from meshfit.distribute._proof._one_copy import AtRest
+    from meshfit.distribute._proof._verify import named_state, resolve_state
 
     if layout == "fully_sharded":  # every parameter shard in one copy: checked at rest and after gathering
         scope = mf.dtensor.LayoutMap.fully_sharded(mf.dtensor.create_mesh([("batch", 2)])).scope()

@@ -6,8 +6,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from meshfit.distribute import local_parts
-from meshfit.distribute._digest import COLUMNS, local_digest, range_sum, raw_words, widen
-from meshfit.distribute._digest_batch import WINDOWS, _layout, range_sums
+from meshfit.distribute._proof._digest import COLUMNS, local_digest, range_sum, raw_words, widen
+from meshfit.distribute._proof._digest_batch import WINDOWS, _layout, range_sums
 
 
 def _mixed() -> list[torch.Tensor]:

@@ -12,7 +12,7 @@ import torch
 
 from meshfit.data import AutoShardPolicy, Dataset, DatasetIterator, Options
 from meshfit.distribute import InputContext
-from meshfit.distribute._distributed_dataset import DistributedDataset
+from meshfit.distribute._input._distributed_dataset import DistributedDataset
 
 
 def _context(num_replicas: int, replica_id: int) -> InputContext:

@@ -228,7 +228,7 @@ def test_dist_errors_are_communication_errors():
 
 def test_watchdog_store_requests_are_bounded_even_when_the_server_is_frozen():
     """torch's store client blocks forever on a frozen server; the watchdog's connection does not."""
-    from meshfit.distribute._bounded_store import BoundedStore
+    from meshfit.distribute._liveness._bounded_store import BoundedStore
 
     release = threading.Event()
 
@@ -264,8 +264,8 @@ def _heartbeats(world_size: int, timeout: float):
     """Heartbeats of ranks sharing one in-process store (no process group: the watchdog alone)."""
     import torch.distributed as dist
 
-    from meshfit.distribute._failure import FailureState
-    from meshfit.distribute._heartbeat import Heartbeat
+    from meshfit.distribute._liveness._failure import FailureState
+    from meshfit.distribute._liveness._heartbeat import Heartbeat
 
     shared = dist.HashStore()
 
@@ -314,7 +314,7 @@ def test_a_peer_never_heard_from_gets_twice_the_timeout_one_that_fell_silent_the
 
 
 def test_an_uncaught_peer_failure_ends_a_script_with_76_and_leaves_an_interactive_session(monkeypatch, capsys):
-    from meshfit.distribute._heartbeat import PeerFailureError, _PeerFailureHook
+    from meshfit.distribute._liveness._heartbeat import PeerFailureError, _PeerFailureHook
 
     others: list[type] = []
     hook = _PeerFailureHook(lambda kind, value, tb: others.append(kind))

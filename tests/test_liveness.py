@@ -10,7 +10,7 @@ import time
 import pytest
 from _procs import child_env, finish, free_ports, start, tf_config, wait_until
 
-from meshfit.distribute._liveness import Liveness, invitation, read_invitation
+from meshfit.distribute._liveness._liveness import Liveness, invitation, read_invitation
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "train_digits.py")
 SECRET = b"0123456789abcdef"

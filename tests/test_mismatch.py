@@ -44,8 +44,8 @@ def test_a_setting_that_differs_fails_on_both_workers_within_15_s_naming_it(case
 def test_the_first_difference_is_named_when_a_worker_has_another_layer_or_dtype():
     from torch import nn
 
-    from meshfit.distribute._model_agreement import agree_on_tensors, module_entries
-    from meshfit.distribute._rendezvous import ClusterMismatchError
+    from meshfit.distribute._liveness._rendezvous import ClusterMismatchError
+    from meshfit.distribute._proof._model_agreement import agree_on_tensors, module_entries
 
     def gather_with(other):
         return lambda mine: [mine, other(mine)]

@@ -14,7 +14,11 @@ import pytest
 from _procs import child_env, finish, free_ports, kill_group, start, tf_config, wait_until
 
 import meshfit as mf
-from meshfit.distribute._rendezvous import ClusterMismatchError, agree_on_settings, interface_holding
+from meshfit.distribute._liveness._rendezvous import (
+    ClusterMismatchError,
+    agree_on_settings,
+    interface_holding,
+)
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
 CUSTOM = os.path.join(SCRIPTS, "watched_loop.py")
@@ -178,7 +182,7 @@ def test_a_store_that_goes_away_while_settings_are_compared_is_named_not_a_raw_n
 
     import torch.distributed as dist
 
-    from meshfit.distribute._rendezvous import ClusterMismatchError, agree_at_start
+    from meshfit.distribute._liveness._rendezvous import ClusterMismatchError, agree_at_start
 
     def gone(*args):
         raise dist.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")

@@ -151,7 +151,7 @@ def test_one_copy_tensors_are_named_checked_at_rest_and_after_gathering(tmp_path
 
 def test_a_divergence_names_every_differing_tensor_and_when_each_was_last_seen_equal():
     import meshfit as mf
-    from meshfit.distribute._verify import ReplicaHistory, find_divergences
+    from meshfit.distribute._proof._verify import ReplicaHistory, find_divergences
 
     whole = [[]] * 3
     found = find_divergences(["a", "b", "c"], [([1, 5, 7], whole), ([2, 5, 8], whole)])
@@ -245,7 +245,7 @@ def test_weights_changed_at_an_epoch_end_are_not_a_divergence():
 
 def _gathered_in_groups(rank, world):
     import meshfit as mf
-    from meshfit.distribute import _one_copy
+    from meshfit.distribute._proof import _one_copy
 
     model = _model(mf, world)
     params = [p for _, p in model.module.named_parameters()]

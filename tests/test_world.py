@@ -144,7 +144,7 @@ ALLOWED_MODULE_STATE = {
     ("distribute._replica_context", "_DEFAULT_STRATEGY"): "get_strategy, registered by the strategy module "
                                                           "(breaks an import cycle)",
     ("distribute._replica_context", "_SCOPES"): "a cache of each strategy's replica scope (weak)",
-    ("distribute._exit_deadline", "_told"): "the heartbeats to tell when the interpreter ends (weak)",
+    ("distribute._liveness._exit_deadline", "_told"): "the heartbeats to tell when the interpreter ends (weak)",
 }
 _MUTABLE_CALLS = {"dict", "list", "set", "WeakSet", "WeakKeyDictionary", "WeakValueDictionary",
                   "WeakIdKeyDictionary", "defaultdict", "OrderedDict"}

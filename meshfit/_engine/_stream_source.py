@@ -25,7 +25,7 @@ class _StreamSource:
 
     def __init__(self, loader: Any, context: InputContextLike, plan: LoaderPlan) -> None:
         self.loader, self.num_replicas, self.replica_id = loader, context.num_input_pipelines, context.input_pipeline_id
-        self.plan = plan  # which examples this replica reads (distribute/_torch_loader.py)
+        self.plan = plan  # which examples this replica reads (distribute/_input/_torch_loader.py)
         self._iterator: Iterator[Any] | None = None
         self._at: tuple[int, int] = (-1, -1)
         self._last: tuple[tuple[int, int], tuple[Any, int]] | None = None

@@ -13,7 +13,7 @@ a transient fault: every worker stops.
 
 A tensor a layout keeps in one copy (fully sharded, or any tensor of one process) has no replica to
 compare with: the callback says so when ``fit`` starts and checks it at rest and after gathering
-instead (`meshfit.distribute._one_copy`).
+instead (`meshfit.distribute._proof._one_copy`).
 """
 
 from __future__ import annotations

@@ -3,16 +3,16 @@
 from meshfit._export import publish as _publish
 from meshfit.distribute._buffers import agree_buffers as agree_buffers  # a seam (not in __all__)
 from meshfit.distribute._collective import CollectiveStrategy
-from meshfit.distribute._digest import combine_digests as combine_digests
-from meshfit.distribute._digest import finish_digest as finish_digest
-from meshfit.distribute._digest_batch import local_parts as local_parts
-from meshfit.distribute._distributed_dataset import DistributedDataset
-from meshfit.distribute._failure import FailureState as FailureState
 from meshfit.distribute._gradient_sync import DataParallelSync as DataParallelSync
 from meshfit.distribute._gradient_sync import ReplicatedSync as ReplicatedSync
 from meshfit.distribute._gradient_weight import GradientWeight as GradientWeight
 from meshfit.distribute._gradient_weight import scale_accumulated_gradients as scale_accumulated_gradients
-from meshfit.distribute._heartbeat import PEER_FAILURE_EXIT_CODE, PeerFailureError
+from meshfit.distribute._input._distributed_dataset import DistributedDataset
+from meshfit.distribute._input._torch_loader import LoaderPlan as LoaderPlan
+from meshfit.distribute._input._torch_loader import PerReplicaLoader as PerReplicaLoader
+from meshfit.distribute._liveness._failure import FailureState as FailureState
+from meshfit.distribute._liveness._heartbeat import PEER_FAILURE_EXIT_CODE, PeerFailureError
+from meshfit.distribute._liveness._rendezvous import agree_on_settings as agree_on_settings
 from meshfit.distribute._mirrored import MirroredStrategy
 
 # Seams for meshfit's other packages (not public API: not in __all__).
@@ -20,10 +20,6 @@ from meshfit.distribute._mirrored import form_local_world as form_local_world
 from meshfit.distribute._mirrored import local_devices as local_devices
 from meshfit.distribute._multi_worker import MultiWorkerMirroredStrategy
 from meshfit.distribute._multi_worker import form_cluster_world as form_cluster_world
-from meshfit.distribute._one_copy import AtRest as AtRest
-from meshfit.distribute._one_copy import ReplicaCoverage as ReplicaCoverage
-from meshfit.distribute._one_copy import coverage as coverage
-from meshfit.distribute._one_copy import first_changed as first_changed
 from meshfit.distribute._parallel_dims import AxisRole as AxisRole
 from meshfit.distribute._parallel_dims import ParallelDims as ParallelDims
 from meshfit.distribute._parallel_dims import data_axis_of as data_axis_of
@@ -43,7 +39,22 @@ from meshfit.distribute._plan_builder import place_laid_out as place_laid_out
 from meshfit.distribute._plan_builder import place_replicated as place_replicated
 from meshfit.distribute._plan_builder import place_sharded as place_sharded
 from meshfit.distribute._plan_builder import place_staged as place_staged
-from meshfit.distribute._rendezvous import agree_on_settings as agree_on_settings
+from meshfit.distribute._proof._digest import combine_digests as combine_digests
+from meshfit.distribute._proof._digest import finish_digest as finish_digest
+from meshfit.distribute._proof._digest_batch import local_parts as local_parts
+from meshfit.distribute._proof._one_copy import AtRest as AtRest
+from meshfit.distribute._proof._one_copy import ReplicaCoverage as ReplicaCoverage
+from meshfit.distribute._proof._one_copy import coverage as coverage
+from meshfit.distribute._proof._one_copy import first_changed as first_changed
+from meshfit.distribute._proof._verify import ReplicaDivergenceError, StateDigest
+from meshfit.distribute._proof._verify import ReplicaHistory as ReplicaHistory
+from meshfit.distribute._proof._verify import compare_replicas as compare_replicas
+from meshfit.distribute._proof._verify import named_state as named_state
+from meshfit.distribute._proof._verify import reduce_parts as reduce_parts
+from meshfit.distribute._proof._verify import reduce_resident as reduce_resident
+from meshfit.distribute._proof._verify import resolve_residency as resolve_residency
+from meshfit.distribute._proof._verify import resolve_state as resolve_state
+from meshfit.distribute._proof._verify import verify_replicas as verify_replicas
 from meshfit.distribute._replica_context import (
     ReplicaContext,
     get_cross_replica_context,
@@ -67,8 +78,6 @@ from meshfit.distribute._scope import global_distribution as global_distribution
 from meshfit.distribute._scope import process_world as process_world
 from meshfit.distribute._scope import set_global_distribution as set_global_distribution
 from meshfit.distribute._strategy import OneDeviceStrategy, Strategy, get_strategy
-from meshfit.distribute._torch_loader import LoaderPlan as LoaderPlan
-from meshfit.distribute._torch_loader import PerReplicaLoader as PerReplicaLoader
 from meshfit.distribute._unused_parameters import ProbingDataParallel as ProbingDataParallel
 from meshfit.distribute._values import (
     CommunicationImplementation,
@@ -78,15 +87,6 @@ from meshfit.distribute._values import (
     ReduceOp,
     ValueContext,
 )
-from meshfit.distribute._verify import ReplicaDivergenceError, StateDigest
-from meshfit.distribute._verify import ReplicaHistory as ReplicaHistory
-from meshfit.distribute._verify import compare_replicas as compare_replicas
-from meshfit.distribute._verify import named_state as named_state
-from meshfit.distribute._verify import reduce_parts as reduce_parts
-from meshfit.distribute._verify import reduce_resident as reduce_resident
-from meshfit.distribute._verify import resolve_residency as resolve_residency
-from meshfit.distribute._verify import resolve_state as resolve_state
-from meshfit.distribute._verify import verify_replicas as verify_replicas
 from meshfit.distribute._world import World
 
 __all__ = [

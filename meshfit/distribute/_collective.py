@@ -29,20 +29,20 @@ from meshfit.cluster import (
 )
 from meshfit.distribute._gradient_sync import DataParallelSync
 from meshfit.distribute._gradient_weight import GradientWeight, bfloat16_allreduce_hook
-from meshfit.distribute._heartbeat import Heartbeat, PeerFailureError, report_uncaught_peer_failures
-from meshfit.distribute._liveness import (
+from meshfit.distribute._liveness._heartbeat import Heartbeat, PeerFailureError, report_uncaught_peer_failures
+from meshfit.distribute._liveness._liveness import (
     LIVENESS_INVITATION,
     invitation,
     join_liveness,
     open_liveness,
     read_invitation,
 )
-from meshfit.distribute._model_agreement import agree_on_tensors, module_entries
+from meshfit.distribute._liveness._rendezvous import client_for, form_rendezvous, store_host_rank
+from meshfit.distribute._liveness._startup import quiet_c10d_retries, share_cores
 from meshfit.distribute._placement import Placement
 from meshfit.distribute._plan_builder import place_data_parallel, place_replicated
-from meshfit.distribute._rendezvous import client_for, form_rendezvous, store_host_rank
+from meshfit.distribute._proof._model_agreement import agree_on_tensors, module_entries
 from meshfit.distribute._scope import clear_process_world, process_world, set_process_world
-from meshfit.distribute._startup import quiet_c10d_retries, share_cores
 from meshfit.distribute._strategy import Strategy
 from meshfit.distribute._unused_parameters import ProbingDataParallel
 from meshfit.distribute._values import CommunicationImplementation, CommunicationOptions

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from meshfit._runtime import LocalReplicas, free_ports, replica_identity, spawn_local_replicas, watch_parent
 from meshfit.distribute._collective import CollectiveStrategy, group_resolver, join_world, local_resolver
-from meshfit.distribute._exit_deadline import EXIT_SECONDS, extend_deadline
+from meshfit.distribute._liveness._exit_deadline import EXIT_SECONDS, extend_deadline
 from meshfit.distribute._strategy import _parse_device
 from meshfit.distribute._values import CommunicationImplementation, CommunicationOptions
 from meshfit.distribute._world import World

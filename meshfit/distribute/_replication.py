@@ -39,8 +39,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from meshfit._lazy_dtensor import is_dtensor
 from meshfit._protocols import DistributionStrategy
-from meshfit.distribute._model_agreement import agree_on_tensors, describe
 from meshfit.distribute._placement import take_reduced
+from meshfit.distribute._proof._model_agreement import agree_on_tensors, describe
 from meshfit.distribute._scope import current_scope_strategy, is_default_strategy, process_world
 
 # tensor -> strategy that created it (weak on both sides, keyed by identity: tensors' == is elementwise;

@@ -16,15 +16,16 @@ from meshfit._protocols import DistributionStrategy, LayoutMapLike
 from meshfit._runtime import flush_denormals
 from meshfit.cluster import ClusterResolver
 from meshfit.data import Dataset, map_structure
-from meshfit.distribute._distributed_dataset import DistributedDataset, agree_on_shuffle_seeds
 from meshfit.distribute._extended import CrossReplicaMethods
-from meshfit.distribute._failure import FailureState
+from meshfit.distribute._input._distributed_dataset import DistributedDataset, agree_on_shuffle_seeds
+from meshfit.distribute._input._torch_loader import PerReplicaLoader
+from meshfit.distribute._liveness._failure import FailureState
 from meshfit.distribute._placement import Placement
 from meshfit.distribute._plan_builder import place_replicated
+from meshfit.distribute._proof._verify import StateDigest, verify_replicas
 from meshfit.distribute._replica_context import replica_context_scope, use_default_strategy
 from meshfit.distribute._replication import tracking_scope
 from meshfit.distribute._scope import _DEFAULT, _GLOBAL_DISTRIBUTION, _SCOPE_STACK
-from meshfit.distribute._torch_loader import PerReplicaLoader
 from meshfit.distribute._values import (
     InputContext,
     PerReplica,
@@ -34,7 +35,6 @@ from meshfit.distribute._values import (
     regroup,
     select_replica,
 )
-from meshfit.distribute._verify import StateDigest, verify_replicas
 from meshfit.distribute._world import World
 
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from meshfit.cluster import ClusterResolver, SingleProcessClusterResolver
-from meshfit.distribute._failure import FailureState
+from meshfit.distribute._liveness._failure import FailureState
 from meshfit.distribute._parallel_dims import ParallelDims, data_axis_of
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)

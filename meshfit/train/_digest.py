@@ -1,6 +1,6 @@
 """`state_digest`: one 64-bit digest per tensor of the training state, and of the whole state.
 
-The digest is defined on the logical tensor (see ``meshfit/distribute/_digest.py``): the same state
+The digest is defined on the logical tensor (see ``meshfit/distribute/_proof/_digest.py``): the same state
 gives the same digest replicated, fully sharded, on a 2-D mesh or in one process.
 """
 

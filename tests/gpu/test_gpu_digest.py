@@ -11,8 +11,8 @@ from _gpu import MARKS, compiled_model, data
 
 import meshfit as mf
 from meshfit.distribute import local_parts
-from meshfit.distribute._digest import local_digest
-from meshfit.distribute._digest_batch import _layout, queue_sums
+from meshfit.distribute._proof._digest import local_digest
+from meshfit.distribute._proof._digest_batch import _layout, queue_sums
 
 pytestmark = MARKS
 

@@ -230,7 +230,7 @@ def local_words(tensor: torch.Tensor, rank: int = 0) -> LocalWords:
 
 def local_digest(tensor: torch.Tensor, rank: int = 0) -> LocalDigest:
     """This process's part of the digest of ``tensor`` (a plain tensor, or a DTensor's shard), one
-    tensor at a time (`meshfit.distribute._digest_batch.local_parts` sums many at once)."""
+    tensor at a time (`meshfit.distribute._proof._digest_batch.local_parts` sums many at once)."""
     held = local_words(tensor, rank)
     if held.words is None:
         value = torch.zeros((), dtype=torch.int64)

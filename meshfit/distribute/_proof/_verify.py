@@ -2,7 +2,7 @@
 
 ``named_state`` lists what a replica holds (the module's parameters and buffers by path, the
 optimizer's state as ``optimizer/<param path>/<state name>`` and its step count); every process
-computes its part of each tensor's layout-independent digest (`meshfit.distribute._digest`) on the
+computes its part of each tensor's layout-independent digest (`meshfit.distribute._proof._digest`) on the
 device; ``compare_replicas`` finds the first tensor whose replicas differ, and the ranks that
 differ from the most common value (all of them when no value is the most common: both of two).
 """
@@ -20,9 +20,9 @@ from torch.nn.parameter import is_lazy
 from meshfit._lazy_dtensor import is_dtensor
 from meshfit._protocols import DistributionStrategy, Residency
 from meshfit.distribute._buffers import agree_buffers
-from meshfit.distribute._digest import LocalPart, combine_digests, finish_digest
-from meshfit.distribute._digest_batch import local_parts
-from meshfit.distribute._one_copy import coverage, gathered_digests
+from meshfit.distribute._proof._digest import LocalPart, combine_digests, finish_digest
+from meshfit.distribute._proof._digest_batch import local_parts
+from meshfit.distribute._proof._one_copy import coverage, gathered_digests
 from meshfit.distribute._residency import EVERYWHERE
 
 
@@ -290,7 +290,7 @@ def verify_replicas(strategy: DistributionStrategy, model: Any, optimizer: Any =
     """Compare every replica's digest of the state it should share (see `Strategy.verify_replicas`).
 
     Each rank digests the paths it holds (its placement's `Residency`); each path is compared among
-    the ranks that hold it. One-copy parameters (`meshfit.distribute._one_copy`) are also gathered
+    the ranks that hold it. One-copy parameters (`meshfit.distribute._proof._one_copy`) are also gathered
     on every rank and the digest of what each rank got compared with the digest of the shards, in
     the same gather.
     """

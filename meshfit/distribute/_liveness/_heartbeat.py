@@ -40,9 +40,14 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from meshfit._runtime import PEER_FAILURE_EXIT_CODE
-from meshfit.distribute._bounded_store import BoundedStore
-from meshfit.distribute._exit_deadline import EXIT_SECONDS, end_within, interpreter_exiting, tell_at_exit
-from meshfit.distribute._failure import FailureState
+from meshfit.distribute._liveness._bounded_store import BoundedStore
+from meshfit.distribute._liveness._exit_deadline import (
+    EXIT_SECONDS,
+    end_within,
+    interpreter_exiting,
+    tell_at_exit,
+)
+from meshfit.distribute._liveness._failure import FailureState
 
 __all__ = ["PEER_FAILURE_EXIT_CODE", "Heartbeat", "PeerFailureError"]
 

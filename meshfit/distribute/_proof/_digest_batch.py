@@ -1,6 +1,6 @@
 """Every tensor's digest part at once: a fixed handful of device ops for a whole state.
 
-The sum is the one `meshfit.distribute._digest` defines, computed for all the tensors of a device
+The sum is the one `meshfit.distribute._proof._digest` defines, computed for all the tensors of a device
 together, bit for bit equal to `range_sum` one tensor at a time. Per tensor, only its full key rows
 cost an op of their own: a multiply by the key row into rows of a scratch matrix, per block of rows;
 the blocks of several tensors fill the scratch matrix, and one row sum of it writes their rows' sums
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from meshfit.distribute._digest import (
+from meshfit.distribute._proof._digest import (
     BLOCK_ROWS,
     COLUMNS,
     LocalPart,

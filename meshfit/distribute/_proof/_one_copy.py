@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from meshfit._protocols import Residency
-from meshfit.distribute._digest import finish_digest
-from meshfit.distribute._digest_batch import local_parts
+from meshfit.distribute._proof._digest import finish_digest
+from meshfit.distribute._proof._digest_batch import local_parts
 from meshfit.distribute._residency import EVERYWHERE
 
 

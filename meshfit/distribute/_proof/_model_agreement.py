@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from meshfit.distribute._rendezvous import ClusterMismatchError
+from meshfit.distribute._liveness._rendezvous import ClusterMismatchError
 
 Entry = tuple[str, tuple[int, ...], str]  # (name, shape, dtype)
 
