@@ -22,9 +22,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from meshfit._lazy_dtensor import is_dtensor
+from meshfit.data import map_structure
 from meshfit.distribute import (
     DataParallelSync,
     InPlace,
@@ -36,6 +38,7 @@ from meshfit.distribute import (
     place_laid_out,
     place_replicated,
     place_sharded,
+    placement_hook,
 )
 from meshfit.dtensor._apply import apply_layouts, attach_layout, resolve_layouts
 from meshfit.dtensor._boundary import Boundary
@@ -44,6 +47,7 @@ from meshfit.dtensor._fully_sharded import _check_not_shared as check_not_shared
 from meshfit.dtensor._fully_sharded import _default_blocks as default_blocks
 from meshfit.dtensor._fully_sharded import fully_shard_module
 from meshfit.dtensor._layout_map import LayoutMap
+from meshfit.dtensor._pack import batch_placements, local_rows
 from meshfit.dtensor._pipeline import PipelineBuilder
 from meshfit.dtensor._scope_layouts import mark_placed
 from meshfit.dtensor._tensor_parallel import TensorParallel, slices_meet_their_readers, tensor_parallel_styles
@@ -124,6 +128,7 @@ def _tensor_parallel_replicated(strategy: Any, module: nn.Module, layout_map: La
     def attach(module: nn.Module) -> None:  # each weight's `Layout`: a keyed one's, else replicated
         for path, param in module.named_parameters(remove_duplicate=False):
             attach_layout(param, layouts[path])
+        _PackedInputs().install(module)
         mark_placed(module)  # the scope it was made in leaves it as it is
 
     sync = DataAxisSync(strategy._gradient_weight, strategy.num_replicas_in_sync, world, strategy._batch)
@@ -131,6 +136,44 @@ def _tensor_parallel_replicated(strategy: Any, module: nn.Module, layout_map: La
                   TensorParallel(axis, styles, world.sub_mesh(axis)), InPlace("layouts", attach),
                   ReplicateOverData(sync)]
     return place_sharded(module, transforms, sync)
+
+
+class _PackedInputs:
+    """A tensor-parallel module's ``pack``ed (DTensor) inputs become this process's rows, and its outputs
+    DTensors split over the data axis again, so a custom loop's loss on packed labels meets them."""
+
+    def __init__(self) -> None:
+        self.meshes: list[Any] = []  # per call: the inputs' mesh, or None (plain inputs: nothing to undo)
+
+    def install(self, module: nn.Module) -> None:
+        module.register_forward_pre_hook(placement_hook(self.before), with_kwargs=True)
+        module.register_forward_hook(placement_hook(self.after), with_kwargs=True)
+
+    def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        meshes: list[Any] = []
+
+        def to_local(leaf: Any) -> Any:
+            if not is_dtensor(leaf):
+                return leaf
+            meshes.append(leaf.device_mesh)
+            return local_rows(leaf)
+
+        converted = map_structure(to_local, args), map_structure(to_local, kwargs)
+        self.meshes.append(meshes[0] if meshes else None)
+        return converted if meshes else None
+
+    def after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        mesh = self.meshes.pop() if self.meshes else None
+        if mesh is None:
+            return output
+        from torch.distributed.tensor import DTensor
+
+        def to_dtensor(leaf: Any) -> Any:
+            if not isinstance(leaf, torch.Tensor) or is_dtensor(leaf):
+                return leaf
+            return DTensor.from_local(leaf, mesh, batch_placements(mesh, leaf.dim()), run_check=False)
+
+        return map_structure(to_dtensor, output)
 
 
 def tensor_parallel_map(module: nn.Module, layout_map: LayoutMap, batch: str | None) -> LayoutMap:

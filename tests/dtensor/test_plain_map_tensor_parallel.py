@@ -7,7 +7,8 @@ trains with ``fit`` (the last batch uneven) equal to one process, and bitwise eq
 ``mf.distribution.ModelParallel`` with the same keys. The plain map keeps every weight replicated over
 ``batch``: a keyed weight holds its ``model`` slice and says its `Layout`. Two column-wise layers in a row
 (the second gathers the first's slice) before a row-wise one train equal to one process too, also with
-gradient accumulation and in TF's custom loop (``compute_average_loss``, the replicas' gradients summed).
+gradient accumulation and in TF's custom loops (``compute_average_loss`` on this process's rows, or a summed
+loss on ``pack``ed inputs and labels: the replicas' gradients summed).
 
 Which maps take that mechanism is decided without processes: what it cannot express (a column-wise slice
 that no layer reads, a key over ``batch``, a kernel) keeps the whole-mesh layouts.
@@ -53,7 +54,8 @@ def _two_by_two(rank, world):
 
     mesh = mf.dtensor.create_mesh([("batch", 2), ("model", 2)],
                                   communication_options=mf.CommunicationOptions(heartbeat_timeout_seconds=60))
-    out = {"chain": _chain(mf, mesh), "accumulated": _chain(mf, mesh, 2), "custom": _chain_custom_loop(mf, mesh)}
+    out = {"chain": _chain(mf, mesh), "accumulated": _chain(mf, mesh, 2), "custom": _chain_custom_loop(mf, mesh),
+           "packed": _chain_packed_loop(mf, mesh)}
     for name in NAMES:
         with _plain_map(mf, mesh).scope():
             model, weights, losses = _train(mf, name)
@@ -131,6 +133,31 @@ def _chain_custom_loop(mf, mesh):
     return model.get_weights()
 
 
+def _chain_packed_loop(mf, mesh):
+    """The DTensor tutorial's custom loop: ``pack``ed images and labels, a summed loss over the global batch."""
+    x, y = (torch.from_numpy(a) for a in _chain_data())
+    with _chain_map(mf, mesh).scope():
+        model = mf.Model(_chain_module())
+        optimizer = mf.optimizers.SGD(0.1)
+    optimizer.build(list(model.module.parameters()))
+    loss_fn = mf.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
+    rows, devices = mesh.dim_size("batch"), mesh.num_local_devices()
+    per_row = max(devices // rows, 1)
+    kinds = set()
+    for start in range(0, BATCH * 4, BATCH):
+        images = [part for part in x[start:start + BATCH].tensor_split(rows) for _ in range(per_row)]
+        labels = [part for part in y[start:start + BATCH].tensor_split(rows) for _ in range(per_row)]
+        images = mf.dtensor.pack(images, mf.dtensor.Layout.batch_sharded(mesh, "batch", rank=2))
+        labels = mf.dtensor.pack(labels, mf.dtensor.Layout.batch_sharded(mesh, "batch", rank=1))
+        logits = model.module(images)
+        kinds.add(type(logits).__name__)
+        loss = loss_fn(labels, logits) / BATCH
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.get_weights(), sorted(kinds)
+
+
 def _one_process(rank, world):
     import meshfit as mf
 
@@ -183,12 +210,15 @@ def test_a_column_wise_layer_fed_a_slice_gathers_it(two_by_two, one_process):
 
 @pytest.mark.timeout(1200)
 @pytest.mark.crowded
-def test_gradient_accumulation_and_a_custom_loop_equal_one_process(two_by_two, one_process):
+def test_gradient_accumulation_and_custom_loops_equal_one_process(two_by_two, one_process):
     """Accumulation: the replicas reduce once per update, the window's sum; a custom loop: the replicas'
-    gradients of ``compute_average_loss`` are summed (TF's contract)."""
+    gradients of ``compute_average_loss`` are summed (TF's contract), with plain rows or ``pack``ed inputs."""
     for result in two_by_two:
         assert_weights_match(result["accumulated"][0], one_process["accumulated"][0], "sgd")
         assert_weights_match(result["custom"], one_process["custom"], "sgd")
+        weights, kinds = result["packed"]
+        assert kinds == ["DTensor"]  # packed in, DTensors out: the loss on packed labels meets them
+        assert_weights_match(weights, one_process["custom"], "sgd")
     assert not all(np.array_equal(a, b) for a, b in zip(one_process["accumulated"][0], one_process["chain"][0],
                                                          strict=True))  # accumulating changed the run
 
