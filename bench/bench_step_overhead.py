@@ -24,7 +24,7 @@ commit, unpacked in DIR) in child processes, alternating with this tree round by
 both figures side by side (before = DIR, after = this tree).
 
 Run:  .venv/bin/python bench/bench_step_overhead.py [--quick] [--rounds R] [--steps S] [--baseline DIR]
-      [--ops-detail] [--only mlp|cnn]
+      [--ops-detail] [--only mlp|cnn] [--verbose 0|1]
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import io
 import json
 import os
 import subprocess
@@ -115,10 +116,16 @@ class Pair:
             F.cross_entropy(hand(xb), yb).backward()
             optimizer.step()
 
+    verbose = 0  # 1: fit's live progress bar, writing to a file (see --verbose)
+
     def fit_block(self, steps: int) -> None:
+        import meshfit as mf
+
         start = self._rows("fit", steps)
         stop = start + steps * BATCH
-        self.model.fit(self.x[start:stop], self.y[start:stop], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        bar = [mf.callbacks.ProgbarLogger(stream=io.StringIO())] if self.verbose else []
+        self.model.fit(self.x[start:stop], self.y[start:stop], batch_size=BATCH, epochs=1, shuffle=False,
+                       verbose=self.verbose, callbacks=bar)
 
 
 def _cpu_per_step(run: Callable[[int], None], steps: int) -> float:
@@ -149,13 +156,15 @@ def _calls(run: Callable[[int], None], steps: int) -> int:
     return count
 
 
-def measure(rounds: int, steps: int, detail: bool, timed: bool = True, only: str | None = None) -> list[dict[str, Any]]:
+def measure(rounds: int, steps: int, detail: bool, timed: bool = True, only: str | None = None,
+            verbose: int = 0) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     results = []
     for name, make, x, y in _workloads():
         if only is not None and not name.lower().endswith(only):
             continue
         pair = Pair(make, x, y, 2 * steps * BATCH)
+        pair.verbose = verbose
         runs = {"hand": pair.hand_block, "fit": pair.fit_block}
         cpu: dict[str, list[float]] = {"hand": [], "fit": []}
         for r in range(rounds + 1 if timed else 1):  # round 0 warms up
@@ -250,13 +259,15 @@ def main() -> None:
     parser.add_argument("--ops-detail", action="store_true", help="list the aten ops fit adds per step")
     parser.add_argument("--counts-only", action="store_true", help="only the op and call counts (no timing)")
     parser.add_argument("--only", choices=("mlp", "cnn"), default=None, help="one workload (default: both)")
+    parser.add_argument("--verbose", type=int, choices=(0, 1), default=0,
+                        help="fit's verbose (1: its progress bar, writing to a file; not with --baseline)")
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     rounds, steps = args.rounds or (2 if args.quick else 7), args.steps or (10 if args.quick else 50)
     if args.baseline:
         compare(args.baseline, rounds, steps, args.only)
         return
-    results = measure(rounds, steps, args.ops_detail, timed=not args.counts_only, only=args.only)
+    results = measure(rounds, steps, args.ops_detail, timed=not args.counts_only, only=args.only, verbose=args.verbose)
     if args.json:
         print(json.dumps(results))
         return

@@ -18,7 +18,7 @@ from meshfit._engine._data_handler import EndOfData
 from meshfit._engine._step_logs import agree
 from meshfit._engine._steps import StepsMixin
 from meshfit._protocols import Trainable
-from meshfit.callbacks import implements_hook
+from meshfit.callbacks import ProgbarLogger, implements_hook
 
 
 def next_batch(trainable: Trainable, data: Any, agree_end: bool | None = None) -> tuple[Any, int] | None:
@@ -55,6 +55,12 @@ def batch_hooks(cbs: Any) -> tuple[bool, bool]:
     not call a hook no callback implements)."""
     return (any(implements_hook(c, "on_train_batch_begin") for c in cbs),
             any(implements_hook(c, "on_train_batch_end") for c in cbs))
+
+
+def only_bars_read_batch_ends(cbs: Any) -> bool:
+    """Whether every callback with an ``on_train_batch_end`` is a `ProgbarLogger` (which reads the logs
+    it is given at once, at the steps it redraws, or not at all)."""
+    return all(type(c) is ProgbarLogger for c in cbs if implements_hook(c, "on_train_batch_end"))
 
 
 def builtin_train_step(trainable: Trainable) -> bool:

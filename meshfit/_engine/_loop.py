@@ -7,60 +7,35 @@ The loop is `Stateful`: a backup is its state plus its trainable's parts (see `c
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, cast
 
-from meshfit._engine._executions import accumulates, batch_hooks, builtin_train_step, ends_unknown, next_batch
+from meshfit._engine._executions import (
+    accumulates,
+    batch_hooks,
+    builtin_train_step,
+    ends_unknown,
+    next_batch,
+    only_bars_read_batch_ends,
+)
 from meshfit._engine._preemption import PreemptionWatch
-from meshfit._engine._state import LoopState, RandomState
-from meshfit._engine._step_logs import agree, as_logs, may_own_logs, merge_returned, reduce_logs, sum_flags
+from meshfit._engine._replica_state import ReplicaState
+from meshfit._engine._state import LoopState
+from meshfit._engine._step_logs import (
+    LazyLogs,
+    agree,
+    as_logs,
+    may_own_logs,
+    merge_returned,
+    reduce_logs,
+    sum_flags,
+)
 from meshfit._protocols import CallbackListLike, PlacementLike, Stateful, Trainable
 from meshfit._runtime import PREEMPTED_EXIT_CODE, keep_freed_memory
 from meshfit.data import batch_size_of
 from meshfit.distribute import agree_buffers, replica_context_scope
-from meshfit.optimizers import AccumulatedGradients, defers_update, inside_window
-
-
-class ReplicaState:
-    """The state that differs between replicas: RNG streams, the metrics' running accumulators and,
-    inside a gradient accumulation window, the gradients summed so far.
-
-    Saved once per rank (``meshfit.train.PerRank``): each replica's metric sums cover its own
-    share of the batches, its random streams are its own, and so are its gradient sums (its own
-    batches', not yet all-reduced; `AccumulatedGradients`).
-    """
-
-    def __init__(self, trainable: Trainable) -> None:
-        self._trainable = trainable
-        self._random = RandomState(trainable.strategy.device)
-
-    def state_dict(self) -> dict[str, Any]:
-        metrics = {f"{i}:{m.name}": m.state_dict() for i, m in enumerate(self._trainable.metrics)}
-        state = {"rng": self._random.state_dict(), "metrics": metrics}
-        gradients = self._gradients()
-        if gradients is not None:
-            state["gradients"] = gradients.state_dict()
-        return state
-
-    def _gradients(self) -> AccumulatedGradients | None:
-        optimizer = getattr(self._trainable, "optimizer", None)
-        if getattr(optimizer, "gradient_accumulation_steps", None) and getattr(optimizer, "built", False):
-            return AccumulatedGradients(optimizer, self._trainable.strategy.num_processes)
-        return None
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = state["metrics"]
-        for i, metric in enumerate(self._trainable.metrics):
-            key = f"{i}:{metric.name}"
-            if key not in saved:
-                raise ValueError(f"The backup has no state for metric {key!r} (it has {sorted(saved)}): "
-                                 "compile the model with the same metrics as the run that made it.")
-            metric.load_state_dict(saved[key])
-        self._random.load_state_dict(state["rng"])
-        gradients = self._gradients()
-        if gradients is not None and "gradients" in state:
-            gradients.load_state_dict(state["gradients"])
+from meshfit.optimizers import defers_update, inside_window
 
 
 class TrainingLoop:
@@ -93,6 +68,7 @@ class TrainingLoop:
         self._failure: Any = None
         self._single, self._agree_end = True, False
         self._hooks = (True, True)  # whether a callback implements on_train_batch_begin / _end (`_step_needs`)
+        self._lazy_logs = False  # one process whose batch logs only progress bars read: `LazyLogs`
         callbacks.set_loop(self)
 
     # ---- Stateful: the state every replica shares ------------------------------------------
@@ -189,7 +165,7 @@ class TrainingLoop:
         # this is one process and whether several agree on the end of data of unknown length.
         self._scope, self._failure = replica_context_scope(self.strategy), self.strategy.failure
         self._single, self._agree_end = self.strategy.num_processes == 1, ends_unknown(trainable, self.data)
-        logs: dict[str, float] = {}
+        logs: MutableMapping[str, Any] = {}
         epoch_logs: dict[str, float] = {}
         try:
             trainable.reset_metrics()
@@ -198,6 +174,7 @@ class TrainingLoop:
                 restorer.restore_training(self)
             cbs.on_train_begin()
             self._hooks = batch_hooks(cbs)  # again: on_train_begin may have given a callback a hook
+            self._lazy_logs = self._single and only_bars_read_batch_ends(cbs)
             self._resumed = False  # a resume at the start is where the epoch loop begins anyway
             while not self._done(epochs, until_step) and not trainable.stop_training:
                 epoch = counters.epoch
@@ -258,7 +235,7 @@ class TrainingLoop:
                 or (until_step is not None and self.counters.iterations >= until_step))
 
     def _train_steps(self, batch_logs: bool, count: int,
-                     logs: dict[str, float]) -> tuple[dict[str, float], bool]:
+                     logs: MutableMapping[str, Any]) -> tuple[MutableMapping[str, Any], bool]:
         """One execution: up to ``count`` steps between two batch-callback calls (fewer where data of
         unknown length ends); returns the logs and whether every replica agreed to stop."""
         trainable, strategy, counters, cbs, data = self.trainable, self.strategy, self.counters, self.callbacks, self.data
@@ -287,11 +264,15 @@ class TrainingLoop:
             failure.step = counters.iterations
         preemption_requested = self._preemption is not None and self._preemption.requested
         last = begin + trainable.steps_per_execution - 1  # Keras's nominal index, also when fewer ran
-        if not batch_logs and single:
-            # The usual step of one process without a reader of batch logs: nothing to reduce or read.
-            logs = merge_returned(trainable, {}, returned, convert=False) if may_own_logs(returned) else {}
-            if self._hooks[1]:
-                cbs.on_train_batch_end(last, logs)
+        if single and (not batch_logs or self._lazy_logs):
+            # The usual step of one process: without a reader of batch logs nothing to reduce or read;
+            # where only a progress bar reads them, they are reduced at the steps it redraws.
+            if batch_logs:
+                logs = LazyLogs(trainable, returned)
+            else:
+                logs = merge_returned(trainable, {}, returned, convert=False) if may_own_logs(returned) else {}
+            if self._hooks[1]:  # (LazyLogs reach progress bars only: a Mapping where Keras passes a dict)
+                cbs.on_train_batch_end(last, cast(dict[str, Any], logs))
             if preemption_requested:
                 self._stop_for_preemption()
             return logs, trainable.stop_training
@@ -313,7 +294,7 @@ class TrainingLoop:
         # reduction; stopping on it alone here would leave them waiting.
         return logs, stop > 0 or (trainable.stop_training and single)
 
-    def _end_epoch(self, epoch: int, logs: dict[str, float],
+    def _end_epoch(self, epoch: int, logs: MutableMapping[str, Any],
                    validate: Callable[[int], dict[str, float]] | None) -> dict[str, float]:
         # The epoch's metrics from their (possibly restored) accumulators, on every replica.
         epoch_logs, _ = reduce_logs(self.trainable)

@@ -179,3 +179,39 @@ def merge_returned(trainable: Trainable, logs: dict[str, Any], returned: Any, *,
 def agree(trainable: Trainable, flag: bool) -> bool:
     """True on every replica when it is true on any (e.g. a chief-only callback stopped training)."""
     return sum_flags(trainable.strategy, [float(flag)])[0] > 0
+
+
+class LazyLogs(MutableMapping[str, Any]):
+    """One process's batch logs, reduced when first read: `reduce_logs` and `merge_returned` of the
+    step that made them. The loop hands them to a progress bar, which reads them only at the steps it
+    redraws; read later than the hook it was given to, it would show a later step's values, so the
+    loop uses it only where every callback with a batch-end hook is a progress bar (it reads at once or
+    never) and where the epoch's end reads the last step's at once."""
+
+    def __init__(self, trainable: Trainable, returned: Any) -> None:
+        self._trainable, self._returned = trainable, returned
+        self._logs: dict[str, Any] | None = None
+
+    def _read(self) -> dict[str, Any]:
+        if self._logs is None:
+            logs, _ = reduce_logs(self._trainable)
+            self._logs = merge_returned(self._trainable, logs, self._returned)
+        return self._logs
+
+    def __getitem__(self, name: str) -> Any:
+        return self._read()[name]
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self._read()[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        del self._read()[name]
+
+    def __iter__(self) -> Any:
+        return iter(self._read())
+
+    def __len__(self) -> int:
+        return len(self._read())
+
+    def __repr__(self) -> str:
+        return repr(self._read())

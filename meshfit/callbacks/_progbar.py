@@ -152,6 +152,16 @@ class Progbar:
             self._write(self._one_line(current, now) + "\n")
         self._finalized = self._finalized or finalize
 
+    def draws_at(self, current: int) -> bool:
+        """Whether an `update` to ``current`` (not the last) would redraw now; a caller may skip reading
+        values the bar would not show."""
+        if self.verbose != 1:
+            return False
+        now = _now()
+        if self._dynamic_display:
+            return now - self._last_update >= self.interval
+        return now - self._last_file_line >= self.file_interval and (self.target is None or current < self.target)
+
     def add(self, n: int, values: Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None) -> None:
         """Advances the bar by ``n`` steps."""
         self.update(self._seen_so_far + n, values)

@@ -160,6 +160,9 @@ class ProgbarLogger(Callback):
             logs = logs or {}
             self.seen += int(logs.get("num_steps", 1)) * int(logs.get("size", 0))
         if self.verbose == 1:
+            if not progbar.draws_at(self.seen):  # logs read only where shown: fit may reduce them on reading
+                progbar.update(self.seen, None, finalize=False)
+                return
             logs = self._display_logs(logs)
             progbar.stateful_metrics.update(logs)
             progbar.update(self.seen, logs, finalize=False)
