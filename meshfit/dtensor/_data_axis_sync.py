@@ -59,6 +59,8 @@ class DataAxisSync(ReplicatedSync):
                 scale_accumulated_gradients(weight, params)  # also a step kept local
 
         module.register_forward_pre_hook(placement_hook(pre_hook))
+        if self.replicas < 2:  # one replica (a data axis of size 1): nothing to reduce
+            return
         for param in params:
             param.register_post_accumulate_grad_hook(self._on_gradient)
 

@@ -275,3 +275,18 @@ def test_tensor_parallel_keys_take_the_mechanism_and_the_rest_keep_whole_mesh_la
     assert _decide(_row_only_map, _chain_module()) is None  # no slice for the row-wise layer to read
     assert _decide(_batch_key_map, _chain_module()) is None
     assert _decide(_conv_map, nn.Sequential(nn.Conv2d(1, 4, 3))) is None
+
+
+def _one_by_two(rank, world):
+    import meshfit as mf
+
+    mesh = mf.dtensor.create_mesh([("batch", 1), ("model", 2)]) if world > 1 else None
+    return _chain(mf, mesh)
+
+
+def test_a_data_axis_of_one_process_runs_tensor_parallel_alone():
+    """A ``(1, 2)`` mesh: one replica, so nothing is reduced over ``batch``; equal to one process."""
+    want, _ = run_distributed(_one_by_two, world_size=1, timeout=300)[0]
+    for weights, local in run_distributed(_one_by_two, world_size=2, timeout=300):
+        assert local == (8, 16)
+        assert_weights_match(weights, want, "sgd")
