@@ -111,12 +111,24 @@ class _Replicas:
         self.world, self.axis = world, axis
 
     def reduce(self, params: Sequence[nn.Parameter], rows: int) -> None:
-        count = torch.tensor([float(rows)], dtype=torch.float64)
-        self.world.all_reduce(count, axis=self.axis)
-        share = rows / float(count.item()) if count.item() else 0.0
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        for param, grad in zip(params, grads, strict=True):
-            param.grad = grad
+        """Sum the gradients of ``params`` over the replicas, this one's weighted by ``rows`` of all rows.
+
+        One small all-reduce first carries the rows and which parameters have a gradient anywhere: a
+        parameter no replica's step reached keeps no gradient (the optimizer skips it, as one process
+        does); one that some replica's did gets zeros where it has none.
+        """
+        device = params[0].device if params else torch.device("cpu")
+        meta = torch.tensor([float(rows), *(float(p.grad is not None) for p in params)], dtype=torch.float64,
+                            device=device)
+        self.world.all_reduce(meta, axis=self.axis)
+        total, reached = float(meta[0].item()), meta[1:].tolist()
+        share = rows / total if total else 0.0
+        grads = []
+        for param, anywhere in zip(params, reached, strict=True):
+            if anywhere:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                grads.append(param.grad)
         for dtype in sorted({g.dtype for g in grads}, key=str):
             group = [g for g in grads if g.dtype == dtype]
             flat = torch.cat([g.reshape(-1) for g in group]) * share
@@ -207,12 +219,12 @@ class PipelineStep:
                              "module the forward calls.")
         stages: list[Any] = [traced.build_stage(s, self.device, self.group) for s in self.stages]
         for s, stage in zip(self.stages, stages, strict=True):
-            held = {name for name, _ in stage.submod.named_parameters()}
-            expected = {p for p in self.residency.stage_paths[s] if p in dict(self.source.named_parameters())}
-            if held != expected:
-                raise ValueError(f"The traced stage {s} holds {sorted(held)[:4]}, but the module's registration order "
-                                 f"puts {sorted(expected)[:4]} there: its forward calls its modules in another order. "
-                                 "Register the submodules in the order the forward calls them.")
+            # The traced stage holds the parameters its forward uses (an unused one is held, never trained).
+            stray = sorted({name for name, _ in stage.submod.named_parameters()} - self.residency.stage_paths[s])
+            if stray:
+                raise ValueError(f"The traced stage {s} uses {stray[:4]}, which the module's registration order puts "
+                                 "in another stage: its forward calls its modules in another order than they are "
+                                 "registered. Register the submodules in the order the forward calls them.")
         loss = self._loss if with_loss else None  # predict: outputs only
         if self.spec.schedule == "Interleaved1F1B":
             schedule = ScheduleInterleaved1F1B(stages, n_microbatches=n, loss_fn=loss, scale_grads=True)

@@ -314,6 +314,43 @@ def test_class_weight_under_a_pipeline_equals_one_process(schedule: str, split_p
             np.testing.assert_allclose(value, weights[path], rtol=1e-5, atol=1e-6, err_msg=path)
 
 
+class _WithUnused(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = torch.nn.Linear(8, 8)  # in the last stage, never called
+
+
+def _decayed(rank: int, world_size: int) -> dict[str, np.ndarray]:
+    import meshfit as mf
+
+    mesh = mf.dtensor.create_mesh([("pipe", 2), ("batch", 2)])
+    with mf.dtensor.LayoutMap(mesh).pipeline(["blocks.2"], microbatches=2).scope():
+        model = mf.Model(_WithUnused())
+    model.compile(optimizer=mf.optimizers.AdamW(0.01, weight_decay=0.1),
+                  loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data()
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    return dict(zip(model.module.state_dict(), model.get_weights(), strict=True))
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_parameter_no_step_reaches_is_left_alone_as_one_process_leaves_it() -> None:
+    """A stage's parameter that the forward never uses keeps no gradient on any replica, so AdamW's decay
+    leaves it alone as in one process (a zero gradient would decay it)."""
+    import meshfit as mf
+
+    model = mf.Model(_WithUnused())
+    model.compile(optimizer=mf.optimizers.AdamW(0.01, weight_decay=0.1),
+                  loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data()
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    weights = {k: v.detach().numpy() for k, v in model.module.state_dict().items()}
+    for every in run_distributed(_decayed, world_size=4, timeout=TIMEOUT - 60):
+        np.testing.assert_array_equal(every["unused.weight"], weights["unused.weight"])
+        for path, value in every.items():
+            np.testing.assert_allclose(value, weights[path], rtol=1e-5, atol=1e-6, err_msg=path)
+
+
 def _first_epoch(rank: int, world_size: int, backup: str, schedule: str, split_points: list[str],
                  stages_per_rank: int, epochs: int) -> dict[str, Any]:
     import meshfit as mf
