@@ -65,7 +65,17 @@ def _pipeline_worker(args: argparse.Namespace) -> tuple[int, dict]:
             stamps.append(time.perf_counter())
 
     model.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0, callbacks=[Timer()])
-    return dist.get_rank(), {"steps": [b - a for a, b in zip(stamps, stamps[1:], strict=False)]}
+    optimizer = model.optimizer.torch_optimizer
+    memory = {"params": 0, "held_params": 0, "grads_and_state": 0, "full": 0}
+    for path, p in model.module.named_parameters():
+        size = p.numel() * p.element_size()
+        memory["params"] += size
+        memory["full"] += 4 * size  # parameter, gradient and AdamW's two moments, one process's
+        if model.residency.holds(path):
+            memory["held_params"] += size
+            state = [v for v in optimizer.state.get(p, {}).values() if hasattr(v, "dim") and v.dim() > 0]
+            memory["grads_and_state"] += size + sum(v.numel() * v.element_size() for v in state)  # grad: as large
+    return dist.get_rank(), {"steps": [b - a for a, b in zip(stamps, stamps[1:], strict=False)], **memory}
 
 
 def _hand_worker(args: argparse.Namespace) -> tuple[int, dict]:
@@ -176,6 +186,11 @@ def main() -> None:
     ratio = C.median(C.ratios(ms["pipeline"], ms["hand"]))
     print(f"RESULT pipeline [wall] pipeline {C.median(ms['pipeline']):.1f} ms/step, hand {C.median(ms['hand']):.1f} "
           f"ms/step (rank 0, medians); pipeline/hand = {ratio:.3f}; target <= {TARGET}: {C.verdict(ratio, TARGET)}")
+    for r, m in enumerate(results["pipeline"][-1]):
+        trained = m["held_params"] + m["grads_and_state"]
+        print(f"  pipeline process {r}: the stage it trains holds {trained:,d} B of parameters, gradients and AdamW "
+              f"state = {trained / m['full']:.3f} of one process's {m['full']:,d} B; with the other stages' "
+              f"parameters it keeps (not freed) {(m['params'] + m['grads_and_state']) / m['full']:.3f}")
 
 
 if __name__ == "__main__":
