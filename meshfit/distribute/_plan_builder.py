@@ -16,7 +16,7 @@ its sub-mesh, applied in turn):
 - a placement that declares its own step and residency (a pipeline's stages): `place_staged`.
 
 ``tests/test_placement_builder.py`` reads the sources: no other module constructs a `Placement` or a
-`PlacementPlan` (the pipeline builder, which keeps its stage facts beside its runner, excepted).
+`PlacementPlan`.
 """
 
 from __future__ import annotations
