@@ -52,6 +52,7 @@ class _Created:
         self.modules: list[weakref.ref] = []
         self.seen: set[int] = set()
         self.held: set[int] = set()
+        self.placed: set[int] = set()  # placed by a strategy meanwhile (``mf.Model(module)`` in the scope)
 
     def add(self, module: nn.Module) -> None:
         if id(module) not in self.seen:
@@ -65,14 +66,11 @@ class _Created:
 
 _ENTRIES: list[_Created] = []
 _HANDLES: list[Any] = []
-# Modules a strategy placed while they were created inside a scope (``mf.Model(module)`` in it): the
-# scope's end leaves them as their placement made them.
-_PLACED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-
 def mark_placed(module: nn.Module) -> None:
-    """Tell the scope that ``module`` is placed already: its end must not lay it out again."""
-    _PLACED.add(module)
+    """Tell the open scopes that ``module`` is placed already (``mf.Model(module)`` inside one): their end
+    must not lay it out again."""
+    for entry in _ENTRIES:
+        entry.placed.add(id(module))
 
 
 def _on_parameter(module: nn.Module, name: str, param: Any) -> None:
@@ -113,7 +111,7 @@ def laying_out(layout_map: Any, strategy: DistributionStrategy) -> Iterator[None
         return
     for root in created.roots():
         params = list(root.parameters())
-        if not params or root in _PLACED or all(is_dtensor(p) for p in params):  # none, or placed already (e.g. load_model)
+        if not params or id(root) in created.placed or all(is_dtensor(p) for p in params):  # none, or placed already (e.g. load_model)
             continue
         if any(is_lazy(p) for p in params):
             _lay_out_at_first_call(root, layout_map, strategy)
