@@ -263,6 +263,20 @@ def test_microbatches_on_two_workers(tmp_path):
     _assert_learns("microbatches.py", losses[-1], reference)
 
 
+def test_pipeline_on_two_stages(tmp_path):
+    out = _run(tmp_path, "pipeline.py", launch_workers=2)
+    assert "all workers finished successfully" in out, out
+    assert "[worker 0] this process trains ['0.bias', '0.weight']" in out, out
+    assert "[worker 1] this process trains ['2.bias', '2.weight', '4.bias', '4.weight']" in out, out
+    losses = _fit_losses(out)
+    assert len(losses) == 2, out
+    # the stages' numbers are one process's on the same batches of 32
+    reference = _plain_torch(lambda: nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
+                                                   nn.Linear(256, 10)),
+                             *_digits(), optimizer=_adam(), batch_size=32, epochs=2)
+    _assert_learns("pipeline.py", losses[-1], reference)
+
+
 def test_custom_train_step(tmp_path):
     out = _run(tmp_path, "custom_train_step.py")
     history = re.search(r"\{'loss': \[([0-9., ]+)\], 'mae': \[([0-9., ]+)\]\}", out)
