@@ -2,38 +2,21 @@
 inside an epoch (no callback with a training batch hook, no preemption handler, the built-in
 ``train_step``). A stop asked for before an epoch's first step, or inside a ``train_step`` override,
 still stops every worker at the same step as before; one asked for elsewhere on one worker is agreed at
-the epoch's end. Real processes, gloo; gradients travel inside DDP's reducer and are not counted."""
+the epoch's end. A validation step reduces the metrics only for a reader of its batch logs. Real processes,
+gloo; gradients travel inside DDP's reducer and are not counted (`tests/_collectives.py`)."""
 
 from __future__ import annotations
-
-import traceback
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from _collectives import count_collectives
 from _multiproc import run_distributed
 from torch import nn
 
 import meshfit as mf
 
-COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_object", "broadcast_object_list",
-               "barrier", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "gather_object")
 BATCH = 8  # global: 4 rows a worker
-
-
-def _count_collectives() -> list[int]:
-    """Count this process's control collectives from now on (DDP's gradient buckets excluded)."""
-    counts = [0]
-    for name in COLLECTIVES:
-        original = getattr(dist, name)
-
-        def counted(*args, _original=original, **kwargs):
-            if not any("ddp_comm_hooks" in frame.filename for frame in traceback.extract_stack(limit=6)):
-                counts[0] += 1
-            return _original(*args, **kwargs)
-
-        setattr(dist, name, counted)
-    return counts
 
 
 def _model(strategy: mf.MultiWorkerMirroredStrategy, model_class: type[mf.Model] = mf.Model) -> mf.Model:
@@ -58,7 +41,7 @@ class _EpochsOnly(mf.callbacks.Callback):
 def _marginal_collectives(rank: int, size: int) -> dict[str, float]:
     """Collectives a further step costs in one fit of one epoch: a 16-step fit minus an 8-step one."""
     strategy = mf.MultiWorkerMirroredStrategy()
-    counts = _count_collectives()
+    counts = count_collectives()
     figures = {}
     for name, callbacks in (("plain", []), ("epoch_hooks_only", [_EpochsOnly()]),
                             ("batch_hook", [mf.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: None)])):
@@ -140,7 +123,7 @@ def _validation_collectives(rank: int, size: int) -> dict[str, object]:
     """Collectives a further validation step costs inside fit (16 validation batches minus 8), and the
     logs a reader of test batch logs gets."""
     strategy = mf.MultiWorkerMirroredStrategy()
-    counts = _count_collectives()
+    counts = count_collectives()
     x, y = _data(4)
     out: dict[str, object] = {}
     for name, callbacks in (("plain", []), ("reader", [_ReadsTestLogs()])):
