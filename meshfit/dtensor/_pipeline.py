@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshfit import mixed_precision
 from meshfit.distribute import Placement, StageResidency, place_staged
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
@@ -110,25 +111,23 @@ class _Replicas:
     def __init__(self, world: Any, axis: str) -> None:
         self.world, self.axis = world, axis
 
-    def reduce(self, params: Sequence[nn.Parameter], rows: int) -> None:
-        """Sum the gradients of ``params`` over the replicas, this one's weighted by ``rows`` of all rows.
-
-        One small all-reduce first carries the rows and which parameters have a gradient anywhere: a
-        parameter no replica's step reached keeps no gradient (the optimizer skips it, as one process
-        does); one that some replica's did gets zeros where it has none.
-        """
-        device = params[0].device if params else torch.device("cpu")
-        meta = torch.tensor([float(rows), *(float(p.grad is not None) for p in params)], dtype=torch.float64,
-                            device=device)
+    def agree(self, rows: int, unsplittable: bool) -> tuple[int, bool]:
+        """Every replica's rows summed, and whether any replica's batch does not split into microbatches (one
+        small all-reduce before the schedule: every replica raises together, none waits for another's error)."""
+        meta = torch.tensor([float(rows), float(unsplittable)], dtype=torch.float64, device=self.world.device)
         self.world.all_reduce(meta, axis=self.axis)
-        total, reached = float(meta[0].item()), meta[1:].tolist()
+        return int(meta[0].item()), bool(meta[1].item())
+
+    def reduce(self, params: Sequence[nn.Parameter], rows: int, total: int) -> None:
+        """Sum the gradients of ``params`` (those the stage's forward uses: the same on every replica) over
+        the replicas, this one's weighted by its ``rows`` of ``total``; zeros where a replica has none (its
+        share of the batch was empty)."""
         share = rows / total if total else 0.0
         grads = []
-        for param, anywhere in zip(params, reached, strict=True):
-            if anywhere:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                grads.append(param.grad)
+        for param in params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            grads.append(param.grad)
         for dtype in sorted({g.dtype for g in grads}, key=str):
             group = [g for g in grads if g.dtype == dtype]
             flat = torch.cat([g.reshape(-1) for g in group]) * share
@@ -160,7 +159,8 @@ class PipelineStep:
     """The step runner of a pipeline placement: torch's schedule over the batch's microbatches."""
 
     def __init__(self, source: nn.Module, spec: PipelineSpec, residency: StageResidency, pipe_rank: int,
-                 pipe_size: int, group: Any, device: torch.device, replicas: _Replicas | None = None) -> None:
+                 pipe_size: int, group: Any, device: torch.device, world: Any, replicas: _Replicas | None = None,
+                 ) -> None:
         self.source, self.spec, self.residency = source, spec, residency
         self.pipe_rank, self.pipe_size, self.group, self.device = pipe_rank, pipe_size, group, device
         self.replicas = replicas
@@ -170,6 +170,8 @@ class PipelineStep:
         self._losses: list[torch.Tensor] = []
         self._training = False
         self._weights: tuple[torch.Tensor, ...] | None = None  # this batch's sample weights, by microbatch
+        self._used: set[int] = set()  # the parameters the traced stages' forwards use (ids)
+        self.world = world
 
     @property
     def first(self) -> bool:
@@ -202,10 +204,6 @@ class PipelineStep:
         from torch.distributed.pipelining import pipeline as trace
 
         n = self.spec.microbatches
-        if x.shape[0] % n:
-            raise ValueError(f"Invalid batch for the pipeline: a batch of {x.shape[0]} rows does not split into "
-                             f"microbatches={n} equal microbatches. Use a batch size divisible by {n} (and a data "
-                             "set whose last batch is too, or drop the remainder), or change `microbatches`.")
         example = x[: x.shape[0] // n]
         try:
             with torch.enable_grad():
@@ -220,6 +218,7 @@ class PipelineStep:
         stages: list[Any] = [traced.build_stage(s, self.device, self.group) for s in self.stages]
         for s, stage in zip(self.stages, stages, strict=True):
             # The traced stage holds the parameters its forward uses (an unused one is held, never trained).
+            self._used.update(id(p) for p in stage.submod.parameters())
             stray = sorted({name for name, _ in stage.submod.named_parameters()} - self.residency.stage_paths[s])
             if stray:
                 raise ValueError(f"The traced stage {s} uses {stray[:4]}, which the module's registration order puts "
@@ -239,31 +238,50 @@ class PipelineStep:
             raise ValueError(f"Invalid input under a pipeline: expected one tensor per batch, received "
                              f"{type(x).__name__}. Feed the model one input tensor.")
         self._host = host
-        if x.shape[0] == 0:  # this replica's share of a last, small global batch: it joins the reduction
-            if train and self.replicas is not None:
-                self.replicas.reduce(self._held_parameters(), 0)
-            return None
-        schedule = self._schedule(x)
-        self._losses, self._training = [], train
-        # the last stage computes each microbatch's loss in microbatch order, with that microbatch's weights
-        self._weights = None if sample_weight is None or not self.last else \
-            torch.as_tensor(sample_weight).tensor_split(self.spec.microbatches)
-        args = (x,) if self.first else ()
-        target = y if self.last else None
-        run = schedule.step if train else schedule.eval
-        held = self._held_parameters() if train and self.replicas is not None else []
-        earlier = {p: p.grad for p in held if p.grad is not None}  # an accumulation window's sum so far
-        for param in earlier:
-            param.grad = None
-        output = run(*args, target=target)
-        if held:  # this batch's gradient over the stage's replicas, weighted by rows; then the window's
-            self.replicas.reduce(held, x.shape[0])  # type: ignore[union-attr]
-            for param, grad in earlier.items():
-                param.grad.add_(grad)  # type: ignore[union-attr]
-        if not self.last:
+        rows, n = x.shape[0], self.spec.microbatches
+        total, unsplittable = (rows, bool(rows % n)) if self.replicas is None else \
+            self.replicas.agree(rows, bool(rows % n))
+        if unsplittable:
+            raise ValueError(f"Invalid batch for the pipeline: a batch of {rows} rows on this replica (of {total} "
+                             f"in all replicas) does not split into microbatches={n} equal microbatches on every "
+                             f"replica. Use a batch size whose share on each replica is divisible by {n} (and a data "
+                             "set whose last batch is too, or drop the remainder), or change `microbatches`.")
+        held = self._held_parameters()
+        earlier = _take_gradients(held)  # torch's schedule divides every gradient it finds by the microbatches
+        output = None
+        try:
+            if rows:  # an empty share of a last, small global batch runs no schedule: it joins the reduction
+                schedule = self._schedule(x)
+                self._losses, self._training = [], train
+                # the last stage computes each microbatch's loss in microbatch order, with its rows' weights
+                self._weights = None if sample_weight is None or not self.last else \
+                    torch.as_tensor(sample_weight).tensor_split(n)
+                run = schedule.step if train else schedule.eval
+                output = run(*((x,) if self.first else ()), target=y if self.last else None)
+            if train and self.replicas is not None:  # this batch's gradient over the stage's replicas, by rows
+                self.replicas.reduce([p for p in held if id(p) in self._used or p.grad is not None], rows, total)
+            if train:
+                self._agree_on_overflow(held)
+        finally:
+            _give_back(earlier, add=train)  # an accumulation window's sum so far, after this batch's
+        if not self.last or not rows:
             return None
         loss = torch.stack(self._losses).mean()
-        return _Outputs(output, loss, x.shape[0])
+        return _Outputs(output, loss, rows)
+
+    def _agree_on_overflow(self, held: Sequence[nn.Parameter]) -> None:
+        """Under loss scaling (``mixed_float16``) every stage skips a step when any stage's gradients overflow,
+        as one process skips it: each stage's optimizer then sees a non-finite gradient and halves its scale."""
+        if mixed_precision.global_policy().name != "mixed_float16":
+            return
+        grads = [p.grad for p in held if p.grad is not None]
+        local = torch.stack([torch.isfinite(g).all() for g in grads]).all().logical_not() if grads else \
+            torch.zeros((), dtype=torch.bool, device=self.device)
+        flag = local.to(torch.float32).reshape(1)
+        self.world.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and grads and not local.item():
+            for g in grads:
+                g.fill_(float("nan"))
 
     def _held_parameters(self) -> list[nn.Parameter]:
         return [p for name, p in self.source.named_parameters() if p.requires_grad and self.residency.holds(name)]
@@ -276,16 +294,36 @@ class PipelineStep:
             return self._run(host, x, y, sample_weight, False)
 
     def predict(self, host: Any, x: Any) -> Any:
-        with torch.no_grad():
-            self._host = host
-            schedule = self._schedule(x, with_loss=False)
-            args = (x,) if self.first else ()
-            output = schedule.eval(*args)
-        # Every worker returns the predictions (Keras's predict): the last stage's, broadcast.
-        holder = [output if self.last else None]
+        self._host = host
+        earlier = _take_gradients(self._held_parameters())  # the schedule would divide them
+        try:
+            with torch.no_grad():
+                schedule = self._schedule(x, with_loss=False)
+                output = schedule.eval(*((x,) if self.first else ()))
+        finally:
+            _give_back(earlier, add=False)
+        # Every worker returns the predictions (Keras's predict): the last stage's, sent as CPU tensors.
+        holder: list[Any] = [output.cpu() if self.last else None]
         source = dist.get_global_rank(self.group, (self.spec.num_stages - 1) % self.pipe_size)
         dist.broadcast_object_list(holder, src=source, group=self.group)
-        return holder[0]
+        return holder[0].to(self.device)
+
+
+def _take_gradients(params: Sequence[nn.Parameter]) -> dict[nn.Parameter, torch.Tensor]:
+    """The gradients ``params`` hold (an accumulation window's sum so far), taken out of them."""
+    taken = {p: p.grad for p in params if p.grad is not None}
+    for param in taken:
+        param.grad = None
+    return taken
+
+
+def _give_back(taken: dict[nn.Parameter, torch.Tensor], add: bool) -> None:
+    """Put `_take_gradients`' gradients back: added to this batch's (``add``), or as they were."""
+    for param, grad in taken.items():
+        if add and param.grad is not None:
+            param.grad.add_(grad)
+        else:
+            param.grad = grad
 
 
 def _unannotate(module: nn.Module, split_points: Sequence[str]) -> None:
@@ -332,5 +370,5 @@ class PipelineBuilder:
         residency = StageResidency(world.rank, paths, stage_ranks, last, last)
         module = module.to(strategy.device)
         replicas = _Replicas(world, data) if data is not None and mesh.dim_size(data) > 1 else None
-        step = PipelineStep(module, self.spec, residency, pipe_rank, size, group, strategy.device, replicas)
+        step = PipelineStep(module, self.spec, residency, pipe_rank, size, group, strategy.device, world, replicas)
         return place_staged(module, _StageSync(), residency, step)  # registers the parameters with the sync

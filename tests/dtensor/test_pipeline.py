@@ -351,6 +351,130 @@ def test_a_parameter_no_step_reaches_is_left_alone_as_one_process_leaves_it() ->
             np.testing.assert_allclose(value, weights[path], rtol=1e-5, atol=1e-6, err_msg=path)
 
 
+def _fit_weights(mesh_dims: list[tuple[str, int]], rows: int, batch_size: int, microbatches: int,
+                 accumulation: int, validation: bool = False, schedule: str = "1F1B") -> dict[str, np.ndarray]:
+    import meshfit as mf
+
+    mesh = mf.dtensor.create_mesh(mesh_dims)
+    with mf.dtensor.LayoutMap(mesh).pipeline(["blocks.2"], microbatches=microbatches, schedule=schedule).scope():
+        model = mf.Model(Classifier())
+    model.compile(optimizer=mf.optimizers.Adam(0.01, gradient_accumulation_steps=accumulation),
+                  loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data(rows)
+    model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0,
+              validation_data=(x[:16], y[:16]) if validation else None)
+    return dict(zip(model.module.state_dict(), model.get_weights(), strict=True))
+
+
+def _one_process_weights(rows: int, batch_size: int, accumulation: int, validation: bool = False) -> dict:
+    import meshfit as mf
+
+    model = mf.Model(Classifier())
+    model.compile(optimizer=mf.optimizers.Adam(0.01, gradient_accumulation_steps=accumulation),
+                  loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data(rows)
+    model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0,
+              validation_data=(x[:16], y[:16]) if validation else None)
+    return {k: v.detach().numpy() for k, v in model.module.state_dict().items()}
+
+
+def _windows(rank: int, world_size: int) -> dict[str, dict[str, np.ndarray]]:
+    return {
+        # accumulation on stages alone: torch's schedule would divide the window's earlier sum by the microbatches
+        "pipe": _fit_weights([("pipe", 2)], 64, 16, 4, 2),
+        # a window across the epoch's end, where validation runs the schedule's eval (which divides too)
+        "validation": _fit_weights([("pipe", 2)], 64, 16, 4, 3, validation=True),
+    }
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_accumulation_windows_under_a_pipeline_equal_one_process() -> None:
+    references = {"pipe": _one_process_weights(64, 16, 2), "validation": _one_process_weights(64, 16, 3, True)}
+    for result in run_distributed(_windows, world_size=2, timeout=TIMEOUT - 60):
+        for case, every in result.items():
+            for path, value in every.items():
+                np.testing.assert_allclose(value, references[case][path], rtol=1e-5, atol=1e-6, err_msg=(case, path))
+
+
+def _empty_share(rank: int, world_size: int) -> dict[str, np.ndarray]:
+    # 49 rows by 16: a last global batch of 1 row, so one replica's share is empty, inside a window of 2
+    # (one microbatch: GPipe takes fewer microbatches than stages, 1F1B does not)
+    return _fit_weights([("pipe", 2), ("batch", 2)], 49, 16, 1, 2, schedule="GPipe")
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_replica_with_an_empty_share_joins_the_reduction_and_keeps_its_window() -> None:
+    reference = _one_process_weights(49, 16, 2)
+    for every in run_distributed(_empty_share, world_size=4, timeout=TIMEOUT - 60):
+        for path, value in every.items():
+            np.testing.assert_allclose(value, reference[path], rtol=1e-5, atol=1e-6, err_msg=path)
+
+
+def _unsplittable(rank: int, world_size: int) -> str:
+    try:  # 61 rows by 16: a last global batch of 13, split 7 + 6 over the replicas: 7 rows do not split in 2
+        _fit_weights([("pipe", 2), ("batch", 2)], 61, 16, 2, 1)
+    except ValueError as error:
+        return str(error)
+    return "not refused"
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_batch_that_does_not_split_on_one_replica_is_refused_on_every_replica() -> None:
+    for message in run_distributed(_unsplittable, world_size=4, timeout=TIMEOUT - 60):
+        assert "does not split into microbatches=2" in message and "of 13 in all replicas" in message, message
+
+
+def _overflow_once(model: Any) -> None:
+    """Make the last layer's bias gradient infinite at the first backward only (an overflow in one stage)."""
+    fired = []
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if fired:
+            return grad
+        fired.append(True)
+        return torch.full_like(grad, float("inf"))
+
+    model.module.head.bias.register_hook(hook)
+
+
+def _float16_overflow(rank: int, world_size: int) -> dict[str, Any]:
+    import meshfit as mf
+
+    mf.mixed_precision.set_global_policy("mixed_float16")
+    mesh = mf.dtensor.create_mesh([("pipe", 2)])
+    with mf.dtensor.LayoutMap(mesh).pipeline(["blocks.2"], microbatches=2).scope():
+        model = mf.Model(Classifier())
+    _compile(model)
+    _overflow_once(model)
+    x, y = _data()
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    return {"iterations": int(model.optimizer.iterations), "every": dict(zip(model.module.state_dict(),
+                                                                              model.get_weights(), strict=True))}
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_an_overflow_in_one_stage_skips_the_step_on_every_stage() -> None:
+    """Under ``mixed_float16`` one process skips a step whose gradients overflow anywhere; so does every stage
+    (the last stage's overflow is agreed on, so the first stage does not apply its update alone)."""
+    import meshfit as mf
+
+    mf.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = mf.Model(Classifier())
+        _compile(model)
+        _overflow_once(model)
+        x, y = _data()
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    finally:
+        mf.mixed_precision.set_global_policy("float32")
+    weights = {k: v.detach().numpy() for k, v in model.module.state_dict().items()}
+    for result in run_distributed(_float16_overflow, world_size=2, timeout=TIMEOUT - 60):
+        assert result["iterations"] == int(model.optimizer.iterations)
+        for path, value in result["every"].items():  # float16 rounds each microbatch alone (4.5e-5 measured); a
+            # step applied by one stage alone moves its weights by about the learning rate, 0.01
+            np.testing.assert_allclose(value, weights[path], rtol=1e-3, atol=2e-4, err_msg=path)
+
+
 def _first_epoch(rank: int, world_size: int, backup: str, schedule: str, split_points: list[str],
                  stages_per_rank: int, epochs: int) -> dict[str, Any]:
     import meshfit as mf
