@@ -218,10 +218,7 @@ class Model(TrackedMetricsMixin, StepsMixin, OnBatchMixin, WeightsMixin):
                     self.module(self.strategy.distribute_batch(sample_x))
                 self.module.train(was_training)
             self.placement = self.strategy.setup_module(self.module, jit_compile=self.jit_compile)
-            if self.placement.step is not None and type(self).train_step is not Model.train_step:
-                raise ValueError(f"Invalid `train_step` override on {type(self).__name__}: its placement runs each "
-                                 "step as a schedule over stages (a pipeline), which an override cannot call. "
-                                 "Remove the override, or train without layout_map.pipeline(...).")
+            self._refuse_step_overrides()  # a placement whose runner runs each step (a pipeline) takes none
         if self.optimizer is not None and not self.optimizer.built:  # also: compiled again after fit
             params = list(self.module.named_parameters())  # names: exclude_from_weight_decay
             if params:  # nothing to optimise: no optimizer (train_step skips the update)
@@ -360,6 +357,10 @@ class Model(TrackedMetricsMixin, StepsMixin, OnBatchMixin, WeightsMixin):
         # it (a custom loop) the module runs as it is and the optimizer sums the gradients across
         # replicas, TF's contract, also for gradients taken with torch.autograd.grad.
         placement = self.placement
+        if placement is not None and placement.step is not None:
+            raise ValueError(f"Invalid call of {self.name!r} under a pipeline: each process holds its own stages' "
+                             "weights only, so calling the model here would run the other stages on copies never "
+                             "trained. Call model.predict(x) or model.evaluate(x, y) (on every worker) instead.")
         if placement is not None and placement.in_step() and self.module.training and torch.is_grad_enabled():
             return placement.module(*args, **kwargs)
         return self.module(*args, **kwargs)

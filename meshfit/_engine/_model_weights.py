@@ -11,7 +11,16 @@ from torch import nn
 
 from meshfit._engine import _summary
 from meshfit._lazy_dtensor import is_dtensor
-from meshfit._saving import laid_out_like, load_weights, save_model, save_weights
+from meshfit._saving import (
+    laid_out_like,
+    load_weights,
+    require_every_worker,
+    save_model,
+    save_weights,
+    split_across_workers,
+)
+
+_SPLIT = "the model's weights are split across the workers (layouts or pipeline stages), so reading them gathers"
 
 
 class WeightsMixin:
@@ -21,6 +30,7 @@ class WeightsMixin:
     name: str
     _input_example: Any
     saveable_parts: Callable[[], dict[str, Any]]
+    strategy: Any
 
     def get_weights(self) -> list[np.ndarray]:
         """The module's ``state_dict`` values (parameters, then buffers, per submodule) as numpy.
@@ -28,6 +38,9 @@ class WeightsMixin:
         Sharded (DTensor) weights are gathered, and a pipeline stage's taken from the process that
         trains it: every process gets the full arrays (a collective).
         """
+        if split_across_workers(self):  # a collective: every worker calls it, or this one is told at once
+            with self.strategy.guard():
+                require_every_worker(self.strategy, "model.get_weights", _SPLIT)
         state = self.saveable_parts()["module"].state_dict()  # completed from its holders (pipeline stages)
         return [_full(t).detach().cpu().numpy().copy() for t in state.values()]
 
@@ -47,11 +60,12 @@ class WeightsMixin:
         self.module.load_state_dict(new_state)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The module's weights (Stateful, for `meshfit.train.Checkpoint`)."""
-        return self.module.state_dict()
+        """The module's weights (Stateful, for `meshfit.train.Checkpoint`): each pipeline stage's from the
+        process that trains it (every worker calls it, as every worker saves a checkpoint)."""
+        return self.saveable_parts()["module"].state_dict()
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.module.load_state_dict(state)
+        self.saveable_parts()["module"].load_state_dict(state)
 
     def save(self, filepath: str) -> None:
         """Save architecture (when rebuildable), weights, compile config and optimizer state.

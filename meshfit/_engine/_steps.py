@@ -123,6 +123,17 @@ class StepsMixin:
         placement = self.placement
         return placement.step if placement is not None else None
 
+    def _refuse_step_overrides(self) -> None:
+        """Under a placement whose runner runs each step (a pipeline's schedule over stages), an override of a
+        step cannot call it: refused, naming the override."""
+        if self._step_runner() is None:
+            return
+        for name in ("train_step", "test_step", "predict_step"):
+            if getattr(type(self), name) is not getattr(StepsMixin, name):
+                raise ValueError(f"Invalid `{name}` override on {type(self).__name__}: its placement runs each step "
+                                 "as a schedule over stages (a pipeline), which an override cannot call. Remove the "
+                                 "override, or train without layout_map.pipeline(...).")
+
     @property
     def residency(self) -> Residency:
         """Which ranks hold which state and the outputs: the placement's (`EVERYWHERE` until placed)."""

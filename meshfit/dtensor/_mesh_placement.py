@@ -57,7 +57,7 @@ def place_on_mesh(strategy: Any, module: nn.Module, jit_compile: bool) -> Placem
     """``module`` placed as ``strategy`` (a `MeshStrategy`) and its map say; see the module docstring."""
     layout_map = strategy.layout_map
     if layout_map is not None and layout_map.pipeline_spec is not None:
-        return PipelineBuilder(layout_map.pipeline_spec).build(module, strategy)
+        return PipelineBuilder(layout_map.pipeline_spec).build(module, strategy, jit_compile)
     layout_map = layout_map if layout_map is not None else LayoutMap(strategy.mesh)
     batch = strategy._batch
     if layout_map.tensor_parallel_first and not jit_compile:

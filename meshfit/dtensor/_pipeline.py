@@ -171,6 +171,7 @@ class PipelineStep:
         self._training = False
         self._weights: tuple[torch.Tensor, ...] | None = None  # this batch's sample weights, by microbatch
         self._used: set[int] = set()  # the parameters the traced stages' forwards use (ids)
+        self._checked = False  # the optimizer's settings, checked at the first training step
         self.world = world
 
     @property
@@ -287,6 +288,12 @@ class PipelineStep:
         return [p for name, p in self.source.named_parameters() if p.requires_grad and self.residency.holds(name)]
 
     def train(self, host: Any, x: Any, y: Any, sample_weight: Any) -> _Outputs | None:
+        if not self._checked:
+            self._checked = True
+            if host.optimizer.get_config().get("global_clipnorm") is not None:
+                raise ValueError("Invalid `global_clipnorm` under a pipeline: each stage holds only its own "
+                                 "gradients, so the norm over all of them is not computed yet. Use `clipnorm` "
+                                 "(each gradient's own norm) or `clipvalue`, or train without a pipeline.")
         return self._run(host, x, y, sample_weight, True)
 
     def evaluate(self, host: Any, x: Any, y: Any, sample_weight: Any) -> _Outputs | None:
@@ -341,7 +348,10 @@ class PipelineBuilder:
     def __init__(self, spec: PipelineSpec) -> None:
         self.spec = spec
 
-    def build(self, module: nn.Module, strategy: Any) -> Placement:
+    def build(self, module: nn.Module, strategy: Any, jit_compile: bool = False) -> Placement:
+        if jit_compile:
+            raise ValueError("Invalid `jit_compile=True` under a pipeline: torch.compile of pipeline stages is not "
+                             "supported yet. Compile with jit_compile=False (or 'auto').")
         mesh = strategy.mesh
         axis = mesh.dims.axis_of("pipeline")
         if axis is None:
@@ -353,7 +363,8 @@ class PipelineBuilder:
             raise ValueError(f"Invalid pipeline on {mesh!r}: a pipeline composes with a data-parallel axis (replicated "
                              f"stages) but not yet with {[a for a in others if a != data]} (tensor parallel or fully "
                              "sharded). Use a mesh of the pipeline axis and, optionally, a data axis, e.g. "
-                             "create_mesh([('pipe', 2), ('batch', 2)]).")
+                             "create_mesh([('pipe', 2), ('batch', 2)]); an axis of another name is a data axis "
+                             "when its role says so: create_mesh(..., roles={'<name>': 'data'}).")
         size = mesh.dim_size(axis)
         if self.spec.num_stages != size * self.spec.stages_per_rank:
             raise ValueError(f"Invalid `split_points`: {self.spec.num_stages} stages for a {axis!r} axis of {size} "

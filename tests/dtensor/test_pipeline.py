@@ -9,6 +9,7 @@ the gradient in another order), its logged loss and accuracy, and a backup one p
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -39,7 +40,10 @@ def _one_process(rows: int = 64, epochs: int = 2) -> tuple[dict[str, np.ndarray]
     x, y = _data(rows)
     history = model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
     weights = {k: v.detach().numpy().copy() for k, v in model.module.state_dict().items()}
-    return weights, history.history, mf.train.state_digest(model).total
+    logs = dict(history.history)
+    logs["evaluated"] = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    logs["predicted"] = np.asarray(model.predict(x, batch_size=16, verbose=0))
+    return weights, logs, mf.train.state_digest(model).total
 
 
 def _pipeline(rank: int, world_size: int, directory: str, schedule: str, split_points: list[str],
@@ -89,7 +93,10 @@ def test_pipeline_fit_equals_one_process(tmp_path: Any, schedule: str, split_poi
         for path, value in result["stage"].items():
             np.testing.assert_allclose(value, weights[path], rtol=1e-5, atol=1e-6, err_msg=path)
             held.add(path)
-        np.testing.assert_allclose(result["predicted"], results[0]["predicted"])
+        # evaluate and predict run the schedule too: one process's values on its weights
+        np.testing.assert_allclose(result["predicted"], history["predicted"], rtol=1e-5, atol=1e-6)
+        for name, value in history["evaluated"].items():
+            np.testing.assert_allclose(result["evaluated"][name], value, rtol=1e-5, err_msg=name)
         for path, value in result["every"].items():  # get_weights: no stage's stale copy of another's
             np.testing.assert_allclose(value, weights[path], rtol=1e-5, atol=1e-6, err_msg=path)
         assert result["digest"] == results[0]["digest"]
@@ -534,28 +541,46 @@ def _refusals(rank: int, world_size: int) -> list[str]:
         def train_step(self, data):
             return super().train_step(data)
 
+    class Evaluating(mf.Model):
+        def test_step(self, data):
+            return super().test_step(data)
+
     x, y = _data()
     messages = []
-    for dims, kind, points in (([("pipe", 2)], Custom, ["blocks.2"]), ([("batch", 2)], mf.Model, ["blocks.2"]),
-                               ([("pipe", 2)], mf.Model, ["blocks.1", "blocks.2", "blocks.3"])):
-        mesh = mf.dtensor.create_mesh(dims)
-        with mf.dtensor.LayoutMap(mesh).pipeline(points, microbatches=2).scope():
-            model = kind(Classifier())
-        _compile(model)
+
+    def refused(call: Any) -> None:
         try:
-            model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+            call()
             messages.append("not refused")
         except ValueError as error:
             messages.append(str(error))
+
+    for dims, kind, points, optimizer in (
+            ([("pipe", 2)], Custom, ["blocks.2"], None), ([("pipe", 2)], Evaluating, ["blocks.2"], None),
+            ([("batch", 2)], mf.Model, ["blocks.2"], None),
+            ([("pipe", 2)], mf.Model, ["blocks.1", "blocks.2", "blocks.3"], None),
+            ([("pipe", 2)], mf.Model, ["blocks.2"], mf.optimizers.Adam(0.01, global_clipnorm=1.0))):
+        mesh = mf.dtensor.create_mesh(dims)
+        with mf.dtensor.LayoutMap(mesh).pipeline(points, microbatches=2).scope():
+            model = kind(Classifier())
+        model.compile(optimizer=optimizer or mf.optimizers.Adam(0.01),
+                      loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+        refused(functools.partial(model.fit, x, y, batch_size=16, epochs=1, verbose=0))
+    # calling the model would run the other stages on copies this process never trains
+    refused(functools.partial(model, torch.from_numpy(x[:4])))
     return messages
 
 
 @pytest.mark.timeout(TIMEOUT)
-def test_a_pipeline_refuses_an_override_a_mesh_without_its_axis_and_a_wrong_stage_count() -> None:
-    for override, no_axis, count in run_distributed(_refusals, world_size=2, timeout=TIMEOUT - 60):
+def test_a_pipeline_refuses_what_it_cannot_run_exactly() -> None:
+    for override, evaluating, no_axis, count, clipnorm, call in run_distributed(_refusals, world_size=2,
+                                                                                 timeout=TIMEOUT - 60):
         assert "Invalid `train_step` override on Custom" in override and "layout_map.pipeline" in override, override
+        assert "Invalid `test_step` override on Evaluating" in evaluating, evaluating
         assert "has no pipeline axis" in no_axis and "create_mesh([('pipe', 2)" in no_axis, no_axis
         assert "4 stages for a 'pipe' axis of 2" in count and "give 1 split points" in count, count
+        assert "Invalid `global_clipnorm` under a pipeline" in clipnorm and "clipnorm" in clipnorm, clipnorm
+        assert "under a pipeline" in call and "model.predict(x)" in call, call
 
 
 def test_pipeline_bad_input_is_refused_naming_the_value() -> None:
