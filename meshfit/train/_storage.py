@@ -289,8 +289,20 @@ class SafeFileSystemReader(FileSystemReader):
     already read with ``torch.load(weights_only=True)``.
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._read_metadata: dict[int | None, Metadata] = {}
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checkpoint's DCP metadata, read once per reader: a restore reads it before loading (to name
+        a mismatch), and DCP's load then gets the same object instead of opening the file again (a
+        checkpoint deleted in between, an evaluator's race with retention, then fails in the data reads)."""
         rank = kwargs.get("rank")
+        if rank in self._read_metadata:
+            metadata = self._read_metadata[rank]
+            if metadata.storage_meta is not None:
+                metadata.storage_meta.load_id = self.load_id  # DCP's reset gives each load its own id
+            return metadata
         name = DCP_METADATA if rank is None else f"__{rank}{DCP_METADATA}"
         with open(os.path.join(os.fspath(self.path), name), "rb") as f:
             metadata = _MetadataUnpickler(f).load()
@@ -300,6 +312,7 @@ class SafeFileSystemReader(FileSystemReader):
         if storage_meta is None:
             storage_meta = metadata.storage_meta = StorageMeta()
         storage_meta.load_id = self.load_id
+        self._read_metadata[rank] = metadata
         return metadata
 
 
