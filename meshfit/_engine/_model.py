@@ -219,6 +219,7 @@ class Model(TrackedMetricsMixin, StepsMixin, OnBatchMixin, WeightsMixin):
                 self.module.train(was_training)
             self.placement = self.strategy.setup_module(self.module, jit_compile=self.jit_compile)
             self._refuse_step_overrides()  # a placement whose runner runs each step (a pipeline) takes none
+        self._metrics_follow_placement()  # compiled after the placement too: every build
         if self.optimizer is not None and not self.optimizer.built:  # also: compiled again after fit
             params = list(self.module.named_parameters())  # names: exclude_from_weight_decay
             if params:  # nothing to optimise: no optimizer (train_step skips the update)

@@ -134,6 +134,15 @@ class StepsMixin:
                                  "as a schedule over stages (a pipeline), which an override cannot call. Remove the "
                                  "override, or train without layout_map.pipeline(...).")
 
+    def _metrics_follow_placement(self) -> None:
+        """Under a residency where some processes hold the outputs (pipeline stages), each logged metric's
+        `result()` read directly (a callback's) takes its states from those processes."""
+        residency = self.residency
+        if residency.everywhere or residency.leads_logs is None:
+            return
+        for metric in self.logged_metrics():
+            metric.follow_placement(self.strategy, residency.leads_logs)
+
     @property
     def residency(self) -> Residency:
         """Which ranks hold which state and the outputs: the placement's (`EVERYWHERE` until placed)."""

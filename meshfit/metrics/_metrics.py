@@ -41,6 +41,8 @@ class Metric:
             process's rows, and `result()` sums the states over the mesh's ``batch`` axis.
     """
 
+    _following: tuple[weakref.ref, bool] | None = None  # `follow_placement`'s strategy and lead
+
     def __init__(self, name: str | None = None, mesh: Any = None) -> None:
         if name is not None and not isinstance(name, str):
             raise TypeError(f"Invalid `name`: expected a str, received name={name!r}.")
@@ -89,10 +91,24 @@ class Metric:
         """The metric's value for the given (e.g. summed across replicas) states."""
         raise NotImplementedError(f"{type(self).__name__} must implement `result_from`.")
 
+    def follow_placement(self, strategy: DistributionStrategy, lead: bool) -> None:
+        """Under a placement where only some processes compute the outputs (a pipeline's last stage),
+        `result()` sums the states of the processes that ``lead`` (one per replica), over every process
+        of ``strategy``: the model's value on every process, not this process's share."""
+        self._following = (weakref.ref(strategy), lead)
+
     def result(self) -> torch.Tensor:
         """The metric's value: over all replicas when created in a multi-replica strategy's scope
         (or over the mesh's ``batch`` axis with ``mesh``)."""
         states = self.state_tensors()
+        following = self._following
+        owner = following[0]() if following is not None else None
+        if following is not None and owner is not None and owner.num_processes > 1 and states:
+            flat = torch.cat([t.reshape(-1).to(owner.device) for t in states])
+            with owner.guard():
+                owner.all_reduce_states(flat, 0, lead=following[1])
+            return self.result_from(tuple(part.reshape(t.shape) for part, t in
+                                          zip(flat.split([t.numel() for t in states]), states, strict=True)))
         strategy = self._reducing_strategy()
         if strategy is not None and states:
             flat = torch.cat([t.reshape(-1).to(strategy.device) for t in states])

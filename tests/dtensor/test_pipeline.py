@@ -58,16 +58,22 @@ def _pipeline(rank: int, world_size: int, directory: str, schedule: str, split_p
         model = mf.Model(Classifier())
     _compile(model)
     x, y = _data(rows)
+    read: list[dict[str, float]] = []  # a callback reading the metrics directly, on every process
+
+    class ReadMetrics(mf.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            read.append({m.name: float(m.result()) for m in self.model.metrics})
+
     history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
                         callbacks=[mf.callbacks.BackupAndRestore(os.path.join(directory, "backup"), save_freq=4,
                                                                  delete_checkpoint=False),
-                                   mf.callbacks.VerifyReplicas(every_n_steps=2, on_divergence="stop")])
+                                   mf.callbacks.VerifyReplicas(every_n_steps=2, on_divergence="stop"), ReadMetrics()])
     verified = mesh.strategy.verify_replicas(model)
     evaluated = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
     predicted = model.predict(x, batch_size=16, verbose=0)
     model.save(os.path.join(directory, "model.keras"))
     every = dict(zip(model.module.state_dict(), model.get_weights(), strict=True))  # every stage's, completed
-    return {"history": history.history, "compared": verified.compared, "one_copy": verified.one_copy, "evaluated": evaluated, "predicted": np.asarray(predicted), "every": every,
+    return {"history": history.history, "read": read, "compared": verified.compared, "one_copy": verified.one_copy, "evaluated": evaluated, "predicted": np.asarray(predicted), "every": every,
             "digest": mf.train.state_digest(model).total,
             "stage": {k: v.detach().numpy().copy() for k, v in model.module.state_dict().items()
                       if model.residency.holds(k)}}
@@ -93,6 +99,10 @@ def test_pipeline_fit_equals_one_process(tmp_path: Any, schedule: str, split_poi
         for path, value in result["stage"].items():
             np.testing.assert_allclose(value, weights[path], rtol=1e-5, atol=1e-6, err_msg=path)
             held.add(path)
+        # a metric read directly in a callback is the model's value on every process, not this stage's share
+        for epoch, values in enumerate(result["read"]):
+            np.testing.assert_allclose(values["loss"], history["loss"][epoch], rtol=1e-5)
+            np.testing.assert_allclose(values["accuracy"], history["accuracy"][epoch], rtol=1e-5)
         # evaluate and predict run the schedule too: one process's values on its weights
         np.testing.assert_allclose(result["predicted"], history["predicted"], rtol=1e-5, atol=1e-6)
         for name, value in history["evaluated"].items():
