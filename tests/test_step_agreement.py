@@ -86,6 +86,21 @@ class _StopInStep(mf.Model):
         return logs
 
 
+class _HookFromTrainBegin(mf.callbacks.Callback):
+    """Gives itself a batch hook in on_train_begin; it asks to stop on worker 0 only, after the 2nd step."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def on_train_begin(self, logs=None):
+        def on_train_batch_end(batch, logs=None):
+            if self.rank == 0 and batch == 1:
+                self.model.stop_training = True
+
+        self.on_train_batch_end = on_train_batch_end
+
+
 def _stops(rank: int, size: int) -> dict[str, tuple[int, int]]:
     strategy = mf.MultiWorkerMirroredStrategy()
     out = {}
@@ -97,6 +112,10 @@ def _stops(rank: int, size: int) -> dict[str, tuple[int, int]]:
     model = _model(strategy, _StopInStep)
     history = model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0)
     out["train_step"] = (int(model.optimizer.iterations), len(history.history["loss"]))
+    model = _model(strategy)
+    history = model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+                        callbacks=[_HookFromTrainBegin(rank)])
+    out["hook_from_train_begin"] = (int(model.optimizer.iterations), len(history.history["loss"]))
     return out
 
 
@@ -108,6 +127,9 @@ def test_a_stop_on_one_worker_stops_both_at_the_same_step():
     assert results[0]["epoch_begin"] == (7, 2), results
     # The override's stop (worker 1 only) is agreed at that step: both stop after 3 steps.
     assert results[0]["train_step"] == (3, 1), results
+    # A batch hook given in on_train_begin stops both workers at its step (one step later on 2+ workers, as
+    # every batch-end stop), not at the epoch's end: the flags are shared at each step once it exists.
+    assert results[0]["hook_from_train_begin"] == (3, 1), results
 
 
 class _ReadsTestLogs(mf.callbacks.Callback):

@@ -159,7 +159,6 @@ class TrainingLoop:
         counters.epoch, counters.step = initial_epoch, 0
         trainable.stop_training = False
         handles_preemption = any(c.handles_preemption for c in cbs)
-        batch_logs, self._agree_each_step = self._step_needs(handles_preemption)
         self._preemption = PreemptionWatch(handles_preemption, self.strategy.failure)
         # Fixed for the run, looked up once: the strategy's replica scope and failure record, whether
         # this is one process and whether several agree on the end of data of unknown length.
@@ -173,7 +172,8 @@ class TrainingLoop:
             if restorer is not None:  # resume before any hook: every callback's on_train_begin sees the restored state
                 restorer.restore_training(self)
             cbs.on_train_begin()
-            self._hooks = batch_hooks(cbs)  # again: on_train_begin may have given a callback a hook
+            # After on_train_begin, which may give a callback a batch hook (one that may stop training)
+            batch_logs, self._agree_each_step = self._step_needs(handles_preemption)
             self._lazy_logs = self._single and only_bars_read_batch_ends(cbs)
             self._resumed = False  # a resume at the start is where the epoch loop begins anyway
             while not self._done(epochs, until_step) and not trainable.stop_training:
