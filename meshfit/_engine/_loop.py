@@ -337,9 +337,6 @@ def _train_step(trainable: Trainable, scope: AbstractContextManager[Any], batch:
             return trainable.train_step(strategy.distribute_batch(batch))
 
 
-
-
-
 def _gradient_window(trainable: Trainable) -> AbstractContextManager[None] | None:
     """Where the optimizer's next step only accumulates (``gradient_accumulation_steps``), the step's
     gradients stay on this replica (its placement's `deferred`: DDP's ``no_sync``), so that the

@@ -93,19 +93,19 @@ def _placed(device: torch.device | None, transforms: Sequence[Transform], jit_co
 
 
 def place_replicated(module: nn.Module, device: torch.device | None, jit_compile: bool = False,
-               transforms: Sequence[Transform] = ()) -> Placement:
+                     transforms: Sequence[Transform] = ()) -> Placement:
     """``module`` on ``device`` (after ``transforms``), compiled if asked; the optimizer step sums its gradients."""
     return PlacementPlan(_placed(device, transforms, jit_compile), ReplicatedSync()).apply(module)
 
 
 def place_data_parallel(module: nn.Module, device: torch.device, jit_compile: bool, wrap: Callable[[nn.Module], nn.Module],
-                  sync: DataParallelSync, transforms: Sequence[Transform] = ()) -> Placement:
+                        sync: DataParallelSync, transforms: Sequence[Transform] = ()) -> Placement:
     """``module`` on ``device`` (after ``transforms``), compiled if asked, in the DDP wrapper ``wrap`` makes."""
     return PlacementPlan([*_placed(device, transforms, jit_compile), DataParallel(wrap, sync)], sync).apply(module)
 
 
 def place_laid_out(module: nn.Module, device: torch.device | None, jit_compile: bool,
-             transforms: Sequence[Transform]) -> Placement:
+                   transforms: Sequence[Transform]) -> Placement:
     """``module`` with whole-mesh DTensor parameters (``transforms`` lay it out); their layouts reduce the
     gradients in the optimizer step."""
     return place_replicated(module, device, jit_compile, transforms)
@@ -117,6 +117,6 @@ def place_sharded(module: nn.Module, transforms: Sequence[Transform], sync: Grad
 
 
 def place_staged(module: nn.Module, sync: GradientSync, residency: Residency = EVERYWHERE,
-           step: StepRunner | None = None, transforms: Sequence[Transform] = ()) -> Placement:
+                 step: StepRunner | None = None, transforms: Sequence[Transform] = ()) -> Placement:
     """``module`` placed by ``transforms`` with its own `Residency` and step runner (a pipeline's stages)."""
     return PlacementPlan(list(transforms), sync, residency, step).apply(module)
