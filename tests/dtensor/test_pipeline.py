@@ -67,7 +67,8 @@ def _pipeline(rank: int, world_size: int, directory: str, schedule: str, split_p
     history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
                         callbacks=[mf.callbacks.BackupAndRestore(os.path.join(directory, "backup"), save_freq=4,
                                                                  delete_checkpoint=False),
-                                   mf.callbacks.VerifyReplicas(every_n_steps=2, on_divergence="stop"), ReadMetrics()])
+                                   mf.callbacks.VerifyReplicas(every_n_steps=2, on_divergence="stop"), ReadMetrics(),
+                                   mf.callbacks.ModelCheckpoint(os.path.join(directory, "epoch.keras"))])
     verified = mesh.strategy.verify_replicas(model)
     evaluated = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
     predicted = model.predict(x, batch_size=16, verbose=0)
@@ -114,6 +115,10 @@ def test_pipeline_fit_equals_one_process(tmp_path: Any, schedule: str, split_poi
     for result in results:  # one copy of each stage: nothing to compare but the step count
         assert result["compared"] == ("optimizer/iterations",) and set(result["stage"]) <= set(result["one_copy"])
     # model.save wrote every stage's weights: one plain process loads them
+    # ModelCheckpoint saved through the same path at each epoch's end: the last one holds the final weights
+    checkpointed = mf.load_model(str(tmp_path / "epoch.keras"), module=Classifier())
+    for path, value in checkpointed.module.state_dict().items():
+        np.testing.assert_allclose(value.numpy(), weights[path], rtol=1e-5, atol=1e-6, err_msg=path)
     loaded = mf.load_model(str(tmp_path / "model.keras"), module=Classifier())
     for path, value in loaded.module.state_dict().items():
         np.testing.assert_allclose(value.numpy(), weights[path], rtol=1e-5, atol=1e-6, err_msg=path)
@@ -122,7 +127,8 @@ def test_pipeline_fit_equals_one_process(tmp_path: Any, schedule: str, split_poi
     _compile(model)
     x, y = _data()
     model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
-              callbacks=[mf.callbacks.BackupAndRestore(str(tmp_path / "backup"), save_freq=4, delete_checkpoint=False)])
+              callbacks=[mf.callbacks.BackupAndRestore(str(tmp_path / "backup"), save_freq=4, delete_checkpoint=False),
+                         mf.callbacks.ModelCheckpoint(str(tmp_path / "restored.keras"))])  # the run's own callbacks
     assert mf.train.state_digest(model).total == results[0]["digest"]
 
 
