@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -34,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 from bench_two_d import _data as lm_data  # noqa: E402  (the same model and batches as the 2-D bench)
 from bench_two_d import _module as lm_module  # noqa: E402
+from bench_two_d import _step_ms  # noqa: E402  (rank 0's median step after warm-up)
 
 TARGET = 1.05
 VARIANTS = ("pipeline", "hand")
@@ -156,10 +156,6 @@ def _run(variant: str, args: argparse.Namespace, show: bool) -> list[dict]:
                 print("command: " + C.command_line(argv, env, keys), flush=True)
         C.run_children(specs, timeout=args.timeout)
         return [C.read_json(os.path.join(tmp, f"rank{r}.json")) for r in range(2)]
-
-
-def _step_ms(ranks: list[dict], warmup: int) -> float:
-    return 1000 * statistics.median(ranks[0]["steps"][warmup:])
 
 
 def main() -> None:

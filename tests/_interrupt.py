@@ -10,6 +10,10 @@ and compares with an uninterrupted run. Which hook raises matters: a callback th
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import meshfit as mf
 
 INTERRUPTION = "Interruption"
@@ -64,3 +68,19 @@ class InterruptHook(mf.estimator.SessionRunHook):
     def after_run(self, run_context, run_values):
         if self._step == 5:
             raise RuntimeError(INTERRUPTION)
+
+
+class SigkillBeforeStep(mf.callbacks.Callback):
+    """SIGKILL this process, when it is rank ``kill_rank``, before optimizer step ``kill_at`` of a launched job's
+    first round (``MESHFIT_RESTART_COUNT`` 0: a restarted round trains on), printing ``rank R: SIGKILL at <time>``
+    first (a test measures from it)."""
+
+    def __init__(self, kill_rank: int, kill_at: int, rank: int) -> None:
+        super().__init__()
+        self.kill_rank, self.kill_at, self.rank = kill_rank, kill_at, rank
+        self.first_round = os.environ.get("MESHFIT_RESTART_COUNT", "0") == "0"
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.first_round and self.rank == self.kill_rank and self.model.loop_state.iterations + 1 == self.kill_at:
+            print(f"rank {self.rank}: SIGKILL at {time.time():.3f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)

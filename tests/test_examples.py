@@ -257,9 +257,8 @@ def test_microbatches_on_two_workers(tmp_path):
     losses = _fit_losses(out)
     assert len(losses) == 2, out
     # 4 accumulated batches of 16 make the updates of one batch of 64 (the windows run on across passes)
-    reference = _plain_torch(lambda: nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
-                                                   nn.Linear(256, 10)),
-                             *_digits(), optimizer=_adam(), batch_size=64, epochs=2)
+    build = runpy.run_path(str(EXAMPLES / "microbatches.py"))["build_module"]
+    reference = _plain_torch(build, *_digits(), optimizer=_adam(), batch_size=64, epochs=2)
     _assert_learns("microbatches.py", losses[-1], reference)
 
 
@@ -271,9 +270,8 @@ def test_pipeline_on_two_stages(tmp_path):
     losses = _fit_losses(out)
     assert len(losses) == 2, out
     # the stages' numbers are one process's on the same batches of 32
-    reference = _plain_torch(lambda: nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
-                                                   nn.Linear(256, 10)),
-                             *_digits(), optimizer=_adam(), batch_size=32, epochs=2)
+    build = runpy.run_path(str(EXAMPLES / "pipeline.py"))["build_module"]
+    reference = _plain_torch(build, *_digits(), optimizer=_adam(), batch_size=32, epochs=2)
     _assert_learns("pipeline.py", losses[-1], reference)
 
 

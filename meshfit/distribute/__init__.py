@@ -70,7 +70,6 @@ from meshfit.distribute._replication import owner_of as owner_of
 from meshfit.distribute._replication import synchronize_gradients as synchronize_gradients
 from meshfit.distribute._residency import EVERYWHERE as EVERYWHERE
 from meshfit.distribute._residency import StageResidency as StageResidency
-from meshfit.distribute._resident_state import complete_tensors as complete_tensors
 from meshfit.distribute._resident_state import resident_parts as resident_parts
 from meshfit.distribute._scope import current_scope_strategy as current_scope_strategy
 from meshfit.distribute._scope import current_world as current_world

@@ -83,14 +83,6 @@ class StageResidency:
     def leads_logs(self) -> bool | None:
         return self.rank in self.log_ranks
 
-    @property
-    def stage(self) -> int:
-        """The stage of this rank (the first one it holds)."""
-        for stage, ranks in enumerate(self.stage_ranks):
-            if self.rank in ranks:
-                return stage
-        raise ValueError(f"Rank {self.rank} holds no stage of {list(self.stage_ranks)}.")
-
     def stage_of(self, path: str) -> int | None:
         """The stage that holds ``path`` (None: a path of no stage, which every rank holds)."""
         owner: Mapping[str, int] = self.__dict__["_owner"]

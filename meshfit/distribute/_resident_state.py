@@ -12,7 +12,6 @@ therefore restores on any placement: other pipeline depths, one plain process.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
@@ -106,7 +105,8 @@ class ResidentOptimizer:
             holders = self.residency.holders(path) if path else ()
             if holders:
                 by_source[holders[0]].append(index)
-        merged = {index: entry for index, entry in entries.items() if not _held_elsewhere(index, by_source)}
+        sourced = {index for indices in by_source.values() for index in indices}
+        merged = {index: entry for index, entry in entries.items() if index not in sourced}
         for source in sorted(by_source):
             mine = {i: entries[i] for i in by_source[source] if i in entries} if self.world.rank == source \
                 else None
@@ -132,12 +132,7 @@ class ResidentOptimizer:
                 torch_optimizer.state.pop(param, None)  # another stage trains it
 
 
-def _held_elsewhere(index: int, by_source: dict[int, list[int]]) -> bool:
-    return any(index in indices for indices in by_source.values())
-
-
-def resident_parts(parts: dict[str, Any], module: nn.Module, residency: Residency, world: _World,
-                   optimizer_names: Iterable[str] = ("optimizer",)) -> dict[str, Any]:
+def resident_parts(parts: dict[str, Any], module: nn.Module, residency: Residency, world: _World) -> dict[str, Any]:
     """A model's backup parts (``{"module": ..., "optimizer": ...}``) completed from their holders."""
     if residency.everywhere:
         return parts
@@ -145,6 +140,6 @@ def resident_parts(parts: dict[str, Any], module: nn.Module, residency: Residenc
     for name, part in parts.items():
         if part is module:
             wrapped[name] = ResidentModule(module, residency, world)
-        elif name in optimizer_names and part is not None:
+        elif name == "optimizer" and part is not None:
             wrapped[name] = ResidentOptimizer(part, module, residency, world)
     return wrapped

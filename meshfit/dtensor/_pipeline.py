@@ -171,6 +171,7 @@ class PipelineStep:
         self._training = False
         self._weights: tuple[torch.Tensor, ...] | None = None  # this batch's sample weights, by microbatch
         self._used: set[int] = set()  # the parameters the traced stages' forwards use (ids)
+        self._held = [p for name, p in source.named_parameters() if residency.holds(name)]
         self._checked = False  # the optimizer's settings, checked at the first training step
         self.world = world
 
@@ -285,7 +286,9 @@ class PipelineStep:
                 g.fill_(float("nan"))
 
     def _held_parameters(self) -> list[nn.Parameter]:
-        return [p for name, p in self.source.named_parameters() if p.requires_grad and self.residency.holds(name)]
+        """This rank's stages' trainable parameters (``requires_grad`` read at each step: a callback may
+        freeze one; which paths a rank holds is fixed, listed once)."""
+        return [p for p in self._held if p.requires_grad]
 
     def train(self, host: Any, x: Any, y: Any, sample_weight: Any) -> _Outputs | None:
         if not self._checked:

@@ -103,17 +103,18 @@ class Metric:
         states = self.state_tensors()
         following = self._following
         owner = following[0]() if following is not None else None
-        if following is not None and owner is not None and owner.num_processes > 1 and states:
-            flat = torch.cat([t.reshape(-1).to(owner.device) for t in states])
-            with owner.guard():
-                owner.all_reduce_states(flat, 0, lead=following[1])
-            return self.result_from(tuple(part.reshape(t.shape) for part, t in
-                                          zip(flat.split([t.numel() for t in states]), states, strict=True)))
-        strategy = self._reducing_strategy()
+        if following is not None and owner is not None and owner.num_processes > 1:
+            strategy: DistributionStrategy | None = owner
+            lead: bool | None = following[1]  # the processes that compute the outputs send their states
+        else:
+            strategy, lead = self._reducing_strategy(), None
         if strategy is not None and states:
             flat = torch.cat([t.reshape(-1).to(strategy.device) for t in states])
             with strategy.guard():  # a dead peer is named, not a raw backend error
-                strategy.all_reduce_sum(flat)
+                if lead is None:
+                    strategy.all_reduce_sum(flat)
+                else:
+                    strategy.all_reduce_states(flat, 0, lead=lead)
             states = tuple(part.reshape(t.shape) for part, t in
                            zip(flat.split([t.numel() for t in states]), states, strict=True))
         return self.result_from(states)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ import pytest
 import torch
 from _multiproc import run_distributed
 from _pipeline_model import Classifier, compile_model, data
+from torch import nn
 
 TIMEOUT = 300
 
@@ -26,17 +28,43 @@ def _data(rows: int = 64) -> tuple[np.ndarray, np.ndarray]:
     return data(rows)
 
 
-def _compile(model: Any) -> None:
+def _model(mesh_dims: Sequence[tuple[str, int]] | None, *pipeline: Any, kind: Any = None,
+           module: Callable[[], nn.Module] = Classifier, optimizer: Any = None, **options: Any) -> Any:
+    """The tests' model: ``module()`` split into stages by ``layout_map.pipeline(*pipeline, **options)`` on a
+    mesh of ``mesh_dims`` (None: one plain process), as ``kind`` (default `mf.Model`); compiled with
+    ``optimizer`` and the loss alone, or (no optimizer) as `compile_model` does: Adam 0.01 and accuracy."""
     import meshfit as mf
 
-    compile_model(mf, model)
+    build = kind or mf.Model
+    if mesh_dims is None:
+        model = build(module())
+    else:
+        mesh = mf.dtensor.create_mesh(list(mesh_dims))
+        with mf.dtensor.LayoutMap(mesh).pipeline(*pipeline, **options).scope():
+            model = build(module())
+    if optimizer is None:
+        compile_model(mf, model)
+    else:
+        model.compile(optimizer=optimizer, loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _counting(steps: list[int]) -> Any:
+    """A callback that appends each training batch's index to ``steps``."""
+    import meshfit as mf
+
+    return mf.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: steps.append(batch))
+
+
+def _every(model: Any) -> dict[str, np.ndarray]:
+    """Every stage's weights by path (``get_weights``: each from the process that trains it)."""
+    return dict(zip(model.module.state_dict(), model.get_weights(), strict=True))
 
 
 def _one_process(rows: int = 64, epochs: int = 2) -> tuple[dict[str, np.ndarray], dict[str, list[float]], int]:
     import meshfit as mf
 
-    model = mf.Model(Classifier())
-    _compile(model)
+    model = _model(None)
     x, y = _data(rows)
     history = model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
     weights = {k: v.detach().numpy().copy() for k, v in model.module.state_dict().items()}
@@ -51,12 +79,8 @@ def _pipeline(rank: int, world_size: int, directory: str, schedule: str, split_p
               microbatches: int = 4) -> dict[str, Any]:
     import meshfit as mf
 
-    mesh = mf.dtensor.create_mesh(list(mesh_dims))
-    layout_map = mf.dtensor.LayoutMap(mesh).pipeline(split_points, microbatches=microbatches, schedule=schedule,
-                                                     stages_per_rank=stages_per_rank)
-    with layout_map.scope():
-        model = mf.Model(Classifier())
-    _compile(model)
+    model = _model(mesh_dims, split_points, microbatches=microbatches, schedule=schedule,
+                   stages_per_rank=stages_per_rank)
     x, y = _data(rows)
     read: list[dict[str, float]] = []  # a callback reading the metrics directly, on every process
 
@@ -69,12 +93,13 @@ def _pipeline(rank: int, world_size: int, directory: str, schedule: str, split_p
                                                                  delete_checkpoint=False),
                                    mf.callbacks.VerifyReplicas(every_n_steps=2, on_divergence="stop"), ReadMetrics(),
                                    mf.callbacks.ModelCheckpoint(os.path.join(directory, "epoch.keras"))])
-    verified = mesh.strategy.verify_replicas(model)
+    verified = model.strategy.verify_replicas(model)
     evaluated = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
     predicted = model.predict(x, batch_size=16, verbose=0)
     model.save(os.path.join(directory, "model.keras"))
-    every = dict(zip(model.module.state_dict(), model.get_weights(), strict=True))  # every stage's, completed
-    return {"history": history.history, "read": read, "compared": verified.compared, "one_copy": verified.one_copy, "evaluated": evaluated, "predicted": np.asarray(predicted), "every": every,
+    every = _every(model)  # every stage's, completed
+    return {"history": history.history, "read": read, "compared": verified.compared, "one_copy": verified.one_copy,
+            "evaluated": evaluated, "predicted": np.asarray(predicted), "every": every,
             "digest": mf.train.state_digest(model).total,
             "stage": {k: v.detach().numpy().copy() for k, v in model.module.state_dict().items()
                       if model.residency.holds(k)}}
@@ -123,8 +148,7 @@ def test_pipeline_fit_equals_one_process(tmp_path: Any, schedule: str, split_poi
     for path, value in loaded.module.state_dict().items():
         np.testing.assert_allclose(value.numpy(), weights[path], rtol=1e-5, atol=1e-6, err_msg=path)
     # the backup (the last one: both epochs done) restores in one plain process with the pipeline's digest
-    model = mf.Model(Classifier())
-    _compile(model)
+    model = _model(None)
     x, y = _data()
     model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
               callbacks=[mf.callbacks.BackupAndRestore(str(tmp_path / "backup"), save_freq=4, delete_checkpoint=False),
@@ -163,8 +187,7 @@ def _both_spellings(rank: int, world_size: int) -> dict[str, Any]:
     import meshfit as mf
 
     def train() -> tuple[list[np.ndarray], list[float]]:
-        model = mf.Model(Classifier())
-        _compile(model)
+        model = _model(None)
         x, y = _data()
         history = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
         return model.get_weights(), history.history["loss"]
@@ -201,14 +224,11 @@ def test_keras_spelling_reaches_the_pipeline_bitwise() -> None:
 def _accumulating(rank: int, world_size: int) -> dict[str, Any]:
     import meshfit as mf
 
-    mesh = mf.dtensor.create_mesh([("pipe", 2), ("batch", 2)])
-    with mf.dtensor.LayoutMap(mesh).pipeline(["blocks.2"], microbatches=2).scope():
-        model = mf.Model(Classifier())
-    model.compile(optimizer=mf.optimizers.Adam(0.01, gradient_accumulation_steps=2),
-                  loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = _model([("pipe", 2), ("batch", 2)], ["blocks.2"], microbatches=2,
+                   optimizer=mf.optimizers.Adam(0.01, gradient_accumulation_steps=2))
     x, y = _data()
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
-    return {"every": dict(zip(model.module.state_dict(), model.get_weights(), strict=True))}
+    return {"every": _every(model)}
 
 
 @pytest.mark.timeout(TIMEOUT)
@@ -216,8 +236,7 @@ def test_gradient_accumulation_under_a_pipeline_equals_one_process_with_twice_th
     """``gradient_accumulation_steps=2`` on 2 stages x 2 replicas, batch 8: one process's batch of 16."""
     import meshfit as mf
 
-    model = mf.Model(Classifier())
-    model.compile(optimizer=mf.optimizers.Adam(0.01), loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = _model(None, optimizer=mf.optimizers.Adam(0.01))
     x, y = _data()
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     weights = {k: v.detach().numpy() for k, v in model.module.state_dict().items()}
@@ -230,10 +249,7 @@ def _bfloat16(rank: int, world_size: int, policy: str = "mixed_bfloat16") -> lis
     import meshfit as mf
 
     mf.mixed_precision.set_global_policy(policy)
-    mesh = mf.dtensor.create_mesh([("pipe", 2)])
-    with mf.dtensor.LayoutMap(mesh).pipeline(["blocks.2"], microbatches=2).scope():
-        model = mf.Model(Classifier())
-    _compile(model)
+    model = _model([("pipe", 2)], ["blocks.2"], microbatches=2)
     x, y = _data()
     return model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history["loss"]
 
@@ -248,14 +264,12 @@ def test_mixed_precision_under_a_pipeline_follows_one_process(policy: str) -> No
 
     mf.mixed_precision.set_global_policy(policy)
     try:
-        model = mf.Model(Classifier())
-        _compile(model)
+        model = _model(None)
         x, y = _data()
         reference = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history["loss"]
     finally:
         mf.mixed_precision.set_global_policy("float32")
-    model = mf.Model(Classifier())
-    _compile(model)
+    model = _model(None)
     float32 = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0).history["loss"][0]
     for losses in run_distributed(_bfloat16, world_size=2, timeout=TIMEOUT - 60, args=(policy,)):
         np.testing.assert_allclose(losses, reference, rtol=1e-4)
@@ -266,11 +280,7 @@ def test_mixed_precision_under_a_pipeline_follows_one_process(policy: str) -> No
 def _moving_averages(rank: int, world_size: int, backup: str) -> None:
     import meshfit as mf
 
-    mesh = mf.dtensor.create_mesh([("pipe", 2)])
-    with mf.dtensor.LayoutMap(mesh).pipeline(["blocks.2"], microbatches=2).scope():
-        model = mf.Model(Classifier())
-    model.compile(optimizer=mf.optimizers.Adam(0.01, use_ema=True),
-                  loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = _model([("pipe", 2)], ["blocks.2"], microbatches=2, optimizer=mf.optimizers.Adam(0.01, use_ema=True))
     x, y = _data()
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
               callbacks=[mf.callbacks.BackupAndRestore(backup, delete_checkpoint=False)])
@@ -283,9 +293,7 @@ def test_a_pipeline_backup_holds_every_stage_moving_averages(tmp_path: Any) -> N
     import meshfit as mf
 
     def fresh() -> Any:
-        model = mf.Model(Classifier())
-        model.compile(optimizer=mf.optimizers.Adam(0.01, use_ema=True),
-                      loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model = _model(None, optimizer=mf.optimizers.Adam(0.01, use_ema=True))
         return model
 
     x, y = _data()
@@ -304,17 +312,11 @@ CLASS_WEIGHT = {0: 1.0, 1: 2.5, 2: 0.5}
 
 
 def _weighted(rank: int, world_size: int, schedule: str, split_points: list[str], stages_per_rank: int) -> dict:
-    import meshfit as mf
 
-    mesh = mf.dtensor.create_mesh([("pipe", 2)])
-    with mf.dtensor.LayoutMap(mesh).pipeline(split_points, microbatches=4, schedule=schedule,
-                                             stages_per_rank=stages_per_rank).scope():
-        model = mf.Model(Classifier())
-    _compile(model)
+    model = _model([("pipe", 2)], split_points, microbatches=4, schedule=schedule, stages_per_rank=stages_per_rank)
     x, y = _data()
     history = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, class_weight=CLASS_WEIGHT)
-    return {"loss": history.history["loss"], "every": dict(zip(model.module.state_dict(), model.get_weights(),
-                                                               strict=True))}
+    return {"loss": history.history["loss"], "every": _every(model)}
 
 
 @pytest.mark.timeout(TIMEOUT)
@@ -323,10 +325,8 @@ def _weighted(rank: int, world_size: int, schedule: str, split_points: list[str]
 def test_class_weight_under_a_pipeline_equals_one_process(schedule: str, split_points: list[str],
                                                            stages_per_rank: int) -> None:
     """Each microbatch's loss takes its own rows' sample weights (``class_weight`` here)."""
-    import meshfit as mf
 
-    model = mf.Model(Classifier())
-    _compile(model)
+    model = _model(None)
     x, y = _data()
     history = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, class_weight=CLASS_WEIGHT)
     weights = {k: v.detach().numpy() for k, v in model.module.state_dict().items()}
@@ -346,14 +346,11 @@ class _WithUnused(Classifier):
 def _decayed(rank: int, world_size: int) -> dict[str, np.ndarray]:
     import meshfit as mf
 
-    mesh = mf.dtensor.create_mesh([("pipe", 2), ("batch", 2)])
-    with mf.dtensor.LayoutMap(mesh).pipeline(["blocks.2"], microbatches=2).scope():
-        model = mf.Model(_WithUnused())
-    model.compile(optimizer=mf.optimizers.AdamW(0.01, weight_decay=0.1),
-                  loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = _model([("pipe", 2), ("batch", 2)], ["blocks.2"], microbatches=2, module=_WithUnused,
+                   optimizer=mf.optimizers.AdamW(0.01, weight_decay=0.1))
     x, y = _data()
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
-    return dict(zip(model.module.state_dict(), model.get_weights(), strict=True))
+    return _every(model)
 
 
 @pytest.mark.timeout(TIMEOUT)
@@ -362,9 +359,7 @@ def test_a_parameter_no_step_reaches_is_left_alone_as_one_process_leaves_it() ->
     leaves it alone as in one process (a zero gradient would decay it)."""
     import meshfit as mf
 
-    model = mf.Model(_WithUnused())
-    model.compile(optimizer=mf.optimizers.AdamW(0.01, weight_decay=0.1),
-                  loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = _model(None, module=_WithUnused, optimizer=mf.optimizers.AdamW(0.01, weight_decay=0.1))
     x, y = _data()
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     weights = {k: v.detach().numpy() for k, v in model.module.state_dict().items()}
@@ -378,23 +373,18 @@ def _fit_weights(mesh_dims: list[tuple[str, int]], rows: int, batch_size: int, m
                  accumulation: int, validation: bool = False, schedule: str = "1F1B") -> dict[str, np.ndarray]:
     import meshfit as mf
 
-    mesh = mf.dtensor.create_mesh(mesh_dims)
-    with mf.dtensor.LayoutMap(mesh).pipeline(["blocks.2"], microbatches=microbatches, schedule=schedule).scope():
-        model = mf.Model(Classifier())
-    model.compile(optimizer=mf.optimizers.Adam(0.01, gradient_accumulation_steps=accumulation),
-                  loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = _model(mesh_dims, ["blocks.2"], microbatches=microbatches, schedule=schedule,
+                   optimizer=mf.optimizers.Adam(0.01, gradient_accumulation_steps=accumulation))
     x, y = _data(rows)
     model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0,
               validation_data=(x[:16], y[:16]) if validation else None)
-    return dict(zip(model.module.state_dict(), model.get_weights(), strict=True))
+    return _every(model)
 
 
 def _one_process_weights(rows: int, batch_size: int, accumulation: int, validation: bool = False) -> dict:
     import meshfit as mf
 
-    model = mf.Model(Classifier())
-    model.compile(optimizer=mf.optimizers.Adam(0.01, gradient_accumulation_steps=accumulation),
-                  loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = _model(None, optimizer=mf.optimizers.Adam(0.01, gradient_accumulation_steps=accumulation))
     x, y = _data(rows)
     model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0,
               validation_data=(x[:16], y[:16]) if validation else None)
@@ -464,10 +454,7 @@ def _float16_overflow(rank: int, world_size: int) -> dict[str, Any]:
     import meshfit as mf
 
     mf.mixed_precision.set_global_policy("mixed_float16")
-    mesh = mf.dtensor.create_mesh([("pipe", 2)])
-    with mf.dtensor.LayoutMap(mesh).pipeline(["blocks.2"], microbatches=2).scope():
-        model = mf.Model(Classifier())
-    _compile(model)
+    model = _model([("pipe", 2)], ["blocks.2"], microbatches=2)
     _overflow_once(model)
     x, y = _data()
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
@@ -483,8 +470,7 @@ def test_an_overflow_in_one_stage_skips_the_step_on_every_stage() -> None:
 
     mf.mixed_precision.set_global_policy("mixed_float16")
     try:
-        model = mf.Model(Classifier())
-        _compile(model)
+        model = _model(None)
         _overflow_once(model)
         x, y = _data()
         model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
@@ -502,19 +488,14 @@ def _first_epoch(rank: int, world_size: int, backup: str, schedule: str, split_p
                  stages_per_rank: int, epochs: int) -> dict[str, Any]:
     import meshfit as mf
 
-    mesh = mf.dtensor.create_mesh([("pipe", 2)])
-    layout_map = mf.dtensor.LayoutMap(mesh).pipeline(split_points, microbatches=4, schedule=schedule,
-                                                     stages_per_rank=stages_per_rank)
-    with layout_map.scope():
-        model = mf.Model(Classifier())
-    _compile(model)
+    model = _model([("pipe", 2)], split_points, microbatches=4, schedule=schedule, stages_per_rank=stages_per_rank)
     x, y = _data()
     steps: list[int] = []
     history = model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0,
                         callbacks=[mf.callbacks.BackupAndRestore(backup, delete_checkpoint=False),
-                                   mf.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: steps.append(batch))])
+                                   _counting(steps)])
     return {"history": history.history, "steps": len(steps),
-            "every": dict(zip(model.module.state_dict(), model.get_weights(), strict=True))}
+            "every": _every(model)}
 
 
 @pytest.mark.timeout(TIMEOUT)
@@ -537,13 +518,11 @@ def test_a_pipeline_backup_resumes_on_another_depth_and_in_one_plain_process(tmp
         np.testing.assert_allclose(result["history"]["loss"], history["loss"], rtol=1e-5)
         for path, value in result["every"].items():
             np.testing.assert_allclose(value, weights[path], rtol=1e-5, atol=1e-6, err_msg=path)
-    model = mf.Model(Classifier())
-    _compile(model)
+    model = _model(None)
     x, y = _data()
     steps: list[int] = []
     resumed = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
-                        callbacks=[mf.callbacks.BackupAndRestore(first, delete_checkpoint=False),
-                                   mf.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: steps.append(batch))])
+                        callbacks=[mf.callbacks.BackupAndRestore(first, delete_checkpoint=False), _counting(steps)])
     assert len(steps) == 4
     np.testing.assert_allclose(resumed.history["loss"], history["loss"], rtol=1e-5)
     for path, value in model.module.state_dict().items():
@@ -576,11 +555,7 @@ def _refusals(rank: int, world_size: int) -> list[str]:
             ([("batch", 2)], mf.Model, ["blocks.2"], None),
             ([("pipe", 2)], mf.Model, ["blocks.1", "blocks.2", "blocks.3"], None),
             ([("pipe", 2)], mf.Model, ["blocks.2"], mf.optimizers.Adam(0.01, global_clipnorm=1.0))):
-        mesh = mf.dtensor.create_mesh(dims)
-        with mf.dtensor.LayoutMap(mesh).pipeline(points, microbatches=2).scope():
-            model = kind(Classifier())
-        model.compile(optimizer=optimizer or mf.optimizers.Adam(0.01),
-                      loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model = _model(dims, points, microbatches=2, kind=kind, optimizer=optimizer or mf.optimizers.Adam(0.01))
         refused(functools.partial(model.fit, x, y, batch_size=16, epochs=1, verbose=0))
     # calling the model would run the other stages on copies this process never trains
     refused(functools.partial(model, torch.from_numpy(x[:4])))

@@ -9,9 +9,9 @@ import random
 import re
 import time
 
-import numpy as np
 import pytest
 from _procs import child_env, finish, start
+from _script_outputs import assert_ranks_saved, read_weights
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "pipeline_fit.py")
 STEPS = 16  # 2 epochs of 8 steps (64 rows by 8)
@@ -29,24 +29,17 @@ def _run(out: str, *extra: str, restarts: int, expect_ok: bool = True) -> tuple[
     return code, output
 
 
-def _weights(out: str, rank: int) -> list[np.ndarray]:
-    with np.load(os.path.join(out, f"weights-{rank}.npz")) as f:
-        return [f[f"w{i}"] for i in range(len(f.files))]
-
-
 def test_sigkill_a_stage_at_a_random_step_resumes_bitwise(tmp_path):
     reference = str(tmp_path / "reference")
     _run(reference, restarts=0)
-    uninterrupted = _weights(reference, 0)
+    uninterrupted = read_weights(reference, 0)
     chance = random.Random(48)
     rank, step = chance.randrange(2), chance.randrange(5, STEPS + 1)  # after the step-3 backup
     out = str(tmp_path / "out")
     _, output = _run(out, "--backup-dir", os.path.join(out, "backup"), "--kill-rank", str(rank),
                      "--kill-at", str(step), restarts=2)
     assert "restarting the group" in output and "resuming from" in output, (rank, step, output)
-    for r in range(2):
-        for a, b in zip(_weights(out, r), uninterrupted, strict=True):
-            np.testing.assert_array_equal(a, b)  # bitwise equal to the run that was never killed
+    assert_ranks_saved(out, range(2), uninterrupted)  # bitwise equal to the run that was never killed
 
 
 def test_a_killed_stage_is_named_by_the_survivor_within_seconds(tmp_path):

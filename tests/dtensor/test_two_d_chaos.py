@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 import random
 
-import numpy as np
 import pytest
 from _procs import child_env, finish, start
+from _script_outputs import assert_ranks_saved, read_weights
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "two_d_lm.py")
 STEPS = 40
@@ -28,21 +28,14 @@ def _run(out: str, *extra: str, restarts: int) -> str:
     return output
 
 
-def _weights(out: str, rank: int) -> list[np.ndarray]:
-    with np.load(os.path.join(out, f"weights-{rank}.npz")) as f:
-        return [f[f"w{i}"] for i in range(len(f.files))]
-
-
 def test_sigkill_a_two_by_two_worker_at_a_random_step_resumes_bitwise(tmp_path):
     reference = str(tmp_path / "reference")
     _run(reference, restarts=0)  # without BackupAndRestore: the backups may not change a bit of training
-    uninterrupted = _weights(reference, 0)
+    uninterrupted = read_weights(reference, 0)
     chance = random.Random(22)
     rank, step = chance.randrange(4), chance.randrange(7, STEPS + 1)  # after the step-5 backup
     out = str(tmp_path / "out")
     output = _run(out, "--backup-dir", os.path.join(out, "backup"), "--kill-rank", str(rank), "--kill-at", str(step),
                   restarts=2)
     assert "restarting the group" in output and "resuming from" in output, (rank, step, output)
-    for r in range(4):
-        for a, b in zip(_weights(out, r), uninterrupted, strict=True):
-            np.testing.assert_array_equal(a, b)  # bitwise equal to the run that was never killed
+    assert_ranks_saved(out, range(4), uninterrupted)  # bitwise equal to the run that was never killed

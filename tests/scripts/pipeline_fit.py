@@ -1,5 +1,5 @@
 """Pipeline parallelism under ``meshfit launch``: the classifier of ``tests/dtensor/_pipeline_model.py`` split at
-``blocks.2`` on a ``pipe`` mesh (``--mesh``), ``fit`` for 2 epochs of 16 steps (with ``BackupAndRestore`` every
+``blocks.2`` on a ``pipe`` mesh (``--mesh``), ``fit`` for 2 epochs of 8 steps (with ``BackupAndRestore`` every
 3 steps when given ``--backup-dir``); ``--kill-rank`` / ``--kill-at`` SIGKILL one worker before that optimizer
 step of the first round, printing ``rank R: SIGKILL at <time>``. Writes each rank's full weights
 (``get_weights``: every stage's) to ``<out>/weights-<rank>.npz``."""
@@ -8,28 +8,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dtensor"))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(TESTS, "dtensor"), TESTS]  # the model, and the tests' own helpers
+from _interrupt import SigkillBeforeStep  # noqa: E402
 from _pipeline_model import Classifier, compile_model, data  # noqa: E402
 
 import meshfit as mf  # noqa: E402
-
-
-class Chaos(mf.callbacks.Callback):
-    def __init__(self, kill_rank: int, kill_at: int, rank: int) -> None:
-        super().__init__()
-        self.kill_rank, self.kill_at, self.rank = kill_rank, kill_at, rank
-        self.first_round = os.environ.get("MESHFIT_RESTART_COUNT", "0") == "0"
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if self.first_round and self.rank == self.kill_rank and self.model.loop_state.iterations + 1 == self.kill_at:
-            print(f"rank {self.rank}: SIGKILL at {time.time():.3f}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> None:
@@ -52,7 +40,7 @@ def main() -> None:
         model = mf.Model(Classifier())
     compile_model(mf, model)
     x, y = data()
-    callbacks: list[mf.callbacks.Callback] = [Chaos(args.kill_rank, args.kill_at, rank)]
+    callbacks: list[mf.callbacks.Callback] = [SigkillBeforeStep(args.kill_rank, args.kill_at, rank)]
     if args.backup_dir:
         callbacks.append(mf.callbacks.BackupAndRestore(args.backup_dir, save_freq=3))
     model.fit(x, y, batch_size=8, epochs=2, shuffle=False, callbacks=callbacks, verbose=0)

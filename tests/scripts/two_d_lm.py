@@ -7,26 +7,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dtensor"))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(TESTS, "dtensor"), TESTS]  # the model, and the tests' own helpers
+from _interrupt import SigkillBeforeStep  # noqa: E402
 from _two_d_model import BATCH, data, module, two_d_map  # noqa: E402
 
 import meshfit as mf  # noqa: E402
-
-
-class Chaos(mf.callbacks.Callback):
-    def __init__(self, kill_rank: int, kill_at: int, rank: int) -> None:
-        super().__init__()
-        self.kill_rank, self.kill_at, self.rank = kill_rank, kill_at, rank
-        self.first_round = os.environ.get("MESHFIT_RESTART_COUNT", "0") == "0"
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if self.first_round and self.rank == self.kill_rank and self.model.loop_state.iterations + 1 == self.kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> None:
@@ -45,7 +35,7 @@ def main() -> None:
         model.compile(optimizer=mf.optimizers.AdamW(1e-3),
                       loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
     x, y = data()
-    callbacks: list[mf.callbacks.Callback] = [Chaos(args.kill_rank, args.kill_at, rank)]
+    callbacks: list[mf.callbacks.Callback] = [SigkillBeforeStep(args.kill_rank, args.kill_at, rank)]
     if args.backup_dir:
         callbacks.append(mf.callbacks.BackupAndRestore(args.backup_dir, save_freq=5))
     model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, callbacks=callbacks, verbose=0)
