@@ -57,7 +57,7 @@ class WeightsMixin:
                 raise ValueError(f"Invalid `weights`: {key!r} has shape {tuple(current.shape)}, received "
                                  f"shape {tuple(tensor.shape)}.")
             new_state[key] = laid_out_like(tensor.to(current.dtype), current)
-        self.module.load_state_dict(new_state)
+        self.saveable_parts()["module"].load_state_dict(new_state)  # a pipeline's: this rank's stages
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The module's weights (Stateful, for `meshfit.train.Checkpoint`): each pipeline stage's from the

@@ -224,7 +224,8 @@ def load_weights(model: Any, filepath: str | os.PathLike) -> None:
         path = os.path.join(path, "model.safetensors")
     state = load_state_dict_file(path)
     current = model.module.state_dict()
-    model.module.load_state_dict({k: laid_out_like(v, current[k]) if k in current else v for k, v in state.items()})
+    laid_out = {k: laid_out_like(v, current[k]) if k in current else v for k, v in state.items()}
+    model.saveable_parts()["module"].load_state_dict(laid_out)  # a pipeline's: this rank's stages
 
 
 def read_config(path: str) -> dict[str, Any]:

@@ -55,6 +55,9 @@ from meshfit.distribute._proof._verify import reduce_resident as reduce_resident
 from meshfit.distribute._proof._verify import resolve_residency as resolve_residency
 from meshfit.distribute._proof._verify import resolve_state as resolve_state
 from meshfit.distribute._proof._verify import verify_replicas as verify_replicas
+from meshfit.distribute._released import ReleasedParameter as ReleasedParameter
+from meshfit.distribute._released import is_released as is_released
+from meshfit.distribute._released import release_unheld as release_unheld
 from meshfit.distribute._replica_context import (
     ReplicaContext,
     get_cross_replica_context,
@@ -68,6 +71,7 @@ from meshfit.distribute._replication import broadcast_initial_values as broadcas
 from meshfit.distribute._replication import check_training_strategy as check_training_strategy
 from meshfit.distribute._replication import owner_of as owner_of
 from meshfit.distribute._replication import synchronize_gradients as synchronize_gradients
+from meshfit.distribute._replication import untracked as untracked
 from meshfit.distribute._residency import EVERYWHERE as EVERYWHERE
 from meshfit.distribute._residency import StageResidency as StageResidency
 from meshfit.distribute._resident_state import resident_parts as resident_parts

@@ -73,11 +73,7 @@ def _on_registration(module: torch.nn.Module, name: str, tensor: Any) -> None:
 @contextlib.contextmanager
 def tracking_scope(strategy: DistributionStrategy) -> Iterator[None]:
     """Record the parameters created inside; broadcast rank 0's values when the scope exits."""
-    from torch.nn.modules import module as torch_module
-
-    if not _HOOKS:
-        _HOOKS.append(torch_module.register_module_parameter_registration_hook(_on_registration))
-        _HOOKS.append(torch_module.register_module_buffer_registration_hook(_on_registration))
+    _hook()
     _CREATED.append([])
     ok = False
     try:
@@ -92,6 +88,30 @@ def tracking_scope(strategy: DistributionStrategy) -> Iterator[None]:
         if ok:
             tensors = [t for t in (ref() for ref in created) if t is not None]
             broadcast_initial_values(tensors, strategy)
+
+
+@contextlib.contextmanager
+def untracked() -> Iterator[None]:
+    """Register parameters inside without recording them as the scope's: modules meshfit builds for
+    itself (a pipeline's traced stages, whose weights are the user's, bound at each call)."""
+    tracking = bool(_HOOKS)
+    for handle in _HOOKS:
+        handle.remove()
+    _HOOKS.clear()
+    try:
+        yield
+    finally:
+        if tracking and _CREATED:
+            _hook()
+
+
+def _hook() -> None:
+    """torch's registration hooks, once: every parameter and buffer a module registers is recorded."""
+    from torch.nn.modules import module as torch_module
+
+    if not _HOOKS:
+        _HOOKS.append(torch_module.register_module_parameter_registration_hook(_on_registration))
+        _HOOKS.append(torch_module.register_module_buffer_registration_hook(_on_registration))
 
 
 def adopt(module: torch.nn.Module, strategy: DistributionStrategy) -> None:

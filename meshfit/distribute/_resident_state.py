@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from meshfit.distribute._released import is_released
 from meshfit.distribute._residency import Residency
 
 
@@ -48,6 +49,7 @@ def complete_tensors(state: dict[str, torch.Tensor], residency: Residency, world
     """
     if residency.everywhere or not world.distributed:
         return state
+    state = _full(state)  # a sharded stage's tensors: whole, gathered among its holders (each calls it)
     by_source: dict[tuple[int, torch.dtype], list[str]] = collections.defaultdict(list)
     for path, tensor in state.items():
         holders = residency.holders(path)
@@ -77,7 +79,16 @@ class ResidentModule:
         return complete_tensors(self.module.state_dict(), self.residency, self.world)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.module.load_state_dict(state)
+        """Load the paths this rank holds (a released one, another stage's, keeps only its shape)."""
+        released = {path for path, param in self.module.named_parameters(remove_duplicate=False)
+                    if is_released(param)}
+        current = self.module.state_dict()
+        result = self.module.load_state_dict({path: _like(value, current.get(path)) for path, value in state.items()
+                                              if path not in released}, strict=False)
+        missing = sorted(set(result.missing_keys) - released)
+        if missing or result.unexpected_keys:
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self.module).__name__}: missing keys "
+                               f"{missing}, unexpected keys {result.unexpected_keys}. Load a state of this model.")
 
 
 class ResidentOptimizer:
@@ -99,7 +110,8 @@ class ResidentOptimizer:
         state = self.optimizer.state_dict()
         if self.residency.everywhere or not self.world.distributed:
             return state
-        entries: dict[int, Any] = state["optimizer"]["state"]
+        entries: dict[int, Any] = {index: _full(entry) if isinstance(entry, dict) else entry
+                                   for index, entry in sorted(state["optimizer"]["state"].items())}
         by_source: dict[int, list[int]] = collections.defaultdict(list)
         for index, path in enumerate(self._paths()):
             holders = self.residency.holders(path) if path else ()
@@ -130,6 +142,25 @@ class ResidentOptimizer:
         for param, path in zip(params, self._paths(), strict=True):
             if path and not self.residency.holds(path):
                 torch_optimizer.state.pop(param, None)  # another stage trains it
+
+
+def _full(state: dict[Any, Any]) -> dict[Any, Any]:
+    """``state`` with each sharded tensor (a DTensor: a fully sharded stage's) gathered whole, in key order."""
+    out = dict(state)
+    for key, value in state.items():
+        full_tensor = getattr(value, "full_tensor", None)
+        if callable(full_tensor):
+            out[key] = full_tensor()
+    return out
+
+
+def _like(value: torch.Tensor, current: Any) -> torch.Tensor:
+    """A whole tensor ``value`` placed as ``current`` is (this rank's shard of a sharded stage's tensor)."""
+    if current is None or not hasattr(current, "device_mesh") or hasattr(value, "device_mesh"):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value.to(current.dtype), current.device_mesh, current.placements, src_data_rank=None)
 
 
 def resident_parts(parts: dict[str, Any], module: nn.Module, residency: Residency, world: _World) -> dict[str, Any]:

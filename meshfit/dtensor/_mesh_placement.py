@@ -48,7 +48,7 @@ from meshfit.dtensor._fully_sharded import _default_blocks as default_blocks
 from meshfit.dtensor._fully_sharded import fully_shard_module
 from meshfit.dtensor._layout_map import LayoutMap
 from meshfit.dtensor._pack import batch_placements, local_rows
-from meshfit.dtensor._pipeline import PipelineBuilder
+from meshfit.dtensor._pipeline_builder import PipelineBuilder
 from meshfit.dtensor._scope_layouts import mark_placed
 from meshfit.dtensor._tensor_parallel import TensorParallel, slices_meet_their_readers, tensor_parallel_styles
 
@@ -57,7 +57,12 @@ def place_on_mesh(strategy: Any, module: nn.Module, jit_compile: bool) -> Placem
     """``module`` placed as ``strategy`` (a `MeshStrategy`) and its map say; see the module docstring."""
     layout_map = strategy.layout_map
     if layout_map is not None and layout_map.pipeline_spec is not None:
-        return PipelineBuilder(layout_map.pipeline_spec).build(module, strategy, jit_compile)
+        if len(layout_map):
+            raise ValueError(f"Invalid LayoutMap keys {list(layout_map)[:4]} with a pipeline: layouts of single "
+                             "weights inside pipeline stages are not supported yet (the stages are replicated or "
+                             "fully sharded over the data axis). Remove the keys, or drop the pipeline.")
+        return PipelineBuilder(layout_map.pipeline_spec, layout_map.is_fully_sharded).build(module, strategy,
+                                                                                          jit_compile)
     layout_map = layout_map if layout_map is not None else LayoutMap(strategy.mesh)
     batch = strategy._batch
     if layout_map.tensor_parallel_first and not jit_compile:

@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch import nn
 
 from meshfit import mixed_precision
-from meshfit.distribute import Placement, StageResidency, place_staged
+from meshfit.distribute import GradientWeight, StageResidency, untracked
+from meshfit.dtensor._stage_unit import StageUnit, follow_modes
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 
@@ -108,8 +109,8 @@ class _Replicas:
     """A stage's replicas along the data axis: its gradients summed over them, each replica's weighted
     by its share of the global batch's rows (one process's mean over the global batch)."""
 
-    def __init__(self, world: Any, axis: str) -> None:
-        self.world, self.axis = world, axis
+    def __init__(self, world: Any, axis: str, size: int) -> None:
+        self.world, self.axis, self.size = world, axis, size
 
     def agree(self, rows: int, unsplittable: bool) -> tuple[int, bool]:
         """Every replica's rows summed, and whether any replica's batch does not split into microbatches (one
@@ -158,14 +159,15 @@ class _StageSync:
 class PipelineStep:
     """The step runner of a pipeline placement: torch's schedule over the batch's microbatches."""
 
-    def __init__(self, source: nn.Module, spec: PipelineSpec, residency: StageResidency, pipe_rank: int,
-                 pipe_size: int, group: Any, device: torch.device, world: Any, replicas: _Replicas | None = None,
-                 ) -> None:
-        self.source, self.spec, self.residency = source, spec, residency
+    def __init__(self, source: nn.Module, template: nn.Module, units: Sequence[StageUnit], spec: PipelineSpec,
+                 residency: StageResidency, pipe_rank: int, pipe_size: int, group: Any, device: torch.device,
+                 world: Any, replicas: _Replicas | None = None, sharded: GradientWeight | None = None) -> None:
+        self.source, self.template, self.units, self.spec, self.residency = source, template, units, spec, residency
         self.pipe_rank, self.pipe_size, self.group, self.device = pipe_rank, pipe_size, group, device
         self.replicas = replicas
+        self.sharded = sharded  # the stages' units are sharded over the data axis: FSDP reduces their gradients
         self.stages = [s for s in range(spec.num_stages) if s % pipe_size == pipe_rank]
-        self._schedules: dict[Any, Any] = {}
+        self._schedules: dict[Any, tuple[Any, list[nn.Module]]] = {}  # by key: the schedule, its traced stages
         self._host: Any = None
         self._losses: list[torch.Tensor] = []
         self._training = False
@@ -194,9 +196,17 @@ class PipelineStep:
     def _schedule(self, x: torch.Tensor, with_loss: bool = True) -> Any:
         # traced per batch shape and mode (a traced graph keeps train-mode layers such as dropout)
         key = (tuple(x.shape), x.dtype, self.source.training, with_loss)
-        schedule = self._schedules.get(key)
-        if schedule is not None:
-            return schedule
+        known = self._schedules.get(key)
+        if known is None:
+            known = self._schedules[key] = self._trace(x, with_loss)
+        schedule, graphs = known
+        for unit, graph_module in zip(self.units, graphs, strict=True):
+            unit.activate(graph_module)
+        return schedule
+
+    def _trace(self, x: torch.Tensor, with_loss: bool) -> tuple[Any, list[nn.Module]]:
+        """Trace the template at ``x``'s microbatch shape and build this rank's stages: each runs its traced
+        graph through the stage's unit (the parameters, bound at each call)."""
         from torch.distributed.pipelining import (
             Schedule1F1B,
             ScheduleGPipe,
@@ -207,33 +217,40 @@ class PipelineStep:
 
         n = self.spec.microbatches
         example = x[: x.shape[0] // n]
+        follow_modes(self.source, self.template)
         try:
-            with torch.enable_grad():
-                traced = trace(self.source, mb_args=(example,),
+            with torch.enable_grad(), untracked():
+                traced = trace(self.template, mb_args=(example,),
                                split_spec={p: SplitPoint.BEGINNING for p in self.spec.split_points})
         finally:
-            _unannotate(self.source, self.spec.split_points)
+            _unannotate(self.template, self.spec.split_points)
         if traced.num_stages != self.spec.num_stages:
             raise ValueError(f"Invalid `split_points`: {list(self.spec.split_points)} split the traced forward into "
                              f"{traced.num_stages} stages, not {self.spec.num_stages}. Each split point must be a "
                              "module the forward calls.")
-        stages: list[Any] = [traced.build_stage(s, self.device, self.group) for s in self.stages]
-        for s, stage in zip(self.stages, stages, strict=True):
-            # The traced stage holds the parameters its forward uses (an unused one is held, never trained).
-            self._used.update(id(p) for p in stage.submod.parameters())
-            stray = sorted({name for name, _ in stage.submod.named_parameters()} - self.residency.stage_paths[s])
+        with untracked():  # the traced stages' weights are placeholders; the unit binds the user's
+            stages: list[Any] = [traced.build_stage(s, self.device, self.group) for s in self.stages]
+        graphs: list[nn.Module] = []
+        for s, stage, unit in zip(self.stages, stages, self.units, strict=True):
+            graph_module = stage.submod
+            stray = sorted({name for name, _ in graph_module.named_parameters()} - self.residency.stage_paths[s])
             if stray:
                 raise ValueError(f"The traced stage {s} uses {stray[:4]}, which the module's registration order puts "
                                  "in another stage: its forward calls its modules in another order than they are "
                                  "registered. Register the submodules in the order the forward calls them.")
+            # The traced graph reads the parameters its forward uses (an unused one is held, never trained).
+            self._used.update(id(unit.current(path)) for path in unit.used(graph_module))
+            unit.activate(graph_module)
+            stage.submod = unit  # torch's schedule runs (and, sharded, reduces) the unit
+            graphs.append(graph_module)
         loss = self._loss if with_loss else None  # predict: outputs only
+        schedule: Any
         if self.spec.schedule == "Interleaved1F1B":
             schedule = ScheduleInterleaved1F1B(stages, n_microbatches=n, loss_fn=loss, scale_grads=True)
         else:
             kind = ScheduleGPipe if self.spec.schedule == "GPipe" else Schedule1F1B
             schedule = kind(stages[0], n_microbatches=n, loss_fn=loss, scale_grads=True)
-        self._schedules[key] = schedule
-        return schedule
+        return schedule, graphs
 
     def _run(self, host: Any, x: Any, y: Any, sample_weight: Any, train: bool) -> _Outputs | None:
         if not isinstance(x, torch.Tensor):
@@ -241,13 +258,15 @@ class PipelineStep:
                              f"{type(x).__name__}. Feed the model one input tensor.")
         self._host = host
         rows, n = x.shape[0], self.spec.microbatches
-        total, unsplittable = (rows, bool(rows % n)) if self.replicas is None else \
-            self.replicas.agree(rows, bool(rows % n))
+        # sharded stages all-gather and reduce-scatter over the replicas: every replica runs the schedule
+        bad = bool(rows % n) or (self.sharded is not None and not rows)
+        total, unsplittable = (rows, bad) if self.replicas is None else self.replicas.agree(rows, bad)
         if unsplittable:
+            empty = " (fully sharded stages need rows on every replica)" if self.sharded is not None else ""
             raise ValueError(f"Invalid batch for the pipeline: a batch of {rows} rows on this replica (of {total} "
                              f"in all replicas) does not split into microbatches={n} equal microbatches on every "
-                             f"replica. Use a batch size whose share on each replica is divisible by {n} (and a data "
-                             "set whose last batch is too, or drop the remainder), or change `microbatches`.")
+                             f"replica{empty}. Use a batch size whose share on each replica is divisible by {n} (and "
+                             "a data set whose last batch is too, or drop the remainder), or change `microbatches`.")
         held = self._held_parameters()
         earlier = _take_gradients(held)  # torch's schedule divides every gradient it finds by the microbatches
         output = None
@@ -259,8 +278,9 @@ class PipelineStep:
                 self._weights = None if sample_weight is None or not self.last else \
                     torch.as_tensor(sample_weight).tensor_split(n)
                 run = schedule.step if train else schedule.eval
-                output = run(*((x,) if self.first else ()), target=y if self.last else None)
-            if train and self.replicas is not None:  # this batch's gradient over the stage's replicas, by rows
+                with self._weighted(rows, total):
+                    output = run(*((x,) if self.first else ()), target=y if self.last else None)
+            if train and self.replicas is not None and self.sharded is None:  # over the replicas, by rows
                 self.replicas.reduce([p for p in held if id(p) in self._used or p.grad is not None], rows, total)
             if train:
                 self._agree_on_overflow(held)
@@ -271,12 +291,21 @@ class PipelineStep:
         loss = torch.stack(self._losses).mean()
         return _Outputs(output, loss, rows)
 
+    def _weighted(self, rows: int, total: int) -> contextlib.AbstractContextManager[None]:
+        """Sharded stages: FSDP's reduce-scatter averages the replicas, each weighted by its share of the
+        global batch's rows (``rows * replicas / total``), so the result is one process's mean over it."""
+        weight = self.sharded
+        if weight is None or self.replicas is None:
+            return contextlib.nullcontext()
+        weight.factor, weight.in_step = rows * self.replicas.size / total, True
+        return _ending(weight)
+
     def _agree_on_overflow(self, held: Sequence[nn.Parameter]) -> None:
         """Under loss scaling (``mixed_float16``) every stage skips a step when any stage's gradients overflow,
         as one process skips it: each stage's optimizer then sees a non-finite gradient and halves its scale."""
         if mixed_precision.global_policy().name != "mixed_float16":
             return
-        grads = [p.grad for p in held if p.grad is not None]
+        grads = [_local(p.grad) for p in held if p.grad is not None]
         local = torch.stack([torch.isfinite(g).all() for g in grads]).all().logical_not() if grads else \
             torch.zeros((), dtype=torch.bool, device=self.device)
         flag = local.to(torch.float32).reshape(1)
@@ -319,6 +348,20 @@ class PipelineStep:
         return holder[0].to(self.device)
 
 
+@contextlib.contextmanager
+def _ending(weight: GradientWeight) -> Any:
+    try:
+        yield
+    finally:
+        weight.end_step()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded stage's gradient (the tensor itself otherwise)."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
 def _take_gradients(params: Sequence[nn.Parameter]) -> dict[nn.Parameter, torch.Tensor]:
     """The gradients ``params`` hold (an accumulation window's sum so far), taken out of them."""
     taken = {p: p.grad for p in params if p.grad is not None}
@@ -343,46 +386,3 @@ def _unannotate(module: nn.Module, split_points: Sequence[str]) -> None:
         submodule = module.get_submodule(point)
         for name in ("forward", "_orig_forward"):
             submodule.__dict__.pop(name, None)
-
-
-class PipelineBuilder:
-    """Places a module as pipeline stages along the mesh's pipeline axis (a `PlacementBuilder`)."""
-
-    def __init__(self, spec: PipelineSpec) -> None:
-        self.spec = spec
-
-    def build(self, module: nn.Module, strategy: Any, jit_compile: bool = False) -> Placement:
-        if jit_compile:
-            raise ValueError("Invalid `jit_compile=True` under a pipeline: torch.compile of pipeline stages is not "
-                             "supported yet. Compile with jit_compile=False (or 'auto').")
-        mesh = strategy.mesh
-        axis = mesh.dims.axis_of("pipeline")
-        if axis is None:
-            raise ValueError(f"Invalid pipeline on {mesh!r}: the mesh has no pipeline axis. Add one, e.g. "
-                             "create_mesh([('pipe', 2), ...]), or drop layout_map.pipeline(...).")
-        others = [a for a in mesh.axis_names if a != axis]
-        data = mesh.dims.axis_of("data")
-        if any(a != data for a in others):
-            raise ValueError(f"Invalid pipeline on {mesh!r}: a pipeline composes with a data-parallel axis (replicated "
-                             f"stages) but not yet with {[a for a in others if a != data]} (tensor parallel or fully "
-                             "sharded). Use a mesh of the pipeline axis and, optionally, a data axis, e.g. "
-                             "create_mesh([('pipe', 2), ('batch', 2)]); an axis of another name is a data axis "
-                             "when its role says so: create_mesh(..., roles={'<name>': 'data'}).")
-        size = mesh.dim_size(axis)
-        if self.spec.num_stages != size * self.spec.stages_per_rank:
-            raise ValueError(f"Invalid `split_points`: {self.spec.num_stages} stages for a {axis!r} axis of {size} "
-                             f"with stages_per_rank={self.spec.stages_per_rank}: give {size * self.spec.stages_per_rank - 1} "
-                             "split points (one stage per rank, or stages_per_rank per rank).")
-        paths = stage_paths(module, self.spec.split_points)
-        world = strategy.world
-        pipe_rank = world.device_mesh.get_local_rank(axis) if world.distributed else 0
-        group = world.group(axis)
-        layout = world.device_mesh.mesh if world.distributed else torch.zeros(1, dtype=torch.long)
-        along = layout.movedim(mesh.axis_index(axis), 0).reshape(size, -1) if world.distributed else layout.reshape(1, 1)
-        stage_ranks = [tuple(sorted(int(r) for r in along[s % size].tolist())) for s in range(self.spec.num_stages)]
-        last = frozenset(stage_ranks[-1])  # every replica of the last stage holds its replica's outputs
-        residency = StageResidency(world.rank, paths, stage_ranks, last, last)
-        module = module.to(strategy.device)
-        replicas = _Replicas(world, data) if data is not None and mesh.dim_size(data) > 1 else None
-        step = PipelineStep(module, self.spec, residency, pipe_rank, size, group, strategy.device, world, replicas)
-        return place_staged(module, _StageSync(), residency, step)  # registers the parameters with the sync

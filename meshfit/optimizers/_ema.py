@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from meshfit.distribute import is_released
+
 
 def check_ema(use_ema: Any, ema_momentum: Any, ema_overwrite_frequency: Any) -> tuple[bool, float, int | None]:
     """Validated ``(use_ema, ema_momentum, ema_overwrite_frequency)``."""
@@ -39,13 +41,15 @@ class MovingAverage:
         self._momentum = momentum
         self._overwrite_frequency = overwrite_frequency
         with torch.no_grad():
-            self.averages = [p.detach().clone() for p in params]
+            # another process's parameter (a pipeline's other stage): its average is its holder's
+            self.averages = [p.detach() if is_released(p) else p.detach().clone() for p in params]
+            self._held = [(a, p) for a, p in zip(self.averages, params, strict=True) if not is_released(p)]
 
     @torch.no_grad()
     def update(self, iterations: int) -> None:
         """Fold the weights after update number ``iterations`` (0-based) into the averages."""
         momentum = self._momentum if iterations != 0 else 0.0
-        for average, param in zip(self.averages, self._params, strict=True):
+        for average, param in self._held:
             average.mul_(momentum).add_(param.detach(), alpha=1.0 - momentum)
         if self._overwrite_frequency and (iterations + 1) % self._overwrite_frequency == 0:
             self.finalize()
@@ -53,7 +57,7 @@ class MovingAverage:
     @torch.no_grad()
     def finalize(self) -> None:
         """Overwrite the weights with their averages."""
-        for average, param in zip(self.averages, self._params, strict=True):
+        for average, param in self._held:
             param.copy_(average)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -66,7 +70,7 @@ class MovingAverage:
             raise ValueError(f"Invalid `state_dict`: it holds {len(state)} moving averages for an optimizer of "
                              f"{len(self.averages)} parameters; restore it into the same model.")
         with torch.no_grad():
-            for i, average in enumerate(self.averages):
+            for i, (average, param) in enumerate(zip(self.averages, self._params, strict=True)):
                 value = state[str(i)]
-                if value is not average:
+                if value is not average and not is_released(param):
                     average.copy_(value)

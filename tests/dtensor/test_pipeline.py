@@ -29,10 +29,12 @@ def _data(rows: int = 64) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _model(mesh_dims: Sequence[tuple[str, int]] | None, *pipeline: Any, kind: Any = None,
-           module: Callable[[], nn.Module] = Classifier, optimizer: Any = None, **options: Any) -> Any:
+           module: Callable[[], nn.Module] = Classifier, optimizer: Any = None, sharded: bool = False,
+           **options: Any) -> Any:
     """The tests' model: ``module()`` split into stages by ``layout_map.pipeline(*pipeline, **options)`` on a
     mesh of ``mesh_dims`` (None: one plain process), as ``kind`` (default `mf.Model`); compiled with
-    ``optimizer`` and the loss alone, or (no optimizer) as `compile_model` does: Adam 0.01 and accuracy."""
+    ``optimizer`` and the loss alone, or (no optimizer) as `compile_model` does: Adam 0.01 and accuracy.
+    ``sharded``: the stages fully sharded over the data axis (``LayoutMap.fully_sharded(mesh).pipeline``)."""
     import meshfit as mf
 
     build = kind or mf.Model
@@ -40,7 +42,8 @@ def _model(mesh_dims: Sequence[tuple[str, int]] | None, *pipeline: Any, kind: An
         model = build(module())
     else:
         mesh = mf.dtensor.create_mesh(list(mesh_dims))
-        with mf.dtensor.LayoutMap(mesh).pipeline(*pipeline, **options).scope():
+        layout_map = mf.dtensor.LayoutMap.fully_sharded(mesh) if sharded else mf.dtensor.LayoutMap(mesh)
+        with layout_map.pipeline(*pipeline, **options).scope():
             model = build(module())
     if optimizer is None:
         compile_model(mf, model)
@@ -76,11 +79,11 @@ def _one_process(rows: int = 64, epochs: int = 2) -> tuple[dict[str, np.ndarray]
 
 def _pipeline(rank: int, world_size: int, directory: str, schedule: str, split_points: list[str],
               stages_per_rank: int, mesh_dims: tuple[tuple[str, int], ...] = (("pipe", 2),), rows: int = 64,
-              microbatches: int = 4) -> dict[str, Any]:
+              microbatches: int = 4, sharded: bool = False) -> dict[str, Any]:
     import meshfit as mf
 
     model = _model(mesh_dims, split_points, microbatches=microbatches, schedule=schedule,
-                   stages_per_rank=stages_per_rank)
+                   stages_per_rank=stages_per_rank, sharded=sharded)
     x, y = _data(rows)
     read: list[dict[str, float]] = []  # a callback reading the metrics directly, on every process
 
@@ -101,8 +104,14 @@ def _pipeline(rank: int, world_size: int, directory: str, schedule: str, split_p
     return {"history": history.history, "read": read, "compared": verified.compared, "one_copy": verified.one_copy,
             "evaluated": evaluated, "predicted": np.asarray(predicted), "every": every,
             "digest": mf.train.state_digest(model).total,
-            "stage": {k: v.detach().numpy().copy() for k, v in model.module.state_dict().items()
+            "stage": {k: _whole(v).detach().numpy().copy() for k, v in model.module.state_dict().items()
                       if model.residency.holds(k)}}
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A fully sharded stage's tensor gathered (collective among the stage's ranks); a plain one as it is."""
+    full_tensor = getattr(tensor, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else tensor
 
 
 @pytest.mark.timeout(TIMEOUT)

@@ -340,9 +340,22 @@ def _counts(path: str, tensor: torch.Tensor, part: LocalPart, residency: Residen
     """Whether this rank's part counts in ``path``'s digest: a plain tensor's first holder's copy (rank 0's
     when every rank holds it), a DTensor's by its layout."""
     holders = residency.holders(path)
-    if not holders or is_dtensor(tensor):
+    if not holders:
         return part.canonical
+    if is_dtensor(tensor):  # a stage's shard (fully sharded stages): one copy of it among the stage's holders
+        return _first_copy_among(tensor, holders[0])
     return rank == holders[0]
+
+
+def _first_copy_among(tensor: Any, first: int) -> bool:
+    """Whether this rank's shard of ``tensor`` is the copy that counts: the one in the mesh instance that
+    holds rank ``first`` (the path's first holder), at coordinate 0 of every axis it is replicated on."""
+    from torch.distributed.tensor.placement_types import Replicate
+
+    mesh = tensor.device_mesh
+    coordinate = mesh.get_coordinate() or ()
+    return bool((mesh.mesh == first).any()) and all(
+        c == 0 for c, p in zip(coordinate, tensor.placements, strict=True) if isinstance(p, Replicate))
 
 
 def _with_copies(paths: Sequence[str], held: Sequence[Mapping[str, tuple[int, Any]]]) -> tuple[str, ...]:

@@ -1,0 +1,102 @@
+"""Placing a module as pipeline stages: the `PlacementBuilder` of ``layout_map.pipeline(...)``.
+
+The mesh has a pipeline axis and, optionally, a data axis. Along the data axis each stage is
+replicated (a plain map: the step runner all-reduces the stage's gradients by rows) or fully sharded
+(``LayoutMap.fully_sharded(mesh).pipeline(...)``: each stage's unit goes through torch's
+``fully_shard`` over the data axis, as torchtitan applies FSDP to each stage, so a process keeps its
+stage's share of the parameters, gradients and optimizer state).
+
+Replicas start from rank 0's weights (one broadcast of the module before it is split). A process keeps
+only its stages' parameters: the others' become `ReleasedParameter`s (their shapes, one element of
+memory each), and what reads their values takes them from their holders.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshfit.distribute import (
+    GradientWeight,
+    Placement,
+    StageResidency,
+    broadcast_initial_values,
+    place_staged,
+    release_unheld,
+    untracked,
+)
+from meshfit.dtensor._fully_sharded import _weighted_reduce_scatter
+from meshfit.dtensor._pipeline import PipelineSpec, PipelineStep, _Replicas, _StageSync, stage_paths
+from meshfit.dtensor._stage_unit import StageUnit, tracing_template
+
+
+class PipelineBuilder:
+    """Places a module as pipeline stages along the mesh's pipeline axis (a `PlacementBuilder`)."""
+
+    def __init__(self, spec: PipelineSpec, sharded: bool = False) -> None:
+        self.spec, self.sharded = spec, sharded
+
+    def build(self, module: nn.Module, strategy: Any, jit_compile: bool = False) -> Placement:
+        if jit_compile:
+            raise ValueError("Invalid `jit_compile=True` under a pipeline: torch.compile of pipeline stages is not "
+                             "supported yet. Compile with jit_compile=False (or 'auto').")
+        mesh = strategy.mesh
+        axis = mesh.dims.axis_of("pipeline")
+        if axis is None:
+            raise ValueError(f"Invalid pipeline on {mesh!r}: the mesh has no pipeline axis. Add one, e.g. "
+                             "create_mesh([('pipe', 2), ...]), or drop layout_map.pipeline(...).")
+        data = mesh.dims.axis_of("data")
+        others = [a for a in mesh.axis_names if a not in (axis, data)]
+        if others:
+            raise ValueError(f"Invalid pipeline on {mesh!r}: a pipeline composes with a data-parallel axis (replicated "
+                             f"or fully sharded stages) but not yet with the tensor axes {others}. Use a mesh of the "
+                             "pipeline axis and, optionally, a data axis, e.g. create_mesh([('pipe', 2), ('batch', 2)]); "
+                             "an axis of another name is a data axis when its role says so: "
+                             "create_mesh(..., roles={'<name>': 'data'}).")
+        if self.sharded and data is None:
+            raise ValueError(f"Invalid fully sharded pipeline on {mesh!r}: the stages are sharded over the data axis, "
+                             "and the mesh has none. Add one, e.g. create_mesh([('pipe', 2), ('batch', 2)]), or use "
+                             "a plain mf.dtensor.LayoutMap(mesh).pipeline(...).")
+        size = mesh.dim_size(axis)
+        if self.spec.num_stages != size * self.spec.stages_per_rank:
+            raise ValueError(f"Invalid `split_points`: {self.spec.num_stages} stages for a {axis!r} axis of {size} "
+                             f"with stages_per_rank={self.spec.stages_per_rank}: give {size * self.spec.stages_per_rank - 1} "
+                             "split points (one stage per rank, or stages_per_rank per rank).")
+        paths = stage_paths(module, self.spec.split_points)
+        world = strategy.world
+        pipe_rank = world.device_mesh.get_local_rank(axis) if world.distributed else 0
+        group = world.group(axis)
+        layout = world.device_mesh.mesh if world.distributed else torch.zeros(1, dtype=torch.long)
+        along = layout.movedim(mesh.axis_index(axis), 0).reshape(size, -1) if world.distributed else layout.reshape(1, 1)
+        stage_ranks = [tuple(sorted(int(r) for r in along[s % size].tolist())) for s in range(self.spec.num_stages)]
+        last = frozenset(stage_ranks[-1])  # every replica of the last stage holds its replica's outputs
+        residency = StageResidency(world.rank, paths, stage_ranks, last, last)
+        module = module.to(strategy.device)
+        broadcast_initial_values([*module.parameters(), *module.buffers()], strategy)  # replicas start equal
+        held = [s for s in range(self.spec.num_stages) if s % size == pipe_rank]
+        with untracked():  # modules of meshfit's own, over the user's parameters
+            template = tracing_template(module)  # before any sharding: the tracer reads shapes, never values
+            units = [StageUnit(module, paths[s]) for s in held]
+        release_unheld(module, residency.holds)  # other stages' parameters: their shapes alone
+        replicas = _Replicas(world, data, mesh.dim_size(data)) if data is not None and mesh.dim_size(data) > 1 \
+            else None
+        weight = GradientWeight() if self.sharded else None
+        if weight is not None and data is not None:
+            _shard_units(units, module, world.sub_mesh(data), weight, mesh.dim_size(data))
+        step = PipelineStep(module, template, units, self.spec, residency, pipe_rank, size, group, strategy.device,
+                            world, replicas, weight)
+        return place_staged(module, _StageSync(), residency, step)  # registers the parameters with the sync
+
+
+def _shard_units(units: list[StageUnit], module: nn.Module, batch_mesh: Any, weight: GradientWeight,
+                 replicas: int) -> None:
+    """``fully_shard`` each unit over the data axis (its reduce-scatter weighted by the replicas' rows), and
+    give ``module`` the sharded parameters, so the optimizer, checkpoints and ``get_weights`` see them."""
+    from torch.distributed.fsdp import fully_shard
+
+    for unit in units:
+        if unit.paths:
+            fully_shard(unit, mesh=batch_mesh).set_custom_reduce_scatter(_weighted_reduce_scatter(weight, replicas))
+            unit.bind_into(module)
