@@ -20,8 +20,8 @@ NAMED_WITHIN_S = 15.0
 pytestmark = [pytest.mark.timeout(900), pytest.mark.crowded]
 
 
-def _run(out: str, *extra: str, restarts: int, expect_ok: bool = True) -> tuple[int, str]:
-    proc = start(["-m", "meshfit._cli", "launch", "--workers", "2", "--max-restarts", str(restarts), "--preload",
+def _run(out: str, *extra: str, restarts: int, expect_ok: bool = True, workers: int = 2) -> tuple[int, str]:
+    proc = start(["-m", "meshfit._cli", "launch", "--workers", str(workers), "--max-restarts", str(restarts), "--preload",
                   SCRIPT, "--out", out, *extra], child_env())
     code, output = finish(proc, timeout=400)
     if expect_ok:
@@ -40,6 +40,25 @@ def test_sigkill_a_stage_at_a_random_step_resumes_bitwise(tmp_path):
                      "--kill-at", str(step), restarts=2)
     assert "restarting the group" in output and "resuming from" in output, (rank, step, output)
     assert_ranks_saved(out, range(2), uninterrupted)  # bitwise equal to the run that was never killed
+
+
+def test_sigkill_a_worker_of_fully_sharded_stages_at_a_random_step_resumes_bitwise(tmp_path):
+    """2 stages x 2 shards on 4 workers (``pipe=2,batch=2``, each stage fully sharded over ``batch``): a worker
+    killed at a random step (a seeded choice) resumes from the backup, whose sharded parameters and optimizer
+    state were gathered whole, resharded on load, and ends bitwise equal to the run that was never killed."""
+    sharded = ("--mesh", "pipe=2,batch=2", "--sharded")
+    reference = str(tmp_path / "reference")
+    _run(reference, *sharded, restarts=0, workers=4)
+    uninterrupted = read_weights(reference, 0)
+    assert_ranks_saved(reference, range(4), uninterrupted)  # every worker completes every stage's weights
+    chance = random.Random(31)
+    rank, step = chance.randrange(4), chance.randrange(5, STEPS + 1)  # after the step-3 backup
+    out = str(tmp_path / "out")
+    _, output = _run(out, *sharded, "--backup-dir", os.path.join(out, "backup"), "--kill-rank", str(rank),
+                     "--kill-at", str(step), restarts=2, workers=4)
+    assert f"rank {rank}: SIGKILL at" in output, (rank, step, output)
+    assert "restarting the group" in output and "resuming from" in output, (rank, step, output)
+    assert_ranks_saved(out, range(4), uninterrupted, err_msg=f"killed rank {rank} before step {step}")
 
 
 def test_a_killed_stage_is_named_by_the_survivor_within_seconds(tmp_path):

@@ -11,6 +11,8 @@ released, their shapes kept).
 
 from __future__ import annotations
 
+import os
+import shutil
 from typing import Any
 
 import numpy as np
@@ -18,7 +20,7 @@ import pytest
 import torch
 from _multiproc import run_distributed
 from _pipeline_model import Classifier
-from _pipeline_run import _data, _model, _one_process, _pipeline
+from _pipeline_run import _counting, _data, _every, _model, _one_process, _pipeline
 from torch import nn
 
 TIMEOUT = 300
@@ -167,3 +169,254 @@ def test_training_inside_the_scope_keeps_the_trained_stages_when_the_scope_exits
     for result in run_distributed(_after_the_scope, world_size=4, timeout=TIMEOUT - 60):
         for got, want in zip(result["weights"], expected, strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+SHARDED = (("pipe", 2), ("batch", 2))  # 2 stages x 2 shards on 4 processes
+
+
+def _accumulated(mesh_dims: tuple[tuple[str, int], ...] | None, batch_size: int, accumulation: int, epochs: int,
+                 validation: bool) -> dict[str, np.ndarray]:
+    """Every weight after ``fit`` with ``gradient_accumulation_steps=accumulation`` (Adam 0.01), on sharded stages
+    over ``mesh_dims`` or in one plain process (None); ``validation``: the first 16 rows at each epoch's end."""
+    import meshfit as mf
+
+    optimizer = mf.optimizers.Adam(0.01, gradient_accumulation_steps=accumulation)
+    model = _model(None, optimizer=optimizer) if mesh_dims is None else \
+        _model(mesh_dims, ["blocks.2"], microbatches=2, sharded=True, optimizer=optimizer)
+    x, y = _data()
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0,
+              validation_data=(x[:16], y[:16]) if validation else None)
+    return _every(model)
+
+
+def _accumulating(rank: int, world_size: int) -> dict[str, dict[str, np.ndarray]]:
+    return {"twice the batch": _accumulated(SHARDED, 8, 2, 1, False),
+            # a window across the epoch's end, where validation runs the schedule's eval in the window
+            "validation": _accumulated(SHARDED, 16, 3, 2, True)}
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_gradient_accumulation_on_sharded_stages_equals_one_process() -> None:
+    """``gradient_accumulation_steps=2`` on 2 stages x 2 shards, batch 8 (2 rows a microbatch on each replica):
+    a window's two reduce-scattered batches sum to one process's batch of 16 (the sharded analogue of
+    test_pipeline.py's test_gradient_accumulation_under_a_pipeline_equals_one_process_with_twice_the_batch);
+    and a window of 3 across an epoch's end with validation equals one process's (as test_pipeline.py's
+    test_accumulation_windows_under_a_pipeline_equal_one_process)."""
+    references = {"twice the batch": _accumulated(None, 16, 1, 1, False), "validation": _accumulated(None, 16, 3, 2, True)}
+    for result in run_distributed(_accumulating, world_size=4, timeout=TIMEOUT - 60):
+        for case, every in result.items():
+            assert set(every) == set(references[case]), case
+            for path, value in every.items():
+                np.testing.assert_allclose(value, references[case][path], rtol=1e-5, atol=1e-6, err_msg=(case, path))
+
+
+def _half(rank: int, world_size: int, policy: str) -> list[float]:
+    import meshfit as mf
+
+    mf.mixed_precision.set_global_policy(policy)
+    model = _model(SHARDED, ["blocks.2"], microbatches=2, sharded=True)
+    x, y = _data()
+    return model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history["loss"]
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_mixed_precision_on_sharded_stages_follows_one_process(policy: str) -> None:
+    """The sharded stages compute in the policy's dtype as one process does, within test_pipeline.py's tolerance
+    for test_mixed_precision_under_a_pipeline_follows_one_process (1e-4 relative: the half precision rounds
+    each microbatch alone), and nearer one such process than one float32 process: 4 times nearer under bfloat16;
+    float16 keeps 3 more bits and lies nearer float32 (6e-6 from it on the first epoch's loss; 1.9e-6 measured
+    here), so 2 times nearer."""
+    import meshfit as mf
+
+    x, y = _data()
+    mf.mixed_precision.set_global_policy(policy)
+    try:
+        reference = _model(None).fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history["loss"]
+    finally:
+        mf.mixed_precision.set_global_policy("float32")
+    float32 = _model(None).fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0).history["loss"][0]
+    for losses in run_distributed(_half, world_size=4, timeout=TIMEOUT - 60, args=(policy,)):
+        np.testing.assert_allclose(losses, reference, rtol=1e-4)
+        nearer = {"mixed_bfloat16": 4, "mixed_float16": 2}[policy]
+        assert abs(losses[0] - reference[0]) < abs(float32 - reference[0]) / nearer, (losses, reference, float32)
+
+
+def _moving_averages(rank: int, world_size: int, backup: str) -> dict[str, dict[str, np.ndarray]]:
+    import meshfit as mf
+
+    def sharded() -> Any:
+        return _model(SHARDED, ["blocks.2"], microbatches=2, sharded=True,
+                      optimizer=mf.optimizers.Adam(0.01, use_ema=True))
+
+    x, y = _data()
+    model = sharded()
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
+              callbacks=[mf.callbacks.BackupAndRestore(backup, delete_checkpoint=False)])
+    restored = sharded()  # the backup back on sharded stages: resumes at the end, fit's end swaps the averages in
+    restored.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
+                 callbacks=[mf.callbacks.BackupAndRestore(backup, delete_checkpoint=False)])
+    return {"trained": _every(model), "restored": _every(restored)}
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_sharded_pipeline_backup_holds_every_stage_moving_averages(tmp_path: Any) -> None:
+    """``use_ema`` on 2 stages x 2 shards: each stage's moving averages (sharded as its parameters) are
+    gathered into the backup, so one plain process restoring it ends with one process's averaged weights,
+    and so do sharded stages restoring it (the averages resharded on load). The sharded analogue of
+    test_pipeline.py's test_a_pipeline_backup_holds_every_stage_moving_averages."""
+    import meshfit as mf
+
+    def fresh() -> Any:
+        return _model(None, optimizer=mf.optimizers.Adam(0.01, use_ema=True))
+
+    x, y = _data()
+    reference = fresh()
+    reference.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    weights = {k: v.detach().numpy() for k, v in reference.module.state_dict().items()}
+    backup = str(tmp_path / "backup")
+    for result in run_distributed(_moving_averages, world_size=4, timeout=TIMEOUT - 60, args=(backup,)):
+        for case, every in result.items():
+            assert set(every) == set(weights), case
+            for path, value in every.items():
+                np.testing.assert_allclose(value, weights[path], rtol=1e-5, atol=1e-6, err_msg=(case, path))
+    restored = fresh()
+    restored.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
+                 callbacks=[mf.callbacks.BackupAndRestore(backup, delete_checkpoint=False)])
+    for path, value in restored.module.state_dict().items():
+        np.testing.assert_allclose(value.numpy(), weights[path], rtol=1e-5, atol=1e-6, err_msg=path)
+
+
+def _epochs(backup: str, sharded: bool, epochs: int) -> dict[str, Any]:
+    """``fit`` on 2 stages x 2 replicas (stages fully sharded, or replicated), with a backup at each epoch's end."""
+    import meshfit as mf
+
+    model = _model(SHARDED, ["blocks.2"], microbatches=2, sharded=sharded)
+    x, y = _data()
+    steps: list[int] = []
+    history = model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0,
+                        callbacks=[mf.callbacks.BackupAndRestore(backup, delete_checkpoint=False), _counting(steps)])
+    return {"history": history.history, "steps": len(steps), "every": _every(model)}
+
+
+def _first_epochs(rank: int, world_size: int, directory: str) -> None:
+    _epochs(os.path.join(directory, "from_sharded"), True, 1)
+    _epochs(os.path.join(directory, "from_replicated"), False, 1)
+
+
+def _second_epochs(rank: int, world_size: int, directory: str) -> dict[str, dict[str, Any]]:
+    return {"sharded": _epochs(os.path.join(directory, "to_sharded"), True, 2),
+            "replicated": _epochs(os.path.join(directory, "to_replicated"), False, 2)}
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_backup_of_sharded_stages_resumes_on_replicated_stages_and_back(tmp_path: Any) -> None:
+    """One epoch on 2 stages x 2 shards and one on 2 stages x 2 replicas, each backed up; the second epoch resumed
+    from each backup on the other kind of stages (and the sharded one in one plain process): all end at one
+    uninterrupted process's weights and logs. The sharded analogue of test_pipeline.py's
+    test_a_pipeline_backup_resumes_on_another_depth_and_in_one_plain_process."""
+    import meshfit as mf
+
+    weights, history, _ = _one_process()
+    directory = str(tmp_path)
+    run_distributed(_first_epochs, world_size=4, timeout=TIMEOUT - 60, args=(directory,))
+    shutil.copytree(tmp_path / "from_sharded", tmp_path / "to_replicated")
+    shutil.copytree(tmp_path / "from_replicated", tmp_path / "to_sharded")
+    for result in run_distributed(_second_epochs, world_size=4, timeout=TIMEOUT - 60, args=(directory,)):
+        for case, run in result.items():
+            assert run["steps"] == 4, case  # the second epoch's 4 steps only: resumed, not trained from the start
+            np.testing.assert_allclose(run["history"]["loss"], history["loss"], rtol=1e-5, err_msg=case)
+            assert set(run["every"]) == set(weights), case
+            for path, value in run["every"].items():
+                np.testing.assert_allclose(value, weights[path], rtol=1e-5, atol=1e-6, err_msg=(case, path))
+    model = _model(None)
+    x, y = _data()
+    steps: list[int] = []
+    resumed = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                        callbacks=[mf.callbacks.BackupAndRestore(str(tmp_path / "from_sharded"),
+                                                                 delete_checkpoint=False), _counting(steps)])
+    assert len(steps) == 4
+    np.testing.assert_allclose(resumed.history["loss"], history["loss"], rtol=1e-5)
+    for path, value in model.module.state_dict().items():
+        np.testing.assert_allclose(value.numpy(), weights[path], rtol=1e-5, atol=1e-6, err_msg=path)
+
+
+def test_a_fully_sharded_pipeline_map_on_a_mesh_with_no_data_axis_is_refused_by_name() -> None:
+    import meshfit as mf
+
+    mesh = mf.dtensor.Mesh(("pipe",), (2,))
+    with pytest.raises(ValueError, match=r"Invalid mesh for LayoutMap.fully_sharded: expected a mesh with a data "
+                                         r"axis.*received Mesh\(pipe=2.*create_mesh\(\[\('batch', N\)\]\)"):
+        mf.dtensor.LayoutMap.fully_sharded(mesh).pipeline(["blocks.2"], microbatches=2)
+
+
+def _empty_share(rank: int, world_size: int) -> str:
+    import meshfit as mf
+
+    # 49 rows by 16: a last global batch of 1 row, split 1 + 0 over the replicas (one microbatch, GPipe)
+    model = _model(SHARDED, ["blocks.2"], microbatches=1, schedule="GPipe", sharded=True,
+                   optimizer=mf.optimizers.Adam(0.01))
+    x, y = _data(49)
+    try:
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    except ValueError as error:
+        return str(error)
+    return "not refused"
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_sharded_stage_with_an_empty_share_is_refused_on_every_replica() -> None:
+    """A replicated stage's empty share joins the reduction with zeros (test_pipeline.py's
+    test_a_replica_with_an_empty_share_joins_the_reduction_and_keeps_its_window); a sharded stage's replicas
+    all-gather and reduce-scatter inside the schedule, so an empty share is refused, on all four processes
+    together (none waits in a collective for another's error)."""
+    for message in run_distributed(_empty_share, world_size=4, timeout=TIMEOUT - 60):
+        assert "a batch of 0 rows" in message or "a batch of 1 rows" in message, message
+        assert "of 1 in all replicas" in message and "fully sharded stages need rows on every replica" in message, \
+            message
+
+
+class _Stop(Exception):
+    pass
+
+
+def _windowed(backup: str, stop_at: int | None) -> tuple[list[np.ndarray], int] | None:
+    """2 epochs of 8 batches of 8 on sharded stages, ``gradient_accumulation_steps=2``, a backup after every
+    batch; raise before batch ``stop_at`` (counted over the run), or run to the end."""
+    import meshfit as mf
+
+    class Interrupt(mf.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if stop_at is not None and self.model.optimizer.batches == stop_at:
+                raise _Stop
+
+    model = _model(SHARDED, ["blocks.2"], microbatches=2, sharded=True,
+                   optimizer=mf.optimizers.Adam(0.01, gradient_accumulation_steps=2))
+    x, y = _data()
+    try:
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[mf.callbacks.BackupAndRestore(backup, save_freq=1, async_save=False,
+                                                           delete_checkpoint=False), Interrupt()])
+    except _Stop:
+        return None
+    return model.get_weights(), model.optimizer.batches
+
+
+def _inside_a_window(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    whole = _windowed(os.path.join(directory, "whole"), None)
+    stopped = _windowed(os.path.join(directory, "backup"), 11)  # the second epoch's second window, after 1 batch
+    resumed = _windowed(os.path.join(directory, "backup"), None)
+    return {"whole": whole, "stopped": stopped, "resumed": resumed}
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_backup_of_sharded_stages_inside_an_accumulation_window_resumes_bitwise(tmp_path: Any) -> None:
+    """A backup taken inside a window keeps each shard's partial gradient sum; the stages resumed from it end
+    bitwise equal to a run never stopped (the sharded analogue of test_gradient_accumulation.py's
+    test_a_backup_inside_a_window_resumes_bitwise_equal_to_a_run_never_stopped)."""
+    for result in run_distributed(_inside_a_window, world_size=4, timeout=TIMEOUT - 60, args=(str(tmp_path),)):
+        assert result["stopped"] is None
+        (weights, batches), (want, whole_batches) = result["resumed"], result["whole"]
+        assert batches == whole_batches == 16
+        for got, expected in zip(weights, want, strict=True):
+            np.testing.assert_array_equal(got, expected)

@@ -1,8 +1,9 @@
 """Pipeline parallelism under ``meshfit launch``: the classifier of ``tests/dtensor/_pipeline_model.py`` split at
-``blocks.2`` on a ``pipe`` mesh (``--mesh``), ``fit`` for 2 epochs of 8 steps (with ``BackupAndRestore`` every
-3 steps when given ``--backup-dir``); ``--kill-rank`` / ``--kill-at`` SIGKILL one worker before that optimizer
-step of the first round, printing ``rank R: SIGKILL at <time>``. Writes each rank's full weights
-(``get_weights``: every stage's) to ``<out>/weights-<rank>.npz``."""
+``blocks.2`` on a ``pipe`` mesh (``--mesh``; with ``--sharded`` each stage is fully sharded over the mesh's data
+axis), ``fit`` for 2 epochs of 8 steps (with ``BackupAndRestore`` every 3 steps when given ``--backup-dir``);
+``--kill-rank`` / ``--kill-at`` SIGKILL one worker before that optimizer step of the first round, printing
+``rank R: SIGKILL at <time>``. Writes each rank's full weights (``get_weights``: every stage's) to
+``<out>/weights-<rank>.npz``."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--mesh", default="pipe=2")
     parser.add_argument("--schedule", default="1F1B")
+    parser.add_argument("--sharded", action="store_true", help="stages fully sharded over the data axis")
     parser.add_argument("--backup-dir")
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-at", type=int, default=-1)
@@ -35,7 +37,8 @@ def main() -> None:
     size = int(np.prod([d for _, d in dims]))
     mesh = mf.dtensor.create_mesh(dims, devices=[f"cpu:{i}" for i in range(size)] if args.local else None)
     rank = mesh.device_mesh.get_rank()
-    layout_map = mf.dtensor.LayoutMap(mesh).pipeline(["blocks.2"], microbatches=2, schedule=args.schedule)
+    layout_map = mf.dtensor.LayoutMap.fully_sharded(mesh) if args.sharded else mf.dtensor.LayoutMap(mesh)
+    layout_map = layout_map.pipeline(["blocks.2"], microbatches=2, schedule=args.schedule)
     with layout_map.scope():
         model = mf.Model(Classifier())
     compile_model(mf, model)
