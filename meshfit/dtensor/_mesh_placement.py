@@ -57,12 +57,8 @@ def place_on_mesh(strategy: Any, module: nn.Module, jit_compile: bool) -> Placem
     """``module`` placed as ``strategy`` (a `MeshStrategy`) and its map say; see the module docstring."""
     layout_map = strategy.layout_map
     if layout_map is not None and layout_map.pipeline_spec is not None:
-        if len(layout_map):
-            raise ValueError(f"Invalid LayoutMap keys {list(layout_map)[:4]} with a pipeline: layouts of single "
-                             "weights inside pipeline stages are not supported yet (the stages are replicated or "
-                             "fully sharded over the data axis). Remove the keys, or drop the pipeline.")
-        return PipelineBuilder(layout_map.pipeline_spec, layout_map.is_fully_sharded).build(module, strategy,
-                                                                                          jit_compile)
+        builder = PipelineBuilder(layout_map.pipeline_spec, layout_map.is_fully_sharded, layout_map)
+        return builder.build(module, strategy, jit_compile)
     layout_map = layout_map if layout_map is not None else LayoutMap(strategy.mesh)
     batch = strategy._batch
     if layout_map.tensor_parallel_first and not jit_compile:

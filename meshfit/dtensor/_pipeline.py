@@ -128,7 +128,7 @@ class _Replicas:
         for param in params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            grads.append(param.grad)
+            grads.append(_local(param.grad))  # a stage's weight split over the tensor axis: its own part
         for dtype in sorted({g.dtype for g in grads}, key=str):
             group = [g for g in grads if g.dtype == dtype]
             flat = torch.cat([g.reshape(-1) for g in group]) * share
@@ -278,8 +278,10 @@ class PipelineStep:
                 self._weights = None if sample_weight is None or not self.last else \
                     torch.as_tensor(sample_weight).tensor_split(n)
                 run = schedule.step if train else schedule.eval
-                with self._weighted(rows, total):
+                with self._weighted(rows, total), self._on_tensor_axis():
                     output = run(*((x,) if self.first else ()), target=y if self.last else None)
+            if train and self.sharded is None:
+                _settle(held)
             if train and self.replicas is not None and self.sharded is None:  # over the replicas, by rows
                 self.replicas.reduce([p for p in held if id(p) in self._used or p.grad is not None], rows, total)
             if train:
@@ -290,6 +292,16 @@ class PipelineStep:
             return None
         loss = torch.stack(self._losses).mean()
         return _Outputs(output, loss, rows)
+
+    def _on_tensor_axis(self) -> contextlib.AbstractContextManager[Any]:
+        """Stages whose weights are split over a tensor axis run on DTensors, forward and backward: a tensor
+        the graph makes itself (``torch.arange`` positions) counts as replicated, also when the backward
+        reads it."""
+        if all(unit.tensor_mesh is None for unit in self.units):
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.experimental import implicit_replication
+
+        return implicit_replication()
 
     def _weighted(self, rows: int, total: int) -> contextlib.AbstractContextManager[None]:
         """Sharded stages: FSDP's reduce-scatter averages the replicas, each weighted by its share of the
@@ -336,7 +348,7 @@ class PipelineStep:
         self._host = host
         earlier = _take_gradients(self._held_parameters())  # the schedule would divide them
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self._on_tensor_axis():
                 schedule = self._schedule(x, with_loss=False)
                 output = schedule.eval(*((x,) if self.first else ()))
         finally:
@@ -360,6 +372,16 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a sharded stage's gradient (the tensor itself otherwise)."""
     to_local = getattr(tensor, "to_local", None)
     return to_local() if callable(to_local) else tensor
+
+
+def _settle(params: Sequence[nn.Parameter]) -> None:
+    """A gradient DTensor's propagation left pending (``Partial``) or otherwise placed than its weight (split
+    over the tensor axis), redistributed to the weight's placements."""
+    for param in params:
+        grad = param.grad
+        placements = getattr(grad, "placements", None)
+        if placements is not None and tuple(placements) != tuple(param.placements):  # type: ignore[attr-defined]
+            param.grad = grad.redistribute(param.device_mesh, param.placements)  # type: ignore[union-attr,attr-defined]
 
 
 def _take_gradients(params: Sequence[nn.Parameter]) -> dict[nn.Parameter, torch.Tensor]:

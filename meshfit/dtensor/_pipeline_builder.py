@@ -1,6 +1,7 @@
 """Placing a module as pipeline stages: the `PlacementBuilder` of ``layout_map.pipeline(...)``.
 
-The mesh has a pipeline axis and, optionally, a data axis. Along the data axis each stage is
+The mesh has a pipeline axis and, optionally, a data axis and a tensor axis (the map's keys split a
+stage's weights over it: `meshfit.dtensor._stage_layouts`). Along the data axis each stage is
 replicated (a plain map: the step runner all-reduces the stage's gradients by rows) or fully sharded
 (``LayoutMap.fully_sharded(mesh).pipeline(...)``: each stage's unit goes through torch's
 ``fully_shard`` over the data axis, as torchtitan applies FSDP to each stage, so a process keeps its
@@ -29,14 +30,15 @@ from meshfit.distribute import (
 )
 from meshfit.dtensor._fully_sharded import _weighted_reduce_scatter
 from meshfit.dtensor._pipeline import PipelineSpec, PipelineStep, _Replicas, _StageSync, stage_paths
+from meshfit.dtensor._stage_layouts import lay_out_stage, tensor_axis_of
 from meshfit.dtensor._stage_unit import StageUnit, tracing_template
 
 
 class PipelineBuilder:
     """Places a module as pipeline stages along the mesh's pipeline axis (a `PlacementBuilder`)."""
 
-    def __init__(self, spec: PipelineSpec, sharded: bool = False) -> None:
-        self.spec, self.sharded = spec, sharded
+    def __init__(self, spec: PipelineSpec, sharded: bool = False, layout_map: Any = None) -> None:
+        self.spec, self.sharded, self.layout_map = spec, sharded, layout_map
 
     def build(self, module: nn.Module, strategy: Any, jit_compile: bool = False) -> Placement:
         if jit_compile:
@@ -48,13 +50,12 @@ class PipelineBuilder:
             raise ValueError(f"Invalid pipeline on {mesh!r}: the mesh has no pipeline axis. Add one, e.g. "
                              "create_mesh([('pipe', 2), ...]), or drop layout_map.pipeline(...).")
         data = mesh.dims.axis_of("data")
-        others = [a for a in mesh.axis_names if a not in (axis, data)]
-        if others:
-            raise ValueError(f"Invalid pipeline on {mesh!r}: a pipeline composes with a data-parallel axis (replicated "
-                             f"or fully sharded stages) but not yet with the tensor axes {others}. Use a mesh of the "
-                             "pipeline axis and, optionally, a data axis, e.g. create_mesh([('pipe', 2), ('batch', 2)]); "
-                             "an axis of another name is a data axis when its role says so: "
-                             "create_mesh(..., roles={'<name>': 'data'}).")
+        tensor = tensor_axis_of(mesh, axis, data)
+        keyed = self.layout_map is not None and len(self.layout_map) > 0
+        if keyed and tensor is None:
+            raise ValueError(f"Invalid LayoutMap keys {list(self.layout_map)[:4]} with a pipeline on {mesh!r}: keys "
+                             "split a stage's weights over a tensor axis, and the mesh has none. Add one, e.g. "
+                             "create_mesh([('pipe', 2), ('model', 2)]), or remove the keys.")
         if self.sharded and data is None:
             raise ValueError(f"Invalid fully sharded pipeline on {mesh!r}: the stages are sharded over the data axis, "
                              "and the mesh has none. Add one, e.g. create_mesh([('pipe', 2), ('batch', 2)]), or use "
@@ -76,9 +77,13 @@ class PipelineBuilder:
         module = module.to(strategy.device)
         broadcast_initial_values([*module.parameters(), *module.buffers()], strategy)  # replicas start equal
         held = [s for s in range(self.spec.num_stages) if s % size == pipe_rank]
+        tensor_mesh = world.sub_mesh(tensor) if tensor is not None and world.distributed else None
         with untracked():  # modules of meshfit's own, over the user's parameters
             template = tracing_template(module)  # before any sharding: the tracer reads shapes, never values
-            units = [StageUnit(module, paths[s]) for s in held]
+            if tensor_mesh is not None and tensor is not None:  # the stage's weights: DTensors on the tensor axis, split by their keys
+                for s in held:
+                    lay_out_stage(module, paths[s], self.layout_map, tensor, tensor_mesh)
+            units = [StageUnit(module, paths[s], tensor_mesh) for s in held]
         release_unheld(module, residency.holds)  # other stages' parameters: their shapes alone
         replicas = _Replicas(world, data, mesh.dim_size(data)) if data is not None and mesh.dim_size(data) > 1 \
             else None

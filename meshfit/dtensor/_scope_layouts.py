@@ -103,7 +103,8 @@ def laying_out(layout_map: Any, strategy: DistributionStrategy) -> Iterator[None
             for handle in _HANDLES:
                 handle.remove()
             _HANDLES.clear()
-    if not ok or layout_map.is_fully_sharded:  # fully sharded: mf.Model places it at creation
+    # fully sharded or a pipeline: mf.Model places it at creation (a pipeline's keys apply inside its stages)
+    if not ok or layout_map.is_fully_sharded or layout_map.pipeline_spec is not None:
         return
     if _ENTRIES:  # a nested entry: the outermost one lays out the roots
         for module in created.roots():

@@ -31,8 +31,9 @@ from torch import nn
 class StageUnit(nn.Module):
     """The parameters of one stage (``paths`` of ``source``), and the traced graph that runs them."""
 
-    def __init__(self, source: nn.Module, paths: Iterable[str]) -> None:
+    def __init__(self, source: nn.Module, paths: Iterable[str], tensor_mesh: Any = None) -> None:
         super().__init__()
+        self.tensor_mesh = tensor_mesh  # the weights are DTensors on it (`_stage_layouts`): run on DTensors
         self.holders = nn.ModuleList()
         self._where: dict[str, tuple[nn.Module, str]] = {}  # parameter path -> (holder, name)
         by_owner: dict[str, list[str]] = {}
@@ -87,7 +88,27 @@ class StageUnit(nn.Module):
     def forward(self, *args: Any) -> Any:
         for module, name, holder, held in self._bindings[id(self._graph_module)]:
             module._parameters[name] = holder._parameters[held]  # the all-gathered one inside FSDP's forward
-        return self._graph_module(*args)
+        if self.tensor_mesh is None:
+            return self._graph_module(*args)
+        return _on_tensor_mesh(self._graph_module, self.tensor_mesh, args)
+
+
+def _on_tensor_mesh(graph_module: nn.Module, mesh: Any, args: tuple[Any, ...]) -> Any:
+    """Run ``graph_module`` on DTensors of ``mesh``: the inputs replicated, the outputs made whole again
+    (DTensor's propagation computes each operation of split weights as one process does)."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.utils._pytree import tree_map
+
+    def enter(value: Any) -> Any:
+        return DTensor.from_local(value, mesh, [Replicate()], run_check=False) \
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) else value
+
+    def leave(value: Any) -> Any:
+        return value.redistribute(mesh, [Replicate()]).to_local() if isinstance(value, DTensor) else value
+
+    # a tensor the graph creates (positions from torch.arange) counts as replicated: the step runs the whole
+    # schedule, backward included, under torch's implicit_replication (`PipelineStep._on_tensor_axis`)
+    return tree_map(leave, graph_module(*tree_map(enter, args)))
 
 
 def tracing_template(module: nn.Module) -> nn.Module:

@@ -1,0 +1,68 @@
+"""Tensor parallelism inside pipeline stages: a map's keys split a stage's weights over the tensor axis.
+
+On a mesh ``[("pipe", P), ("batch", B), ("model", M)]`` a pipeline's stages run on the ``model``
+sub-mesh of their processes. Each weight of a stage becomes a DTensor on that sub-mesh: split as its
+key's layout says (``Layout(["model", UNSHARDED], mesh)``: rows split), replicated when no key matches.
+The traced graph of a stage is torch ATen code, not the user's modules, so torch's tensor-parallel
+styles (module hooks) do not apply; instead the stage's unit runs its graph on DTensors (its inputs
+replicated over ``model``), and DTensor's sharding propagation computes each operation as one
+process would, communicating where a split requires it. The stage's outputs leave it whole.
+
+Then, over the data axis, the stages are replicated or fully sharded as without a tensor axis
+(``fully_shard`` over ``batch`` composes with the weights' ``model`` layouts as torchtitan's 2-D
+parallelism does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from torch import nn
+
+from meshfit.dtensor._layout import UNSHARDED
+
+
+def tensor_axis_of(mesh: Any, pipeline: str, data: str | None) -> str | None:
+    """The mesh's one tensor axis beside its pipeline and data axes (None: there is none).
+
+    Raises:
+        ValueError: the mesh has two or more other axes.
+    """
+    others = [a for a in mesh.axis_names if a not in (pipeline, data)]
+    if len(others) > 1:
+        raise ValueError(f"Invalid pipeline on {mesh!r}: beside the pipeline axis {pipeline!r} and the data axis "
+                         f"{data!r} a pipeline takes one tensor axis, received {others}. Use a mesh such as "
+                         "create_mesh([('pipe', 2), ('batch', 2), ('model', 2)]).")
+    return others[0] if others else None
+
+
+def lay_out_stage(module: nn.Module, paths: Iterable[str], layout_map: Any, axis: str, sub_mesh: Any) -> None:
+    """Make each parameter of ``paths`` a DTensor on ``axis``'s ``sub_mesh``: split as ``layout_map``'s key
+    for it says, else replicated. Refuses a key that names another axis than ``axis``."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    made: dict[int, nn.Parameter] = {}  # a weight tied within the stage stays one parameter
+    for path in sorted(paths):
+        owner, _, name = path.rpartition(".")
+        holder = module.get_submodule(owner)
+        param = holder._parameters.get(name)
+        if param is None:
+            continue  # a buffer: the same on every process of the stage
+        if id(param) in made:
+            holder._parameters[name] = made[id(param)]
+            continue
+        layout = layout_map[path] if len(layout_map) else None
+        placement: Any = Replicate()
+        if layout is not None:
+            named = [(dim, spec) for dim, spec in enumerate(layout.sharding_specs) if spec != UNSHARDED]
+            wrong = [spec for _, spec in named if spec != axis]
+            if wrong or layout.rank != param.dim():
+                raise ValueError(f"Invalid layout {list(layout.sharding_specs)} for {path!r} (shape "
+                                 f"{tuple(param.shape)}) inside a pipeline stage: a stage's weights split over the "
+                                 f"tensor axis {axis!r} only, one entry per dim. Use e.g. Layout([{axis!r}, "
+                                 "UNSHARDED], mesh), or UNSHARDED for the other axes.")
+            if named:
+                placement = Shard(named[0][0])
+        laid_out = distribute_tensor(param.detach(), sub_mesh, [placement])
+        holder._parameters[name] = made[id(param)] = nn.Parameter(laid_out, requires_grad=param.requires_grad)
