@@ -20,6 +20,7 @@ from typing import Any
 
 from torch import nn
 
+from meshfit.dtensor._attention_sharding import register_attention_sharding
 from meshfit.dtensor._layout import UNSHARDED
 
 
@@ -42,6 +43,7 @@ def lay_out_stage(module: nn.Module, paths: Iterable[str], layout_map: Any, axis
     for it says, else replicated. Refuses a key that names another axis than ``axis``."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+    register_attention_sharding()  # SDPA on a CPU inside a split stage
     made: dict[int, nn.Parameter] = {}  # a weight tied within the stage stays one parameter
     for path in sorted(paths):
         owner, _, name = path.rpartition(".")

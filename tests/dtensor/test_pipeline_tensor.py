@@ -1,0 +1,165 @@
+"""Pipeline stages split over a tensor axis: a map's keys inside the stages, with data replicas or full sharding.
+
+On ``[("pipe", 2), ("model", 2)]`` and ``[("pipe", 2), ("batch", 2), ("model", 2)]`` (8 processes) the
+guide's keys split the attention and MLP weights of a transformer language model (fused qkv, SDPA,
+learned positions) over ``model`` inside each stage; ``LayoutMap.fully_sharded``
+also shards every stage over ``batch``. Each run must give one plain process's weights, logs and
+evaluation on the same global batch (rtol 1e-5: the split matmuls sum in another order), a
+``model.save`` one plain process loads, and the same state digest on every process.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+from _multiproc import run_distributed
+from _two_d_model import data, module
+
+TIMEOUT = 420
+SPLIT = ["layers.1"]  # stage 0: embeddings and the first block; stage 1: the second block, the norm, the head
+
+
+def _compiled(model: Any) -> Any:
+    import meshfit as mf
+
+    model.compile(optimizer=mf.optimizers.AdamW(1e-3), loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def _fit(model: Any, directory: str | None = None) -> dict[str, Any]:
+    import meshfit as mf
+
+    x, y = data(64)
+    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                        callbacks=[mf.callbacks.VerifyReplicas(every_n_steps=2, on_divergence="stop")]
+                        if directory is not None else [])
+    evaluated = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    if directory is not None:
+        model.save(os.path.join(directory, "model.keras"))
+    return {"history": history.history, "evaluated": evaluated,
+            "weights": dict(zip(model.module.state_dict(), model.get_weights(), strict=True)),
+            "digest": mf.train.state_digest(model).total}
+
+
+def _keyed(mf: Any, mesh: Any, sharded: bool) -> Any:
+    """The guide's keys (column-wise qkv and fc1, row-wise out and fc2) on a plain or fully sharded map."""
+    U = mf.dtensor.UNSHARDED
+    layout_map = mf.dtensor.LayoutMap.fully_sharded(mesh) if sharded else mf.dtensor.LayoutMap(mesh)
+    for key, specs in ((r"attn\.qkv\.weight", ["model", U]), (r"attn\.out\.weight", [U, "model"]),
+                       (r"mlp\.fc1\.weight", ["model", U]), (r"mlp\.fc2\.weight", [U, "model"])):
+        layout_map[key] = mf.dtensor.Layout(specs, mesh)
+    return layout_map.pipeline(SPLIT, microbatches=2)
+
+
+def _staged(rank: int, world_size: int, mesh_dims: list[tuple[str, int]], sharded: bool, directory: str,
+            keras: bool = False) -> dict[str, Any]:
+    import meshfit as mf
+
+    if keras:  # Keras 3's spelling: keys as tuples on a DeviceMesh, the pipeline on the map, ModelParallel
+        names = [name for name, _ in mesh_dims]
+        device_mesh = mf.distribution.DeviceMesh(tuple(n for _, n in mesh_dims), names,
+                                                 mf.distribution.list_devices())
+        layout_map = mf.distribution.LayoutMap(device_mesh)
+        for key, specs in ((r"attn\.qkv\.weight", ("model", None)), (r"attn\.out\.weight", (None, "model")),
+                           (r"mlp\.fc1\.weight", ("model", None)), (r"mlp\.fc2\.weight", (None, "model"))):
+            layout_map[key] = specs
+        layout_map.pipeline(SPLIT, microbatches=2)
+        mf.distribution.set_distribution(mf.distribution.ModelParallel(layout_map=layout_map,
+                                                                       batch_dim_name="batch"))
+        try:
+            return _fit(_compiled(mf.Model(module())), directory)
+        finally:
+            mf.distribution.set_distribution(None)
+    mesh = mf.dtensor.create_mesh(mesh_dims)
+    with _keyed(mf, mesh, sharded).scope():
+        model = mf.Model(module())
+    return _fit(_compiled(model), directory)
+
+
+def _one_process() -> dict[str, Any]:
+    import meshfit as mf
+
+    return _fit(_compiled(mf.Model(module())))
+
+
+def _check(results: list[dict[str, Any]], expected: dict[str, Any]) -> None:
+    for result in results:
+        for name in ("loss", "accuracy"):
+            np.testing.assert_allclose(result["history"][name], expected["history"][name], rtol=1e-5, err_msg=name)
+        for name, value in expected["evaluated"].items():
+            np.testing.assert_allclose(result["evaluated"][name], value, rtol=1e-5, err_msg=name)
+        for path, value in expected["weights"].items():
+            np.testing.assert_allclose(result["weights"][path], value, rtol=1e-5, atol=1e-6, err_msg=path)
+        assert result["digest"] == results[0]["digest"]
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize(("mesh_dims", "sharded"), [
+    ([("pipe", 2), ("model", 2)], False),
+    ([("pipe", 2), ("batch", 2), ("model", 2)], False),
+    ([("pipe", 2), ("batch", 2), ("model", 2)], True),
+])
+def test_tensor_parallel_stages_equal_one_process(tmp_path: Any, mesh_dims: list[tuple[str, int]],
+                                                  sharded: bool) -> None:
+    import meshfit as mf
+
+    expected = _one_process()
+    results = run_distributed(_staged, world_size=int(np.prod([n for _, n in mesh_dims])), timeout=TIMEOUT - 60,
+                              args=(mesh_dims, sharded, str(tmp_path)))
+    _check(results, expected)
+    loaded = mf.load_model(str(tmp_path / "model.keras"), module=module())
+    for path, value in loaded.module.state_dict().items():
+        np.testing.assert_allclose(value.numpy(), expected["weights"][path], rtol=1e-5, atol=1e-6, err_msg=path)
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_keras_spelling_reaches_tensor_parallel_stages(tmp_path: Any) -> None:
+    """``mf.distribution.ModelParallel`` with tuple keys and ``LayoutMap(...).pipeline(...)`` on (pipe, batch,
+    model): the same numbers as one process."""
+    expected = _one_process()
+    results = run_distributed(_staged, world_size=8, timeout=TIMEOUT - 60,
+                              args=([("pipe", 2), ("batch", 2), ("model", 2)], False, str(tmp_path), True))
+    _check(results, expected)
+
+
+def _refused(rank: int, world_size: int) -> list[str]:
+    import meshfit as mf
+
+    messages = []
+    mesh = mf.dtensor.create_mesh([("pipe", 2), ("model", 2)])
+    wrong = mf.dtensor.LayoutMap(mesh)
+    wrong[r"attn\.qkv\.weight"] = mf.dtensor.Layout(["pipe", mf.dtensor.UNSHARDED], mesh)  # not the tensor axis
+    plain = mf.dtensor.create_mesh([("pipe", 2), ("batch", 2)])
+    keyed = mf.dtensor.LayoutMap(plain)
+    keyed[r"attn\.qkv\.weight"] = mf.dtensor.Layout(["batch", mf.dtensor.UNSHARDED], plain)  # no tensor axis
+    for layout_map in (wrong, keyed):
+        with layout_map.pipeline(SPLIT, microbatches=2).scope():
+            model = _compiled(mf.Model(module()))
+        try:
+            model.fit(*data(16), batch_size=16, epochs=1, verbose=0)
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_keys_a_pipeline_cannot_place_are_refused_naming_them() -> None:
+    for messages in run_distributed(_refused, world_size=4, timeout=TIMEOUT - 60):
+        assert len(messages) == 2, messages
+        # each process names the weight of its own stage (layers.0 or layers.1) and the axis it may use
+        assert ".attn.qkv.weight'" in messages[0] and "tensor axis 'model'" in messages[0], messages[0]
+        assert "qkv" in messages[1] and "the mesh has none" in messages[1], messages[1]
+
+
+def test_the_stage_layouts_refuse_two_tensor_axes() -> None:
+    import meshfit as mf
+    from meshfit.dtensor._stage_layouts import tensor_axis_of
+
+    mesh = mf.dtensor.Mesh(("pipe", "batch", "model", "expert"), (1, 1, 1, 1))
+    with pytest.raises(ValueError, match="one tensor axis"):
+        tensor_axis_of(mesh, "pipe", "batch")
+    assert tensor_axis_of(mf.dtensor.Mesh(("pipe", "model"), (1, 1)), "pipe", None) == "model"
