@@ -31,22 +31,22 @@ def register_attention_sharding() -> None:
     if forward is None or backward is None:
         return
 
-    @register_sharding(forward.default)  # type: ignore[misc]
+    @register_sharding(forward.default)
     def _forward(query: Any, key: Any, value: Any, dropout_p: float = 0.0, is_causal: bool = False,
                  attn_mask: Any = None, scale: Any = None) -> list[Any]:
         # (output, logsumexp) from (query, key, value, dropout_p, is_causal, attn_mask, scale)
         mask = None if attn_mask is None else Replicate()
-        found = [([Replicate(), Replicate()], [Replicate(), Replicate(), Replicate(), None, None, mask, None])]
+        found: list[Any] = [([Replicate(), Replicate()], [Replicate(), Replicate(), Replicate(), None, None, mask, None])]
         if attn_mask is None:
             found.append(([Shard(1), Shard(1)], [Shard(1), Shard(1), Shard(1), None, None, None, None]))
         return found
 
-    @register_sharding(backward.default)  # type: ignore[misc]
+    @register_sharding(backward.default)
     def _backward(grad_out: Any, query: Any, key: Any, value: Any, out: Any, logsumexp: Any, dropout_p: float,
                   is_causal: bool, attn_mask: Any = None, scale: Any = None) -> list[Any]:
         # (grad_query, grad_key, grad_value) from (grad_out, query, key, value, out, logsumexp, ...)
         mask = None if attn_mask is None else Replicate()
-        found = [([Replicate()] * 3, [Replicate()] * 6 + [None, None, mask, None])]
+        found: list[Any] = [([Replicate()] * 3, [Replicate()] * 6 + [None, None, mask, None])]
         if attn_mask is None:
             found.append(([Shard(1)] * 3, [Shard(1)] * 6 + [None, None, None, None]))
         return found
