@@ -82,7 +82,7 @@ def _pipeline_worker(args: argparse.Namespace) -> tuple[int, dict]:
     memory = {"params": 0, "held_params": 0, "grads_and_state": 0, "full": 0}
     for path, p in model.module.named_parameters():
         size = p.numel() * p.element_size()
-        memory["params"] += size
+        memory["params"] += p.untyped_storage().nbytes()  # what it keeps: another stage's is released (shape only)
         memory["full"] += 4 * size  # parameter, gradient and AdamW's two moments, one process's
         if model.residency.holds(path):
             memory["held_params"] += size
@@ -202,8 +202,8 @@ def main() -> None:
     for r, m in enumerate(results["pipeline"][-1]):
         trained = m["held_params"] + m["grads_and_state"]
         print(f"  pipeline process {r}: the stage it trains holds {trained:,d} B of parameters, gradients and AdamW "
-              f"state = {trained / m['full']:.3f} of one process's {m['full']:,d} B; with the other stages' "
-              f"parameters it keeps (not freed) {(m['params'] + m['grads_and_state']) / m['full']:.3f}")
+              f"state = {trained / m['full']:.3f} of one process's {m['full']:,d} B; all it keeps (the other "
+              f"stages' parameters released) {(m['params'] + m['grads_and_state']) / m['full']:.3f}")
 
 
 if __name__ == "__main__":
