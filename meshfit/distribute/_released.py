@@ -19,13 +19,26 @@ from torch import nn
 
 
 class ReleasedParameter(nn.Parameter):
-    """A parameter held by another process: its shape, dtype and device, without its values."""
+    """A parameter held by another process (a pipeline's other stage): its shape, dtype and device, without
+    its values. On a pipeline stage's process, ``isinstance(p, mf.dtensor.ReleasedParameter)`` tells the
+    user's module's parameters this process does not train.
 
+    Example:
+        >>> import torch
+        >>> import meshfit as mf
+        >>> weight = torch.nn.Linear(4, 2).weight
+        >>> released = mf.dtensor.ReleasedParameter.like(weight)
+        >>> released.shape, released.dtype, released.untyped_storage().nbytes()
+        (torch.Size([2, 4]), torch.float32, 4)
+        >>> isinstance(released, mf.dtensor.ReleasedParameter), isinstance(weight, mf.dtensor.ReleasedParameter)
+        (True, False)
+    """
 
-def release(param: torch.Tensor) -> ReleasedParameter:
-    """A `ReleasedParameter` standing for ``param`` (one element of memory)."""
-    placeholder = torch.empty((), dtype=param.dtype, device=param.device).expand(param.shape)
-    return ReleasedParameter(placeholder, requires_grad=param.requires_grad)
+    @classmethod
+    def like(cls, param: torch.Tensor) -> ReleasedParameter:
+        """A `ReleasedParameter` standing for ``param`` (its shape, dtype, device and ``requires_grad``)."""
+        placeholder = torch.empty((), dtype=param.dtype, device=param.device).expand(param.shape)
+        return cls(placeholder, requires_grad=param.requires_grad)
 
 
 def is_released(tensor: object) -> bool:
@@ -44,7 +57,7 @@ def release_unheld(module: nn.Module, holds: Callable[[str], bool]) -> list[str]
         owner, _, name = path.rpartition(".")
         replacement = released.get(id(param))
         if replacement is None:
-            replacement = released[id(param)] = release(param)
+            replacement = released[id(param)] = ReleasedParameter.like(param)
         module.get_submodule(owner)._parameters[name] = replacement
         paths.append(path)
     return paths

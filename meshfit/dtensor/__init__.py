@@ -12,7 +12,7 @@ a role (`ParallelDims`, `AxisRole`): ``"batch"`` is the data axis unless ``roles
 """
 
 from meshfit._export import publish as _publish
-from meshfit.distribute import AxisRole, ParallelDims
+from meshfit.distribute import AxisRole, ParallelDims, ReleasedParameter
 from meshfit.dtensor._apply import apply_layouts
 from meshfit.dtensor._create import create_mesh
 from meshfit.dtensor._lay_out import lay_out as lay_out  # gives layout_map.scope() its layout function
@@ -33,6 +33,7 @@ __all__ = [
     "Mesh",
     "MeshStrategy",
     "ParallelDims",
+    "ReleasedParameter",
     "apply_layouts",
     "copy_to_mesh",
     "create_mesh",

@@ -29,6 +29,7 @@ from torch import nn
 
 from meshfit import mixed_precision
 from meshfit.distribute import GradientWeight, StageResidency, untracked
+from meshfit.dtensor._stage_gradients import Replicas, ending, give_back, local_part, settle, take_gradients
 from meshfit.dtensor._stage_unit import StageUnit, follow_modes
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
@@ -105,63 +106,12 @@ class _Outputs:
     size: int
 
 
-class _Replicas:
-    """A stage's replicas along the data axis: its gradients summed over them, each replica's weighted
-    by its share of the global batch's rows (one process's mean over the global batch)."""
-
-    def __init__(self, world: Any, axis: str, size: int) -> None:
-        self.world, self.axis, self.size = world, axis, size
-
-    def agree(self, rows: int, unsplittable: bool) -> tuple[int, bool]:
-        """Every replica's rows summed, and whether any replica's batch does not split into microbatches (one
-        small all-reduce before the schedule: every replica raises together, none waits for another's error)."""
-        meta = torch.tensor([float(rows), float(unsplittable)], dtype=torch.float64, device=self.world.device)
-        self.world.all_reduce(meta, axis=self.axis)
-        return int(meta[0].item()), bool(meta[1].item())
-
-    def reduce(self, params: Sequence[nn.Parameter], rows: int, total: int) -> None:
-        """Sum the gradients of ``params`` (those the stage's forward uses: the same on every replica) over
-        the replicas, this one's weighted by its ``rows`` of ``total``; zeros where a replica has none (its
-        share of the batch was empty)."""
-        share = rows / total if total else 0.0
-        grads = []
-        for param in params:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            grads.append(_local(param.grad))  # a stage's weight split over the tensor axis: its own part
-        for dtype in sorted({g.dtype for g in grads}, key=str):
-            group = [g for g in grads if g.dtype == dtype]
-            flat = torch.cat([g.reshape(-1) for g in group]) * share
-            self.world.all_reduce(flat, axis=self.axis)
-            offset = 0
-            for g in group:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
-
-
-class _StageSync:
-    """The `GradientSync` of a pipeline's parameters: the step runner reduced them (over the stage's
-    replicas, or nothing to reduce), so no optimizer step reduces them again."""
-
-    def weighting(self, local_size: int, global_size: int) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
-
-    def in_step(self) -> bool:
-        return True
-
-    def reduced(self, param: torch.Tensor) -> bool:
-        return True
-
-    def deferred(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()  # the runner reduces every batch (an accumulation window sums after)
-
-
 class PipelineStep:
     """The step runner of a pipeline placement: torch's schedule over the batch's microbatches."""
 
     def __init__(self, source: nn.Module, template: nn.Module, units: Sequence[StageUnit], spec: PipelineSpec,
                  residency: StageResidency, pipe_rank: int, pipe_size: int, group: Any, device: torch.device,
-                 world: Any, replicas: _Replicas | None = None, sharded: GradientWeight | None = None) -> None:
+                 world: Any, replicas: Replicas | None = None, sharded: GradientWeight | None = None) -> None:
         self.source, self.template, self.units, self.spec, self.residency = source, template, units, spec, residency
         self.pipe_rank, self.pipe_size, self.group, self.device = pipe_rank, pipe_size, group, device
         self.replicas = replicas
@@ -268,7 +218,7 @@ class PipelineStep:
                              f"replica{empty}. Use a batch size whose share on each replica is divisible by {n} (and "
                              "a data set whose last batch is too, or drop the remainder), or change `microbatches`.")
         held = self._held_parameters()
-        earlier = _take_gradients(held)  # torch's schedule divides every gradient it finds by the microbatches
+        earlier = take_gradients(held)  # torch's schedule divides every gradient it finds by the microbatches
         output = None
         try:
             if rows:  # an empty share of a last, small global batch runs no schedule: it joins the reduction
@@ -281,13 +231,13 @@ class PipelineStep:
                 with self._weighted(rows, total), self._on_tensor_axis():
                     output = run(*((x,) if self.first else ()), target=y if self.last else None)
             if train and self.sharded is None:
-                _settle(held)
+                settle(held)
             if train and self.replicas is not None and self.sharded is None:  # over the replicas, by rows
                 self.replicas.reduce([p for p in held if id(p) in self._used or p.grad is not None], rows, total)
             if train:
                 self._agree_on_overflow(held)
         finally:
-            _give_back(earlier, add=train)  # an accumulation window's sum so far, after this batch's
+            give_back(earlier, add=train)  # an accumulation window's sum so far, after this batch's
         if not self.last or not rows:
             return None
         loss = torch.stack(self._losses).mean()
@@ -310,14 +260,14 @@ class PipelineStep:
         if weight is None or self.replicas is None:
             return contextlib.nullcontext()
         weight.factor, weight.in_step = rows * self.replicas.size / total, True
-        return _ending(weight)
+        return ending(weight)
 
     def _agree_on_overflow(self, held: Sequence[nn.Parameter]) -> None:
         """Under loss scaling (``mixed_float16``) every stage skips a step when any stage's gradients overflow,
         as one process skips it: each stage's optimizer then sees a non-finite gradient and halves its scale."""
         if mixed_precision.global_policy().name != "mixed_float16":
             return
-        grads = [_local(p.grad) for p in held if p.grad is not None]
+        grads = [local_part(p.grad) for p in held if p.grad is not None]
         local = torch.stack([torch.isfinite(g).all() for g in grads]).all().logical_not() if grads else \
             torch.zeros((), dtype=torch.bool, device=self.device)
         flag = local.to(torch.float32).reshape(1)
@@ -346,59 +296,18 @@ class PipelineStep:
 
     def predict(self, host: Any, x: Any) -> Any:
         self._host = host
-        earlier = _take_gradients(self._held_parameters())  # the schedule would divide them
+        earlier = take_gradients(self._held_parameters())  # the schedule would divide them
         try:
             with torch.no_grad(), self._on_tensor_axis():
                 schedule = self._schedule(x, with_loss=False)
                 output = schedule.eval(*((x,) if self.first else ()))
         finally:
-            _give_back(earlier, add=False)
+            give_back(earlier, add=False)
         # Every worker returns the predictions (Keras's predict): the last stage's, sent as CPU tensors.
         holder: list[Any] = [output.cpu() if self.last else None]
         source = dist.get_global_rank(self.group, (self.spec.num_stages - 1) % self.pipe_size)
         dist.broadcast_object_list(holder, src=source, group=self.group)
         return holder[0].to(self.device)
-
-
-@contextlib.contextmanager
-def _ending(weight: GradientWeight) -> Any:
-    try:
-        yield
-    finally:
-        weight.end_step()
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a sharded stage's gradient (the tensor itself otherwise)."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
-
-
-def _settle(params: Sequence[nn.Parameter]) -> None:
-    """A gradient DTensor's propagation left pending (``Partial``) or otherwise placed than its weight (split
-    over the tensor axis), redistributed to the weight's placements."""
-    for param in params:
-        grad = param.grad
-        placements = getattr(grad, "placements", None)
-        if placements is not None and tuple(placements) != tuple(param.placements):  # type: ignore[attr-defined]
-            param.grad = grad.redistribute(param.device_mesh, param.placements)  # type: ignore[union-attr,attr-defined]
-
-
-def _take_gradients(params: Sequence[nn.Parameter]) -> dict[nn.Parameter, torch.Tensor]:
-    """The gradients ``params`` hold (an accumulation window's sum so far), taken out of them."""
-    taken = {p: p.grad for p in params if p.grad is not None}
-    for param in taken:
-        param.grad = None
-    return taken
-
-
-def _give_back(taken: dict[nn.Parameter, torch.Tensor], add: bool) -> None:
-    """Put `_take_gradients`' gradients back: added to this batch's (``add``), or as they were."""
-    for param, grad in taken.items():
-        if add and param.grad is not None:
-            param.grad.add_(grad)
-        else:
-            param.grad = grad
 
 
 def _unannotate(module: nn.Module, split_points: Sequence[str]) -> None:

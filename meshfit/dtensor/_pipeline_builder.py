@@ -29,7 +29,8 @@ from meshfit.distribute import (
     untracked,
 )
 from meshfit.dtensor._fully_sharded import _weighted_reduce_scatter
-from meshfit.dtensor._pipeline import PipelineSpec, PipelineStep, _Replicas, _StageSync, stage_paths
+from meshfit.dtensor._pipeline import PipelineSpec, PipelineStep, stage_paths
+from meshfit.dtensor._stage_gradients import Replicas, StageSync
 from meshfit.dtensor._stage_layouts import lay_out_stage, tensor_axis_of
 from meshfit.dtensor._stage_unit import StageUnit, tracing_template
 
@@ -85,14 +86,14 @@ class PipelineBuilder:
                     lay_out_stage(module, paths[s], self.layout_map, tensor, tensor_mesh)
             units = [StageUnit(module, paths[s], tensor_mesh) for s in held]
         release_unheld(module, residency.holds)  # other stages' parameters: their shapes alone
-        replicas = _Replicas(world, data, mesh.dim_size(data)) if data is not None and mesh.dim_size(data) > 1 \
+        replicas = Replicas(world, data, mesh.dim_size(data)) if data is not None and mesh.dim_size(data) > 1 \
             else None
         weight = GradientWeight() if self.sharded else None
         if weight is not None and data is not None:
             _shard_units(units, module, world.sub_mesh(data), weight, mesh.dim_size(data))
         step = PipelineStep(module, template, units, self.spec, residency, pipe_rank, size, group, strategy.device,
                             world, replicas, weight)
-        return place_staged(module, _StageSync(), residency, step)  # registers the parameters with the sync
+        return place_staged(module, StageSync(), residency, step)  # registers the parameters with the sync
 
 
 def _shard_units(units: list[StageUnit], module: nn.Module, batch_mesh: Any, weight: GradientWeight,
