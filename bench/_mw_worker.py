@@ -24,6 +24,8 @@ Modes:
 All variants of a mode train their own copy of the same initial model on the same global batches
 (block ``k`` of fit gets ``dataset.skip(k * steps)``), so the final weights must agree: printed.
 
+``--batch-hook`` / ``--backup`` (mode ddp): fit's callbacks, see ``fit_callbacks``.
+
 ``--model``: ``cnn`` (default) the seed CNN with SGD 0.01 on the digits, global batch 128; ``mlp`` (mode
 ``ddp`` only) the tiny MLP of the per-step overhead issue, 32-32-10 with Adam (learning rate 0.001,
 epsilon 1e-7 in both loops) on 50,000 random examples, global batch 64 (32 per worker): a step that
@@ -43,6 +45,7 @@ import itertools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,6 +74,8 @@ def main() -> None:
     parser.add_argument("--steps-per-execution", type=int, default=1)
     parser.add_argument("--batch-hook", action="store_true",
                         help="fit gets a callback with an empty on_train_batch_end (mode ddp)")
+    parser.add_argument("--backup", action="store_true",
+                        help="fit gets a BackupAndRestore(save_freq=10**9) in a fresh folder a block (mode ddp)")
     args = parser.parse_args()
     if args.model != "cnn" and args.mode != "ddp":
         parser.error(f"--model {args.model} is measured in --mode ddp only")
@@ -127,12 +132,20 @@ def main() -> None:
         stream = mf.data.Dataset.from_tensor_slices(np.arange(n)).shuffle(n, seed=0).repeat().batch(global_batch)
         return [b[rank * local:(rank + 1) * local].clone() for b in itertools.islice(iter(stream), blocks * args.steps)]
 
-    def fit_callbacks() -> list[mf.callbacks.Callback]:
+    def fit_callbacks(alone: bool = False) -> list[mf.callbacks.Callback]:
         """With --batch-hook, a callback implementing on_train_batch_end (it may set stop_training, so the
-        workers share the stop and preemption flags after every execution, as with a BackupAndRestore)."""
-        if not args.batch_hook:
-            return []
-        return [mf.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: None)]
+        workers share the stop and preemption flags after every execution); with --backup, a
+        BackupAndRestore that handles preemption and never saves inside a block (a fresh folder each,
+        rank 0's; ``alone``: fit1w's, rank 0's own)."""
+        callbacks: list[mf.callbacks.Callback] = []
+        if args.batch_hook:
+            callbacks.append(mf.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: None))
+        if args.backup:
+            folder = tempfile.mkdtemp(prefix="meshfit-mw-backup-") if rank == 0 else None
+            if not alone:
+                folder = strategy.broadcast_object(folder)
+            callbacks.append(mf.callbacks.BackupAndRestore(folder, save_freq=10**9))
+        return callbacks
 
     variants: dict[str, object] = {}
     models: dict[str, torch.nn.Module] = {}
@@ -165,7 +178,8 @@ def main() -> None:
         def run_fit1w():
             k = count["fit1w"]
             count["fit1w"] += 1
-            fit1w.fit(block_data(k), steps_per_epoch=args.steps, epochs=1, verbose=0, callbacks=fit_callbacks())
+            fit1w.fit(block_data(k), steps_per_epoch=args.steps, epochs=1, verbose=0,
+                      callbacks=fit_callbacks(alone=True))
 
         variants = {"fit2w": lambda: timed(run_fit2w), "ddp2w": lambda: timed(run_ddp2w),
                     "fit1w": lambda: timed(run_fit1w, only_rank0=True)}

@@ -24,7 +24,11 @@ proxy on a loaded machine.
 per worker; see ``_common.workload``), where a step is almost all framework and the hand loop is the
 limit.
 
+``--backup`` gives ``fit`` a ``BackupAndRestore(save_freq=10**9)`` (a fresh folder a block, never saved to
+inside it): it handles preemption, so the workers share the flag at checks about every quarter second.
+
 Run:  .venv/bin/python bench/bench_multiworker.py [--quick] [--rounds R] [--steps S] [--model cnn|mlp]
+      [--batch-hook] [--backup] [--steps-per-execution N]
 """
 
 from __future__ import annotations
@@ -50,18 +54,23 @@ def main() -> None:
     parser.add_argument("--steps-per-execution", type=int, default=1, help="compile's steps_per_execution for fit")
     parser.add_argument("--batch-hook", action="store_true",
                         help="give fit a callback with an on_train_batch_end (the flags are then shared every execution)")
+    parser.add_argument("--backup", action="store_true",
+                        help="give fit a BackupAndRestore that never saves inside a block (save_freq=10**9): what "
+                             "watching for preemption costs a step")
     args = parser.parse_args()
     rounds = args.rounds or (3 if args.quick else 7)
     steps = args.steps or {"cnn": 15 if args.quick else 40, "mlp": 100 if args.quick else 300}[args.model]
     timeout = args.timeout or (120 if args.quick else 400)
     extra = ((["--tune-malloc"] if args.tune_malloc else []) + (["--batch-hook"] if args.batch_hook else [])
+             + (["--backup"] if args.backup else [])
              + ["--model", args.model, "--steps-per-execution", str(args.steps_per_execution)])
     global_batch = {"cnn": 128, "mlp": 64}[args.model]
     what = ("seed CNN, SGD lr 0.01" if args.model == "cnn"
             else "tiny MLP 32-32-10, Adam lr 0.001 epsilon 1e-7 (fit's fused, the hand loop's torch default)")
     print(f"bench_multiworker: {what}, global batch {global_batch} ({global_batch // 2} per worker), 1 torch "
           f"thread per worker, gloo; {rounds} rounds x {steps} steps per variant after 1 warm-up round; fit: "
-          f"steps_per_execution={args.steps_per_execution}{', a batch-hook callback' if args.batch_hook else ''}",
+          f"steps_per_execution={args.steps_per_execution}{', a batch-hook callback' if args.batch_hook else ''}"
+          f"{', BackupAndRestore(save_freq=10**9)' if args.backup else ''}",
           flush=True)
     result = C.run_mw_workers("ddp", rounds, steps, extra, timeout)
     r0, r1 = result["ranks"][0], result["ranks"][1]

@@ -74,3 +74,11 @@ def accumulates(trainable: Trainable) -> bool:
     execution (callbacks, which may change it, run between executions)."""
     steps = getattr(getattr(trainable, "optimizer", None), "gradient_accumulation_steps", None)
     return bool(steps) and steps != 1
+
+
+def stopping_batch_hooks(cbs: Any) -> bool:
+    """Whether a callback implementing a training batch hook may set ``stop_training`` there (every one
+    but those whose ``stops_in_batch_hooks`` is False: a saver's batch hook saves and never stops)."""
+    return any(getattr(c, "stops_in_batch_hooks", True)
+               and (implements_hook(c, "on_train_batch_begin") or implements_hook(c, "on_train_batch_end"))
+               for c in cbs)

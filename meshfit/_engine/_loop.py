@@ -18,8 +18,9 @@ from meshfit._engine._executions import (
     ends_unknown,
     next_batch,
     only_bars_read_batch_ends,
+    stopping_batch_hooks,
 )
-from meshfit._engine._preemption import PreemptionWatch
+from meshfit._engine._preemption import PreemptionChecks, PreemptionWatch
 from meshfit._engine._replica_state import ReplicaState
 from meshfit._engine._state import LoopState
 from meshfit._engine._step_logs import (
@@ -64,6 +65,7 @@ class TrainingLoop:
         self._resumed = False  # a resume during run: the epoch loop starts over from the restored counters
         self._agree_each_step = True  # several processes: share the stop / preemption flags after each execution
         self._flags_pending = False  # ... or once, at the epoch's first execution (see `_step_needs`)
+        self._checks: PreemptionChecks | None = None  # ... and at these steps, where only preemption can stop
         self._scope: AbstractContextManager[Any] = nullcontext()  # these four: set by `run` for its steps
         self._failure: Any = None
         self._single, self._agree_end = True, False
@@ -173,7 +175,8 @@ class TrainingLoop:
                 restorer.restore_training(self)
             cbs.on_train_begin()
             # After on_train_begin, which may give a callback a batch hook (one that may stop training)
-            batch_logs, self._agree_each_step = self._step_needs(handles_preemption)
+            batch_logs, self._agree_each_step, preemption = self._step_needs(handles_preemption)
+            self._checks = PreemptionChecks() if preemption and not self._agree_each_step else None
             self._lazy_logs = self._single and only_bars_read_batch_ends(cbs)
             self._resumed = False  # a resume at the start is where the epoch loop begins anyway
             while not self._done(epochs, until_step) and not trainable.stop_training:
@@ -214,21 +217,25 @@ class TrainingLoop:
             self._preemption = None
         return logs
 
-    def _step_needs(self, handles_preemption: bool) -> tuple[bool, bool]:
+    def _step_needs(self, handles_preemption: bool) -> tuple[bool, bool, bool]:
         """What the steps of this run share between processes, agreed by all of them in one collective:
-        whether a callback reads batch logs (Keras's rule: logs are reduced only for a reader), and
-        whether anything may ask to stop inside an epoch, so that the stop and preemption flags are
-        summed after every execution. That is a callback with a training batch hook (it may set
-        ``stop_training``), a preemption handler (SIGTERM), or a ``train_step`` other than the
-        built-in one. Otherwise the flags are summed once an epoch, at its first execution (a stop
-        asked for in ``on_train_begin`` or ``on_epoch_begin``), and the epoch's end agrees on
-        ``stop_training`` as always: a several-process step then has no collective besides the
-        gradients' own."""
+        whether a callback reads batch logs (Keras's rule: logs are reduced only for a reader), whether
+        anything may ask to stop inside an epoch, so that the stop and preemption flags are summed after
+        every execution, and whether a process handles preemption.
+
+        Stopping inside an epoch: a callback with a training batch hook that may set ``stop_training``
+        (every one but those saying ``stops_in_batch_hooks = False``: savers) or a ``train_step``
+        other than the built-in one. Otherwise the flags are summed once an epoch, at its first
+        execution (a stop asked for in ``on_train_begin`` or ``on_epoch_begin``), and the epoch's end
+        agrees on ``stop_training`` as always: a several-process step then has no collective besides the
+        gradients' own. A preemption handler (SIGTERM: `BackupAndRestore`) adds a check about every
+        `CHECK_SECONDS` of training (`PreemptionChecks`), not one at every step."""
         cbs, trainable = self.callbacks, self.trainable
         self._hooks = batch_hooks(cbs)
-        may_stop = handles_preemption or not builtin_train_step(trainable) or any(self._hooks)
-        reads, stops = sum_flags(self.strategy, [float(cbs.batch_logs_needed()), float(may_stop)])
-        return reads > 0, stops > 0
+        may_stop = not builtin_train_step(trainable) or stopping_batch_hooks(cbs)
+        reads, stops, preemption = sum_flags(self.strategy, [float(cbs.batch_logs_needed()), float(may_stop),
+                                                              float(handles_preemption)])
+        return reads > 0, stops > 0, preemption > 0
 
     def _done(self, epochs: int | None, until_step: int | None) -> bool:
         return ((epochs is not None and self.counters.epoch >= epochs)
@@ -276,16 +283,24 @@ class TrainingLoop:
             if preemption_requested:
                 self._stop_for_preemption()
             return logs, trainable.stop_training
+        checks = self._checks
         if batch_logs or single or (
-                (self._agree_each_step or self._flags_pending) and not inside_window(getattr(trainable, "optimizer", None))):
-            logs, (preempt, stop) = reduce_logs(trainable, [float(preemption_requested),
-                                                            float(trainable.stop_training)], with_metrics=batch_logs)
+                (self._agree_each_step or self._flags_pending or (checks is not None and checks.due(counters.iterations)))
+                and not inside_window(getattr(trainable, "optimizer", None))):
+            proposal = checks.proposal(counters.iterations, strategy.is_chief) if checks is not None else 0.0
+            logs, (preempt, stop, interval) = reduce_logs(
+                trainable, [float(preemption_requested), float(trainable.stop_training), proposal],
+                with_metrics=batch_logs)
             trainable.stop_training = stop > 0
             self._flags_pending = False
+            if checks is not None:
+                checks.agreed(counters.iterations, interval)
         else:  # inside a gradient accumulation window (the replicas agree at its last batch), or nothing
-            # can ask to stop inside this epoch (the epoch's end agrees): no collective
+            # can ask to stop inside this epoch (the epoch's end agrees) and no preemption check is due:
+            # no collective
             logs, preempt, stop = {}, 0.0, 0.0
-        merge_returned(trainable, logs, returned, convert=batch_logs)  # read (a host sync) only where logs are
+        if may_own_logs(returned):  # (`super().train_step`'s results alone hold nothing to merge)
+            merge_returned(trainable, logs, returned, convert=batch_logs)  # read (a host sync) only where logs are
         if self._hooks[1]:
             cbs.on_train_batch_end(last, logs)
         if preempt > 0:
@@ -305,7 +320,13 @@ class TrainingLoop:
         self.data.end_epoch()
         self.counters.epoch, self.counters.step = epoch + 1, 0
         self.callbacks.on_epoch_end(epoch, epoch_logs)
-        self.trainable.stop_training = agree(self.trainable, self.trainable.stop_training)
+        # The agreed stop, and a preemption request not yet shared by a step's check (`PreemptionChecks`):
+        # every replica saves here (an epoch's backup is this step's already) and exits.
+        requested = self._preemption is not None and self._preemption.requested
+        stop, preempt = sum_flags(self.strategy, [float(self.trainable.stop_training), float(requested)])
+        self.trainable.stop_training = stop > 0
+        if preempt > 0:
+            self._stop_for_preemption()
         return epoch_logs
 
     def _stop_for_preemption(self) -> None:

@@ -382,6 +382,8 @@ def register_output_type(module: Any, inputs: Any, output: Any) -> None:
     then on. transformers registers its own ``ModelOutput`` types for the same reason.
     """
     kind = type(output)
+    if kind is torch.Tensor:  # the usual output, at every step: no ABC check
+        return
     if isinstance(output, Mapping) and kind not in _pytree.SUPPORTED_NODES and not torch.compiler.is_compiling():
         _pytree.register_pytree_node(kind, _pytree._dict_flatten, functools.partial(_rebuild_mapping, kind),
                                      serialized_type_name=f"{kind.__module__}.{kind.__qualname__}")

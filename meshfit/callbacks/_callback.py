@@ -43,6 +43,13 @@ class Callback:
         at every step only when some callback does; one that overrides the hook for another reason
         (saving every N steps) sets ``reads_batch_logs = False`` in its class (or overrides this)."""
         return True
+
+    #: Whether this callback's training batch hooks may set ``model.stop_training`` (or roll training
+    #: back). On several workers, a run with such a hook shares the stop flag after every step, so that
+    #: all stop at the same one; a callback whose batch hooks never stop training (a saver) sets it False
+    #: in its class, and then costs no collective a step.
+    stops_in_batch_hooks = True
+
     #: Whether this callback runs after every other one in each hook (savers: what they save then
     #: includes the others' updates for that step or epoch).
     run_last = False

@@ -100,6 +100,7 @@ class CheckpointSaver(Callback):
     run_last = True  # save only once every other callback has finished the step or epoch
     directory_argument = "directory"  # the folder's argument name, for messages
     reads_batch_logs = False
+    stops_in_batch_hooks = False  # its batch hook saves (a collective of its own, at agreed steps) and never stops
 
     def __init__(self, directory: str | os.PathLike, policy: SavePolicy | None = None, max_to_keep: int = 2,
                  checkpoint_name: str = "ckpt", async_save: bool = False, delete_on_end: bool = False) -> None:

@@ -81,6 +81,8 @@ class ModelCheckpoint(Callback):
         self._batches_since_save = 0
         self._last_batch_seen = -1
 
+    stops_in_batch_hooks = False  # its batch hook saves and never stops training
+
     @property
     def reads_batch_logs(self) -> bool:
         """Only batch-level saves look at a step's logs."""

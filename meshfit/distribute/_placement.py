@@ -51,9 +51,11 @@ from meshfit.distribute._residency import EVERYWHERE
 # current step; the next optimizer step takes the mark instead of reducing again. The value is the
 # parameter itself, held until that step, so that an id cannot be reused meanwhile.
 _REDUCED_ONCE: dict[int, torch.Tensor] = {}
-# Each placed parameter's `GradientSync` (the last transform of its placement's plan), held weakly:
-# a sync lives as long as its placement, whose module holds the parameters.
-_SYNC_OF: weakref.WeakValueDictionary[int, GradientSync] = weakref.WeakValueDictionary()
+# Each placed parameter's `GradientSync` (the last transform of its placement's plan), by weak reference:
+# a sync lives as long as its placement, whose module holds the parameters, and its entries go with it.
+# A plain dict of references: `gradient_reduced`, asked for every parameter at every optimizer step,
+# is then two lookups in C (a WeakValueDictionary answers in Python).
+_SYNC_OF: dict[int, weakref.ReferenceType[GradientSync]] = {}
 
 
 def mark_reduced(params: Iterable[torch.Tensor]) -> None:
@@ -64,8 +66,15 @@ def mark_reduced(params: Iterable[torch.Tensor]) -> None:
 
 def register_placement(params: Iterable[torch.Tensor], sync: GradientSync) -> None:
     """Record that ``sync`` owns the gradients of ``params`` (what a plan's last transform does)."""
+    ref = weakref.ref(sync, _forget)
     for p in params:
-        _SYNC_OF[id(p)] = sync
+        _SYNC_OF[id(p)] = ref
+
+
+def _forget(ref: weakref.ReferenceType[GradientSync]) -> None:
+    """A sync was freed: drop its parameters' entries (not those a later placement took over)."""
+    for key in [key for key, value in _SYNC_OF.items() if value is ref]:
+        del _SYNC_OF[key]
 
 
 def gradient_reduced(param: torch.Tensor) -> bool:
@@ -74,15 +83,16 @@ def gradient_reduced(param: torch.Tensor) -> bool:
     Its placement's `GradientSync` answers (fully sharded: always, in the backward; DDP: when the
     step's forward went through the wrapper); a one-off `mark_reduced` answers once.
     """
-    sync = _SYNC_OF.get(id(param))
-    if sync is not None and sync.reduced(param):
-        return True
-    return _REDUCED_ONCE.pop(id(param), None) is param
+    key = id(param)
+    ref = _SYNC_OF.get(key)
+    if ref is not None:
+        sync = ref()
+        if sync is not None and sync.reduced(param):
+            return True
+    return _REDUCED_ONCE.pop(key, None) is param
 
 
-def take_reduced(param: torch.Tensor) -> bool:
-    """Former name of `gradient_reduced`."""
-    return gradient_reduced(param)
+take_reduced = gradient_reduced  # the former name (the same function: no extra call at every step)
 
 
 class GradientSync(Protocol):

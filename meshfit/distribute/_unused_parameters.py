@@ -59,12 +59,17 @@ class ProbingDataParallel(nn.Module):
         replicas: the size of the wrapper's process group (more than 2: one bucket layout for the run).
     """
 
+    # The current wrapper as a plain attribute too, read at every step without nn.Module.__getattr__ (a
+    # Python call for a submodule); ``wrapped`` keeps it a submodule (train/eval, ``modules()``).
+    _ddp: DistributedDataParallel
+
     def __init__(self, module: nn.Module, build: Callable[[nn.Module, bool, bool], DistributedDataParallel],
                  everywhere: Callable[[bool], bool], replicas: int) -> None:
         super().__init__()
         self._build = build
         self._everywhere = everywhere
         self._replicas = replicas
+        self._callbacks: list[Callable[[bool], None]] = []
         self.wrapped = self._wrap(bucketed(module, replicas), False, True)
         self._params = [p for p in self.wrapped.module.parameters() if p.requires_grad]
         self._used: set[int] = set()
@@ -92,6 +97,12 @@ class ProbingDataParallel(nn.Module):
         finally:
             self._local = local
 
+    def add_forward_callback(self, callback: Callable[[bool], None]) -> None:
+        """Call ``callback(synced)`` at each forward with gradients on, before the module runs: ``synced``
+        is False for a forward kept on this replica (`no_sync`). What a forward pre-hook would do, without
+        torch's call path for modules with hooks at every step."""
+        self._callbacks.append(callback)
+
     def _record(self, param: torch.Tensor) -> None:
         if not self._local:  # a batch that stays on this replica (accumulation) is not what the wrapper runs
             self._used.add(id(param))
@@ -109,6 +120,7 @@ class ProbingDataParallel(nn.Module):
         module = self.wrapped.module  # the same module (or `LastFirst`) under the next wrapper
         left = [weakref.ref(self.wrapped), weakref.ref(self.wrapped.reducer)]
         self.wrapped = None  # type: ignore[assignment]
+        object.__setattr__(self, "_ddp", None)
         if any(ref() is not None for ref in left):
             gc.collect()
         self.wrapped = self._wrap(module, not all_used, False)
@@ -116,16 +128,26 @@ class ProbingDataParallel(nn.Module):
     def _wrap(self, module: nn.Module, find_unused: bool, static_graph: bool) -> DistributedDataParallel:
         ddp = self._build(module, find_unused, static_graph)
         fix_layout(ddp, self._replicas)
+        object.__setattr__(self, "_ddp", ddp)  # see `_ddp`
         return ddp
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._local:
-            return self.wrapped.module(*args, **kwargs)
-        training = torch.is_grad_enabled() and self.wrapped.require_backward_grad_sync
-        if training and self._probed and self._handles is not None:
+        # The first training forward after the first step decides (before the wrapper is read here: the
+        # first step's one is freed there).
+        if self._handles is not None and self._probed and self.require_backward_grad_sync and torch.is_grad_enabled():
             self._decide()
+        ddp = self._ddp
+        if not torch.is_grad_enabled():
+            return ddp.module(*args, **kwargs) if self._local else ddp(*args, **kwargs)
+        if self._local:
+            for callback in self._callbacks:
+                callback(False)
+            return ddp.module(*args, **kwargs)
+        training = ddp.require_backward_grad_sync
+        for callback in self._callbacks:
+            callback(training)
         try:
-            output = self.wrapped(*args, **kwargs)
+            output = ddp(*args, **kwargs)
         except RuntimeError as error:
             if _UNFINISHED not in str(error) or self.find_unused_parameters:
                 raise
