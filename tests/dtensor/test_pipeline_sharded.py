@@ -287,51 +287,76 @@ def test_a_sharded_pipeline_backup_holds_every_stage_moving_averages(tmp_path: A
         np.testing.assert_allclose(value.numpy(), weights[path], rtol=1e-5, atol=1e-6, err_msg=path)
 
 
-INTERLEAVED = {"mesh_dims": (("batch", 2), ("pipe", 2)), "split_points": ["blocks.1", "blocks.2", "blocks.3"],
-               "schedule": "Interleaved1F1B", "stages_per_rank": 2}  # 4 stages x 2 shards on 4 processes
+INTERLEAVED = {"split_points": ["blocks.1", "blocks.2", "blocks.3"], "schedule": "Interleaved1F1B",
+               "stages_per_rank": 2}  # 4 stages x 2 shards on 4 processes (each rank keeps its place in the stages)
+TRANSPOSED = (("batch", 2), ("pipe", 2))  # the same 2 stages x 2 replicas, the ranks laid out the other way
 
 
-def _epochs(backup: str, sharded: bool, epochs: int, mesh_dims: tuple[tuple[str, int], ...] = SHARDED,
-            split_points: tuple[str, ...] | list[str] = ("blocks.2",), **options: Any) -> dict[str, Any]:
-    """``fit`` on pipeline stages x 2 replicas (fully sharded, or replicated), with a backup at each epoch's end."""
+class _Stop(Exception):
+    pass
+
+
+def _interrupting(stop_at: int | None) -> Any:
+    """A callback that raises `_Stop` before batch ``stop_at`` (counted over the run); None: never."""
+    import meshfit as mf
+
+    class Interrupt(mf.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if stop_at is not None and self.model.optimizer.batches == stop_at:
+                raise _Stop
+
+    return Interrupt()
+
+
+def _backed_up(backup: str, sharded: bool, stop_at: int | None = None, mesh_dims: tuple[tuple[str, int], ...] = SHARDED,
+               split_points: tuple[str, ...] | list[str] = ("blocks.2",), **options: Any) -> dict[str, Any] | None:
+    """2 epochs of 4 steps on pipeline stages x 2 replicas (fully sharded, or replicated), a backup every 3 steps;
+    stopped before step ``stop_at`` (None), or the logs, the steps run and every weight."""
     import meshfit as mf
 
     model = _model(mesh_dims, list(split_points), microbatches=2, sharded=sharded, **options)
     x, y = _data()
     steps: list[int] = []
-    history = model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0,
-                        callbacks=[mf.callbacks.BackupAndRestore(backup, delete_checkpoint=False), _counting(steps)])
+    try:
+        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                            callbacks=[mf.callbacks.BackupAndRestore(backup, save_freq=3, async_save=False,
+                                                                     delete_checkpoint=False),
+                                       _counting(steps), _interrupting(stop_at)])
+    except _Stop:
+        return None
     return {"history": history.history, "steps": len(steps), "every": _every(model)}
 
 
-def _first_epochs(rank: int, world_size: int, directory: str) -> None:
-    _epochs(os.path.join(directory, "from_sharded"), True, 1)
-    _epochs(os.path.join(directory, "from_replicated"), False, 1)
+def _interrupted(rank: int, world_size: int, directory: str) -> None:
+    _backed_up(os.path.join(directory, "from_sharded"), True, stop_at=5)  # the last backup: step 3 of 4
+    _backed_up(os.path.join(directory, "from_replicated"), False, stop_at=5)
 
 
-def _second_epochs(rank: int, world_size: int, directory: str) -> dict[str, dict[str, Any]]:
-    return {"sharded": _epochs(os.path.join(directory, "to_sharded"), True, 2),
-            "replicated": _epochs(os.path.join(directory, "to_replicated"), False, 2),
-            "sharded, another depth": _epochs(os.path.join(directory, "to_deeper"), True, 2, **INTERLEAVED)}
+def _resumed(rank: int, world_size: int, directory: str) -> dict[str, dict[str, Any] | None]:
+    return {"sharded": _backed_up(os.path.join(directory, "to_sharded"), True),
+            "replicated": _backed_up(os.path.join(directory, "to_replicated"), False),
+            "sharded, another depth": _backed_up(os.path.join(directory, "to_deeper"), True, **INTERLEAVED)}
 
 
 @pytest.mark.timeout(TIMEOUT)
 def test_a_backup_of_sharded_stages_resumes_on_replicated_stages_and_back(tmp_path: Any) -> None:
-    """One epoch on 2 stages x 2 shards and one on 2 stages x 2 replicas, each backed up; the second epoch resumed
-    from each backup on the other kind of stages, the sharded one also on 4 interleaved sharded stages (another
-    depth) and in one plain process: all end at one uninterrupted process's weights and logs. The sharded analogue of test_pipeline.py's
-    test_a_pipeline_backup_resumes_on_another_depth_and_in_one_plain_process."""
+    """2 stages x 2 shards and 2 stages x 2 replicas, each stopped in the second epoch with a backup at step 3 of
+    the first (mid-epoch: the data position and the epoch's metric state in it too); each backup resumed on the
+    other kind of stages and the sharded one also on 4 interleaved sharded stages (another depth): all run the 5
+    remaining steps and end at one uninterrupted process's weights and logs; in one plain process, at its weights
+    (its logs: test_a_mid_epoch_backup_of_sharded_stages_resumes_where_other_ranks_hold_the_outputs). The sharded
+    analogue of test_pipeline.py's test_a_pipeline_backup_resumes_on_another_depth_and_in_one_plain_process."""
     import meshfit as mf
 
     weights, history, _ = _one_process()
     directory = str(tmp_path)
-    run_distributed(_first_epochs, world_size=4, timeout=TIMEOUT - 60, args=(directory,))
+    run_distributed(_interrupted, world_size=4, timeout=TIMEOUT - 60, args=(directory,))
     shutil.copytree(tmp_path / "from_sharded", tmp_path / "to_replicated")
     shutil.copytree(tmp_path / "from_replicated", tmp_path / "to_sharded")
     shutil.copytree(tmp_path / "from_sharded", tmp_path / "to_deeper")
-    for result in run_distributed(_second_epochs, world_size=4, timeout=TIMEOUT - 60, args=(directory,)):
+    for result in run_distributed(_resumed, world_size=4, timeout=TIMEOUT - 60, args=(directory,)):
         for case, run in result.items():
-            assert run["steps"] == 4, case  # the second epoch's 4 steps only: resumed, not trained from the start
+            assert run is not None and run["steps"] == 5, case  # resumed after step 3, not trained from the start
             np.testing.assert_allclose(run["history"]["loss"], history["loss"], rtol=1e-5, err_msg=case)
             assert set(run["every"]) == set(weights), case
             for path, value in run["every"].items():
@@ -342,10 +367,41 @@ def test_a_backup_of_sharded_stages_resumes_on_replicated_stages_and_back(tmp_pa
     resumed = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
                         callbacks=[mf.callbacks.BackupAndRestore(str(tmp_path / "from_sharded"),
                                                                  delete_checkpoint=False), _counting(steps)])
-    assert len(steps) == 4
-    np.testing.assert_allclose(resumed.history["loss"], history["loss"], rtol=1e-5)
+    assert len(steps) == 5 and len(resumed.history["loss"]) == 2
     for path, value in model.module.state_dict().items():
         np.testing.assert_allclose(value.numpy(), weights[path], rtol=1e-5, atol=1e-6, err_msg=path)
+
+
+def _relaid(rank: int, world_size: int, directory: str) -> dict[str, Any] | None:
+    backup = os.path.join(directory, "backup")
+    _backed_up(backup, True, stop_at=5)  # on (pipe, batch): the last backup at step 3 of the first epoch's 4
+    if rank == 0:  # for one plain process (no save comes before every rank is in the next fit)
+        shutil.copytree(backup, os.path.join(directory, "copy"))
+    return _backed_up(backup, True, mesh_dims=TRANSPOSED)  # on (batch, pipe): rank 1 now holds the last stage
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.xfail(strict=True, reason="a backup's per-rank state (the epoch's metric sums) is restored by global "
+                                       "rank (rank r % the saved world size), and where the restoring rank holds "
+                                       "another stage than its saver did, the resumed epoch's loss reads sums of a "
+                                       "rank that never held the outputs: 1.158 logged against one process's 1.128 "
+                                       "on (batch, pipe), 1.076 in one plain process (rank 0's: stage 0's)")
+def test_a_mid_epoch_backup_of_sharded_stages_resumes_where_other_ranks_hold_the_outputs(tmp_path: Any) -> None:
+    """A backup at step 3 of 4 on ``[("pipe", 2), ("batch", 2)]`` (the outputs, the loss and the metrics on ranks
+    2 and 3) resumed on ``[("batch", 2), ("pipe", 2)]`` (on ranks 1 and 3), and in one plain process: weights and
+    both epochs' logs as one uninterrupted process's."""
+    import meshfit as mf
+
+    weights, history, _ = _one_process()
+    for run in run_distributed(_relaid, world_size=4, timeout=TIMEOUT - 60, args=(str(tmp_path),)):
+        assert run is not None and run["steps"] == 5
+        for path, value in run["every"].items():
+            np.testing.assert_allclose(value, weights[path], rtol=1e-5, atol=1e-6, err_msg=path)
+        np.testing.assert_allclose(run["history"]["loss"], history["loss"], rtol=1e-5, err_msg="(batch, pipe)")
+    x, y = _data()
+    resumed = _model(None).fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                               callbacks=[mf.callbacks.BackupAndRestore(str(tmp_path / "copy"))])
+    np.testing.assert_allclose(resumed.history["loss"], history["loss"], rtol=1e-5, err_msg="one plain process")
 
 
 def test_a_fully_sharded_pipeline_map_on_a_mesh_with_no_data_axis_is_refused_by_name() -> None:
@@ -383,27 +439,19 @@ def test_a_sharded_stage_with_an_empty_share_is_refused_on_every_replica() -> No
             message
 
 
-class _Stop(Exception):
-    pass
-
-
-def _windowed(backup: str, stop_at: int | None) -> tuple[list[np.ndarray], int] | None:
+def _windowed(backup: str, stop_at: int | None,
+              mesh_dims: tuple[tuple[str, int], ...] = SHARDED) -> tuple[list[np.ndarray], int] | None:
     """2 epochs of 8 batches of 8 on sharded stages, ``gradient_accumulation_steps=2``, a backup after every
     batch; raise before batch ``stop_at`` (counted over the run), or run to the end."""
     import meshfit as mf
 
-    class Interrupt(mf.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            if stop_at is not None and self.model.optimizer.batches == stop_at:
-                raise _Stop
-
-    model = _model(SHARDED, ["blocks.2"], microbatches=2, sharded=True,
+    model = _model(mesh_dims, ["blocks.2"], microbatches=2, sharded=True,
                    optimizer=mf.optimizers.Adam(0.01, gradient_accumulation_steps=2))
     x, y = _data()
     try:
         model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
                   callbacks=[mf.callbacks.BackupAndRestore(backup, save_freq=1, async_save=False,
-                                                           delete_checkpoint=False), Interrupt()])
+                                                           delete_checkpoint=False), _interrupting(stop_at)])
     except _Stop:
         return None
     return model.get_weights(), model.optimizer.batches
@@ -427,6 +475,27 @@ def test_a_backup_of_sharded_stages_inside_an_accumulation_window_resumes_bitwis
         assert batches == whole_batches == 16
         for got, expected in zip(weights, want, strict=True):
             np.testing.assert_array_equal(got, expected)
+
+
+def _window_relaid(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    whole = _windowed(os.path.join(directory, "whole"), None)
+    _windowed(os.path.join(directory, "backup"), 11)  # inside the second epoch's second window
+    return {"whole": whole, "resumed": _windowed(os.path.join(directory, "backup"), None, TRANSPOSED)}
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.xfail(strict=True, reason="a backup's per-rank state (a window's gradient sums) is restored by global "
+                                       "rank, and on another layout of the same processes a rank holds another "
+                                       "stage: rank 1 copies stage 0's sums into stage 1's gradients and fails on "
+                                       "their shapes (8 against 4), the others then name it dead")
+def test_a_backup_inside_an_accumulation_window_resumes_on_the_ranks_laid_out_the_other_way(tmp_path: Any) -> None:
+    """The window's sums saved on ``[("pipe", 2), ("batch", 2)]`` reach the ranks that hold their stages on
+    ``[("batch", 2), ("pipe", 2)]``: the resumed run ends at the uninterrupted run's weights."""
+    for result in run_distributed(_window_relaid, world_size=4, timeout=TIMEOUT - 60, args=(str(tmp_path),)):
+        (weights, batches), (want, _) = result["resumed"], result["whole"]
+        assert batches == 16
+        for got, expected in zip(weights, want, strict=True):
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
 def _last_batch_reads(rank: int, world_size: int, rows: int, microbatches: int, schedule: str) -> dict[str, Any]:
