@@ -543,3 +543,63 @@ def test_predict_and_evaluate_a_small_last_batch_on_sharded_stages_end_together(
             else:
                 for metric, value in expected.items():
                     np.testing.assert_allclose(read[metric], value, rtol=1e-5, err_msg=metric)
+
+
+def _flipping(at: int, rank: int) -> Any:
+    """A callback: process ``rank`` flips one bit of its shard of ``head.weight`` (the last stage's) before
+    step ``at`` + 1 runs, once, as a faulty memory cell would."""
+    import meshfit as mf
+
+    class Flip(mf.callbacks.Callback):
+        reads_batch_logs = False
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.left = 1
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if self.left and self.model.optimizer.iterations == at and mf.distribute.current_world().rank == rank:
+                with torch.no_grad():
+                    self.model.module.head.weight.to_local().view(-1).view(torch.int32)[1] ^= 1 << 22
+                self.left -= 1
+
+    return Flip()
+
+
+def _flipped(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    import meshfit as mf
+
+    x, y = _data()
+    out: dict[str, Any] = {}
+    undisturbed = _model(SHARDED, ["blocks.2"], microbatches=2, sharded=True)
+    undisturbed.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    out["undisturbed"] = undisturbed.get_weights()
+    try:
+        _model(SHARDED, ["blocks.2"], microbatches=2, sharded=True).fit(
+            x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+            callbacks=[_flipping(5, 3), mf.callbacks.VerifyReplicas(every_n_steps=1, on_divergence="stop")])
+        out["stopped"] = None
+    except mf.ReplicaDivergenceError as error:
+        out["stopped"] = (error.step, error.path, list(error.ranks))
+    verify = mf.callbacks.VerifyReplicas(every_n_steps=1, on_divergence="restore")
+    model = _model(SHARDED, ["blocks.2"], microbatches=2, sharded=True)
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+              callbacks=[_flipping(5, 3), verify,
+                         mf.callbacks.BackupAndRestore(os.path.join(directory, "backup"), save_freq=2)])
+    out["restored"] = model.get_weights()
+    out["rollbacks"] = [(error.step, error.path) for error, _ in verify.rollbacks]
+    return out
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_bit_flipped_in_a_sharded_stage_at_rest_is_found_and_rolled_back_bitwise(tmp_path: Any) -> None:
+    """A sharded stage's parameters are one copy: a bit flipped in rank 3's shard of ``head.weight`` between
+    steps 5 and 6 is found at rest by every worker (named with its rank; "stop" raises it everywhere), and
+    "restore" rolls every worker back to the backup of step 4, ending bitwise equal to the undisturbed run. Ported
+    to pipeline stages from tests/test_verify_one_copy.py's
+    test_one_copy_tensors_are_named_checked_at_rest_and_after_gathering (a flip in one process's FSDP shard)."""
+    for result in run_distributed(_flipped, world_size=4, timeout=TIMEOUT - 60, args=(str(tmp_path),)):
+        assert result["stopped"] == (5, "head.weight", [3]), result["stopped"]
+        assert result["rollbacks"] == [(5, "head.weight")], result["rollbacks"]
+        for got, want in zip(result["restored"], result["undisturbed"], strict=True):
+            np.testing.assert_array_equal(got, want)
