@@ -516,19 +516,20 @@ def _last_batch_reads(rank: int, world_size: int, rows: int, microbatches: int, 
 
 
 @pytest.mark.timeout(TIMEOUT)
-@pytest.mark.xfail(strict=True, reason="predict on fully sharded stages runs no agreement on the replicas' rows: a "
-                                       "replica whose share of a last batch is empty or does not split into the "
-                                       "microbatches fails alone inside torch's microbatch split while the other "
-                                       "all-gathers (the others then name a live worker dead); evaluate with an "
-                                       "empty share skips the step on that replica while the other waits in the "
-                                       "rows' agreement, until the collective timeout")
+@pytest.mark.xfail(strict=True, reason="predict on pipeline stages (fully sharded here; replicated ones too, once "
+                                       "placed) runs no agreement on the replicas' rows: a replica whose share of a "
+                                       "last batch is empty or does not split into the microbatches fails alone "
+                                       "inside torch's microbatch split while the other runs the schedule (the others "
+                                       "then name a live worker dead); evaluate skips the step on a replica whose "
+                                       "share is empty while the other waits in the rows' agreement, until the "
+                                       "collective timeout")
 @pytest.mark.parametrize(("rows", "microbatches", "schedule"), [(49, 1, "GPipe"), (50, 2, "1F1B")],
                          ids=["an-empty-share", "a-share-that-does-not-split"])
 def test_predict_and_evaluate_a_small_last_batch_on_sharded_stages_end_together(rows: int, microbatches: int,
                                                                                 schedule: str) -> None:
-    """A last global batch of 1 row (one replica's share empty) or 2 rows (1 a replica, for 2 microbatches):
-    replicated stages read it as one process does; sharded stages must too, or refuse it on every replica
-    together as ``fit`` does: never one replica failing alone while the other waits in a collective."""
+    """A last global batch of 1 row (one replica's share empty) or 2 rows (1 a replica, for 2 microbatches): the
+    stages read it as one process does, or refuse it on every replica together as ``fit`` does (evaluate refuses
+    the 2 rows so already): never one replica failing alone while the other waits in a collective."""
     one = _model(None)
     x, y = _data(rows)
     predicted = np.asarray(one.predict(x, batch_size=16, verbose=0))
