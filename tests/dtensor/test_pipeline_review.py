@@ -1,0 +1,630 @@
+"""A review of pipeline stages where they compose (units, released parameters, fully sharded and
+tensor-split stages): each test a risk of a silent wrong number, checked against one plain process on
+real processes."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from _multiproc import run_distributed
+from _pipeline_model import Classifier
+from _pipeline_run import _data, _every, _model
+from torch import nn
+
+TIMEOUT = 300
+SHARDED = (("pipe", 2), ("batch", 2))
+
+
+# --- batch normalization inside a stage: the traced graphs' buffers are the user's ----------------------------
+
+class _Normed(nn.Module):
+    """Two linear layers, each followed by a batch norm; stage 1 starts at ``second``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.first = nn.Linear(6, 8)
+        self.norm0 = nn.BatchNorm1d(8)
+        self.second = nn.Linear(8, 8)
+        self.norm1 = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.norm0(self.first(x)))
+        return self.head(torch.relu(self.norm1(self.second(h))))
+
+
+def _normed_data(rows: int = 48) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(8)
+    x = (rng.normal(size=(rows, 6)) * 3 + 1).astype("float32")
+    return x, (np.abs(x[:, 0]).astype("int64") % 3)
+
+
+def _normed_run(mesh_dims: Any) -> dict[str, Any]:
+    import meshfit as mf
+
+    if mesh_dims is None:
+        model = mf.Model(_Normed())
+    else:
+        mesh = mf.dtensor.create_mesh(list(mesh_dims))
+        layout_map = mf.dtensor.LayoutMap(mesh)
+        if any(name == "pipe" for name, _ in mesh_dims):
+            layout_map.pipeline(["second"], microbatches=1, schedule="GPipe")
+        with layout_map.scope():
+            model = mf.Model(_Normed())
+    model.compile(optimizer=mf.optimizers.SGD(0.1), loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _normed_data()
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    evaluated = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    return {"every": _every(model), "evaluated": evaluated}
+
+
+def _normed(rank: int, world_size: int, mesh_dims: Any) -> dict[str, Any]:
+    return _normed_run(mesh_dims)
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize("mesh_dims", [(("pipe", 2),), (("pipe", 2), ("model", 2))])
+def test_batch_norm_running_statistics_in_stages_equal_one_process(mesh_dims: Any) -> None:
+    """One microbatch a batch on 2 stages (alone, or run on DTensors over a tensor axis): each stage's batch norm
+    sees the whole batch, as one process's does, so its running statistics (updated in place by the traced
+    training graph) and ``num_batches_tracked`` must be one process's, and evaluation (another traced graph,
+    reading them) must be too."""
+    expected = _normed_run(None)
+    size = int(np.prod([n for _, n in mesh_dims]))
+    for result in run_distributed(_normed, world_size=size, timeout=TIMEOUT - 60, args=(mesh_dims,)):
+        assert set(result["every"]) == set(expected["every"])
+        for path, value in expected["every"].items():
+            np.testing.assert_allclose(result["every"][path], value, rtol=1e-5, atol=1e-6, err_msg=path)
+        for name, value in expected["evaluated"].items():
+            np.testing.assert_allclose(result["evaluated"][name], value, rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.xfail(strict=True, reason="agree_buffers gives every process global rank 0's buffers at each epoch's "
+                                       "end (and before saves and replica checks): on a pipeline, rank 0 holds the "
+                                       "first stage only, so its never-updated copy of a later stage's running "
+                                       "statistics replaces that stage's own (num_batches_tracked back to 0)")
+def test_batch_norm_running_statistics_in_replicated_stages_are_the_stage_s_own() -> None:
+    """2 stages x 2 replicas, one microbatch a batch: each replica normalizes its half of the batch, as a data
+    parallel process does, and what is read afterwards is the first replica's statistics (DDP's rank 0's). So
+    ``get_weights`` (each stage's from its first holder) must equal 2 data-parallel processes' on the same
+    global batches: the later stage's running statistics included, which rank 0 (the first stage) never
+    updates, and ``num_batches_tracked`` counting every step."""
+    expected = run_distributed(_normed, world_size=2, timeout=TIMEOUT - 60, args=((("batch", 2),),))[0]
+    steps = 2 * 3  # 2 epochs of 48 rows by 16
+    assert int(expected["every"]["norm1.num_batches_tracked"]) == steps
+    for result in run_distributed(_normed, world_size=4, timeout=TIMEOUT - 60, args=((("pipe", 2), ("batch", 2)),)):
+        assert set(result["every"]) == set(expected["every"])
+        assert int(result["every"]["norm1.num_batches_tracked"]) == steps, result["every"]["norm1.num_batches_tracked"]
+        for path, value in expected["every"].items():
+            np.testing.assert_allclose(result["every"][path], value, rtol=1e-5, atol=1e-6, err_msg=path)
+        for name, value in expected["evaluated"].items():
+            np.testing.assert_allclose(result["evaluated"][name], value, rtol=1e-5, err_msg=name)
+
+
+class _LateNormed(nn.Module):
+    """A batch norm in the second stage only (stage 1 starts at ``second``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.first = nn.Linear(6, 8)
+        self.second = nn.Linear(8, 8)
+        self.norm1 = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.norm1(self.second(torch.relu(self.first(x))))))
+
+
+def _late_normed(rank: int, world_size: int) -> dict[str, Any]:
+    import meshfit as mf
+
+    mesh = mf.dtensor.create_mesh([("pipe", 2), ("batch", 2)])
+    with mf.dtensor.LayoutMap(mesh).pipeline(["second"], microbatches=1, schedule="GPipe").scope():
+        model = mf.Model(_LateNormed())
+    model.compile(optimizer=mf.optimizers.SGD(0.1), loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _normed_data()
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
+              callbacks=[mf.callbacks.VerifyReplicas(every_n_steps=1, on_divergence="stop")])
+    return {"tracked": int(_every(model)["norm1.num_batches_tracked"])}
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.xfail(strict=True, reason="VerifyReplicas agrees batch-norm buffers (a world broadcast from rank 0) "
+                                       "only on the ranks whose stage holds one: the other stage's ranks go on to "
+                                       "the digest gather, so the ranks meet in different collectives")
+def test_replica_checks_on_stages_with_a_batch_norm_in_one_stage_end_together() -> None:
+    """2 stages x 2 replicas, a batch norm in the second stage only, ``VerifyReplicas`` every step: the check must
+    end on every process (no process waits in a collective another skips) and keep the stage's statistics."""
+    for result in run_distributed(_late_normed, world_size=4, timeout=30):
+        assert result["tracked"] == 3, result
+
+
+# --- frozen and tied parameters inside fully sharded stages ----------------------------------------------------
+
+def _frozen_module() -> nn.Module:
+    module = Classifier()
+    module.blocks[0].fc.weight.requires_grad_(False)  # stage 0
+    module.head.bias.requires_grad_(False)  # stage 1
+    return module
+
+
+def _tied_module() -> nn.Module:
+    module = Classifier()
+    module.blocks[1].fc.weight = module.blocks[0].fc.weight  # both in stage 0
+    return module
+
+
+def _variant(mesh_dims: Any, which: str, sharded: bool) -> dict[str, np.ndarray]:
+    import meshfit as mf
+
+    build = {"frozen": _frozen_module, "tied": _tied_module}[which]
+    model = _model(mesh_dims, ["blocks.2"], microbatches=2, sharded=sharded, module=build,
+                   optimizer=mf.optimizers.Adam(0.01))
+    x, y = _data(56)
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    return _every(model)
+
+
+def _variants(rank: int, world_size: int, which: str, sharded: bool) -> dict[str, np.ndarray]:
+    return _variant(SHARDED, which, sharded)
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize("which", ["frozen", "tied"])
+def test_frozen_and_tied_parameters_in_fully_sharded_stages_equal_one_process(which: str) -> None:
+    """``requires_grad=False`` parameters (one in each stage) stay as they were, and two paths of one weight in
+    a stage train as one weight, on 2 stages x 2 shards, as in one process (56 rows: a smaller last batch)."""
+    expected = _variant(None, which, False)
+    for every in run_distributed(_variants, world_size=4, timeout=TIMEOUT - 60, args=(which, True)):
+        assert set(every) == set(expected)
+        for path, value in expected.items():
+            np.testing.assert_allclose(every[path], value, rtol=1e-5, atol=1e-6, err_msg=path)
+
+
+def _freezing(mesh_dims: Any, sharded: bool) -> dict[str, np.ndarray]:
+    """2 epochs; at the first epoch's end a callback freezes a weight of each stage (Keras's ``trainable=False``
+    mid-training)."""
+    import meshfit as mf
+
+    class Freeze(mf.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 0:
+                self.model.module.get_parameter("blocks.0.fc.weight").requires_grad_(False)
+                self.model.module.get_parameter("head.weight").requires_grad_(False)
+
+    model = _model(mesh_dims, ["blocks.2"], microbatches=2, sharded=sharded, optimizer=mf.optimizers.SGD(0.1))
+    x, y = _data(56)
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[Freeze()])
+    return _every(model)
+
+
+def _weighted_rows(mesh_dims: Any, sharded: bool) -> dict[str, np.ndarray]:
+    """2 epochs over 56 rows by 16 with per-row sample weights (a smaller last batch carries its own)."""
+    import meshfit as mf
+
+    model = _model(mesh_dims, ["blocks.2"], microbatches=2, sharded=sharded, optimizer=mf.optimizers.SGD(0.1))
+    x, y = _data(56)
+    weights = np.random.default_rng(1).uniform(0.1, 2.0, size=56).astype("float32")
+    model.fit(x, y, sample_weight=weights, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    return _every(model)
+
+
+def _freezing_and_weighting(rank: int, world_size: int) -> dict[str, dict[str, np.ndarray]]:
+    return {"frozen, sharded": _freezing(SHARDED, True), "frozen, replicated": _freezing(SHARDED, False),
+            "weighted, sharded": _weighted_rows(SHARDED, True), "weighted, replicated": _weighted_rows(SHARDED, False)}
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_freezing_mid_training_and_sample_weights_on_stages_equal_one_process() -> None:
+    """On 2 stages x 2 shards and 2 stages x 2 replicas: a weight frozen by a callback between epochs stops moving
+    (the sharded unit's gathered copy follows the flag), and per-row sample weights over a smaller last batch
+    weigh each replica's share as one process weighs the batch."""
+    expected = {"frozen": _freezing(None, False), "weighted": _weighted_rows(None, False)}
+    for result in run_distributed(_freezing_and_weighting, world_size=4, timeout=TIMEOUT - 60):
+        for case, every in result.items():
+            want = expected[case.split(",")[0]]
+            for path, value in want.items():
+                np.testing.assert_allclose(every[path], value, rtol=1e-5, atol=1e-6, err_msg=(case, path))
+
+
+# --- the placement of a whole tensor onto a 2-D (batch, model) sharded weight ----------------------------------
+
+def _strided(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from meshfit._saving import laid_out_like
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("batch", "model"))
+    torch.manual_seed(0)
+    whole = torch.randn(8, 4)
+    linear = nn.Linear(4, 8, bias=False)
+    linear.weight = nn.Parameter(distribute_tensor(whole.clone(), mesh["model"], [Shard(0)]))
+    fully_shard(linear, mesh=mesh["batch"])
+    param = linear.weight
+    placed = laid_out_like(whole, param)
+    return {"placements": str(param.placements), "gathered": param.full_tensor().detach().numpy(),
+            "local": param.to_local().detach().numpy(), "placed": placed.to_local().detach().numpy(), "whole": whole.numpy()}
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_whole_tensor_placed_on_a_two_d_sharded_weight_is_its_shard() -> None:
+    """What ``set_weights``, ``load_weights`` and a backup's restore do on a (batch, model) fully sharded stage:
+    a whole tensor placed as the weight is (``laid_out_like``) must give each process the shard it holds."""
+    for result in run_distributed(_strided, world_size=4, timeout=TIMEOUT - 60):
+        np.testing.assert_array_equal(result["gathered"], result["whole"])
+        np.testing.assert_array_equal(result["placed"], result["local"], err_msg=result["placements"])
+
+
+# --- stages split over a tensor axis: a smaller last batch, the digest, set_weights and load_weights ----------
+
+def _tensor_model(mesh_dims: Any, sharded: bool) -> Any:
+    from _two_d_model import module
+
+    import meshfit as mf
+
+    if mesh_dims is None:
+        model = mf.Model(module())
+    else:
+        mesh = mf.dtensor.create_mesh(list(mesh_dims))
+        U = mf.dtensor.UNSHARDED
+        layout_map = mf.dtensor.LayoutMap.fully_sharded(mesh) if sharded else mf.dtensor.LayoutMap(mesh)
+        for key, specs in ((r"attn\.qkv\.weight", ["model", U]), (r"attn\.out\.weight", [U, "model"]),
+                           (r"mlp\.fc1\.weight", ["model", U]), (r"mlp\.fc2\.weight", [U, "model"])):
+            layout_map[key] = mf.dtensor.Layout(specs, mesh)
+        with layout_map.pipeline(["layers.1"], microbatches=2).scope():
+            model = mf.Model(module())
+    model.compile(optimizer=mf.optimizers.AdamW(1e-3), loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _tensor_fit(model: Any, backup: str | None) -> dict[str, Any]:
+    from _two_d_model import data
+
+    import meshfit as mf
+
+    x, y = data(72)  # 4 batches of 16 and a last one of 8 (4 a replica, 2 a microbatch)
+    callbacks = [mf.callbacks.BackupAndRestore(backup, delete_checkpoint=False)] if backup else []
+    history = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+    return {"loss": history.history["loss"], "every": _every(model), "digest": mf.train.state_digest(model).total}
+
+
+def _three_d(rank: int, world_size: int, directory: str, sharded: bool) -> dict[str, Any]:
+    model = _tensor_model((("pipe", 2), ("batch", 2), ("model", 2)), sharded)
+    result = _tensor_fit(model, os.path.join(directory, "backup"))
+    result["count"] = model.count_params()  # released and sharded weights count whole
+    shifted = [np.asarray(w) + 1.0 for w in model.get_weights()]
+    model.set_weights(shifted)
+    result["after set_weights"] = model.get_weights()
+    model.save_weights(os.path.join(directory, "shifted.safetensors"))
+    model.set_weights([w - 1.0 for w in shifted])
+    model.load_weights(os.path.join(directory, "shifted.safetensors"))
+    result["after load_weights"] = model.get_weights()
+    result["shifted"] = shifted
+    return result
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("sharded", [True, False])
+def test_tensor_split_stages_with_a_smaller_last_batch_digest_and_load_as_one_process(tmp_path: Any,
+                                                                                       sharded: bool) -> None:
+    """2 stages x 2 (shards or replicas) x 2 tensor parts (8 processes) over 72 rows by 16: one process's loss and
+    weights with a smaller last batch, a backup one plain process restores to the pipeline's state digest (each
+    shard of a (batch, model) sharded weight counted once), ``set_weights``/``load_weights`` place whole values on
+    the split weights as ``get_weights`` reads them back, and ``count_params`` is one process's."""
+    import meshfit as mf
+
+    one = _tensor_model(None, False)
+    count = one.count_params()
+    expected = _tensor_fit(one, None)
+    results = run_distributed(_three_d, world_size=8, timeout=360, args=(str(tmp_path), sharded))
+    for result in results:
+        assert result["count"] == count, (result["count"], count)
+        np.testing.assert_allclose(result["loss"], expected["loss"], rtol=1e-5)
+        for path, value in expected["every"].items():
+            np.testing.assert_allclose(result["every"][path], value, rtol=1e-5, atol=1e-6, err_msg=path)
+        for case in ("after set_weights", "after load_weights"):
+            for got, want in zip(result[case], result["shifted"], strict=True):
+                np.testing.assert_array_equal(got, want, err_msg=case)
+        assert result["digest"] == results[0]["digest"]
+    model = _tensor_model(None, False)
+    from _two_d_model import data
+
+    x, y = data(72)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
+              callbacks=[mf.callbacks.BackupAndRestore(str(tmp_path / "backup"), delete_checkpoint=False)])
+    assert mf.train.state_digest(model).total == results[0]["digest"]
+
+
+def _half_split(rank: int, world_size: int, policy: str) -> list[float]:
+    import meshfit as mf
+
+    mf.mixed_precision.set_global_policy(policy)
+    return _tensor_fit(_tensor_model((("pipe", 2), ("model", 2)), False), None)["loss"]
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize(("policy", "nearer"), [("mixed_bfloat16", 4), ("mixed_float16", None)])
+def test_mixed_precision_on_tensor_split_stages_follows_one_process(policy: str, nearer: int | None) -> None:
+    """A mixed policy on 2 stages x 2 tensor parts follows one such process within test_pipeline.py's 1e-4; under
+    bfloat16 its first loss also lies 4 times nearer one bfloat16 process's than one float32 process's (the
+    policy reaches the DTensor graph). float16 on this model moves the loss by 1.8e-6 relative only, less than
+    the split matmuls' own rounding (measured: 2.8e-6 from one float16 process), so no such factor is asked."""
+    import meshfit as mf
+
+    mf.mixed_precision.set_global_policy(policy)
+    try:
+        reference = _tensor_fit(_tensor_model(None, False), None)["loss"][0]
+    finally:
+        mf.mixed_precision.set_global_policy("float32")
+    float32 = _tensor_fit(_tensor_model(None, False), None)["loss"][0]
+    for losses in run_distributed(_half_split, world_size=4, timeout=TIMEOUT - 60, args=(policy,)):
+        np.testing.assert_allclose(losses[0], reference, rtol=1e-4)
+        if nearer is not None:
+            assert abs(losses[0] - reference) < abs(float32 - reference) / nearer, (losses, reference, float32)
+
+
+def _averaged_split(rank: int, world_size: int, backup: str) -> dict[str, np.ndarray]:
+    from _two_d_model import data
+
+    import meshfit as mf
+
+    model = _tensor_model((("pipe", 2), ("model", 2)), False)
+    model.compile(optimizer=mf.optimizers.AdamW(1e-3, use_ema=True, ema_momentum=0.9),
+                  loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = data(64)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
+              callbacks=[mf.callbacks.BackupAndRestore(backup, delete_checkpoint=False)])
+    return _every(model)
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_moving_averages_of_tensor_split_stages_equal_one_process_and_restore_in_one(tmp_path: Any) -> None:
+    """``use_ema`` on 2 stages x 2 tensor parts: the averages (split as their weights) replace the weights at fit's
+    end as one process's do, and a backup holds each stage's whole averages, so one plain process restoring it
+    ends with the same averaged weights."""
+    from _two_d_model import data
+
+    import meshfit as mf
+
+    def fresh() -> Any:
+        model = _tensor_model(None, False)
+        model.compile(optimizer=mf.optimizers.AdamW(1e-3, use_ema=True, ema_momentum=0.9),
+                      loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    x, y = data(64)
+    reference = fresh()
+    reference.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    weights = _every(reference)
+    backup = str(tmp_path / "backup")
+    for every in run_distributed(_averaged_split, world_size=4, timeout=TIMEOUT - 60, args=(backup,)):
+        for path, value in weights.items():
+            np.testing.assert_allclose(every[path], value, rtol=1e-5, atol=1e-6, err_msg=path)
+    restored = fresh()
+    restored.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
+                 callbacks=[mf.callbacks.BackupAndRestore(backup, delete_checkpoint=False)])
+    for path, value in _every(restored).items():
+        np.testing.assert_allclose(value, weights[path], rtol=1e-5, atol=1e-6, err_msg=path)
+
+
+def _accumulating_split(rank: int, world_size: int) -> dict[str, Any]:
+    from _two_d_model import data
+
+    import meshfit as mf
+
+    model = _tensor_model((("pipe", 2), ("model", 2)), False)
+    model.compile(optimizer=mf.optimizers.AdamW(1e-3, gradient_accumulation_steps=2),
+                  loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = data(64)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    return {"every": _every(model), "predicted": np.asarray(model.predict(x, batch_size=16, verbose=0))}
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_gradient_accumulation_and_predict_on_tensor_split_stages_equal_one_process() -> None:
+    """``gradient_accumulation_steps=2`` with batch 8 on 2 stages x 2 tensor parts: the window's two batches' split
+    gradients (taken out around torch's schedule and placed as their weights) sum to one process's batch of 16;
+    ``predict`` on the split stages gives one process's outputs."""
+    from _two_d_model import data
+
+    model = _tensor_model(None, False)
+    x, y = data(64)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    every = _every(model)
+    predicted = np.asarray(model.predict(x, batch_size=16, verbose=0))
+    for result in run_distributed(_accumulating_split, world_size=4, timeout=TIMEOUT - 60):
+        for path, value in every.items():
+            np.testing.assert_allclose(result["every"][path], value, rtol=1e-5, atol=1e-6, err_msg=path)
+        np.testing.assert_allclose(result["predicted"], predicted, rtol=1e-5, atol=1e-5)
+
+
+# --- fully sharded stages read after their weights are written --------------------------------------------------
+
+def _shifted(model: Any) -> list[np.ndarray]:
+    return [np.asarray(w) + 0.1 for w in model.get_weights()]
+
+
+def _written_after_a_read(rank: int, world_size: int, directory: str) -> dict[str, np.ndarray]:
+    import meshfit as mf
+
+    x, y = _data()
+    model = _model(SHARDED, ["blocks.2"], microbatches=2, sharded=True)
+    model.predict(x, batch_size=16, verbose=0)  # a forward with no backward: the units' gathered weights stay
+    shifted = _shifted(model)
+    model.set_weights(shifted)
+    read = {"set_weights, then predict": np.asarray(model.predict(x, batch_size=16, verbose=0))}
+    path = os.path.join(directory, "shifted.safetensors")
+    model.save_weights(path)
+    model.set_weights([w - 0.1 for w in shifted])
+    model.evaluate(x, y, batch_size=16, verbose=0)
+    model.load_weights(path)
+    read["load_weights, then predict"] = np.asarray(model.predict(x, batch_size=16, verbose=0))
+    averaged = _model(SHARDED, ["blocks.2"], microbatches=2, sharded=True,
+                      optimizer=mf.optimizers.Adam(0.01, use_ema=True))
+    averaged.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, validation_data=(x[:16], y[:16]))
+    read["use_ema with validation, then predict"] = np.asarray(averaged.predict(x, batch_size=16, verbose=0))
+    return read
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_sharded_stages_read_what_was_written_after_a_forward(tmp_path: Any) -> None:
+    """On 2 stages x 2 shards each unit is an FSDP root, which keeps its gathered weights after a forward with no
+    backward unless it reshards: ``predict`` (or ``evaluate``), then ``set_weights``/``load_weights``, then ``predict``
+    must give one process's outputs on the written weights; and after ``fit(use_ema=True)`` with validation (the
+    last forward before the averages replace the weights), ``predict`` must read the averaged weights."""
+    import meshfit as mf
+
+    x, y = _data()
+    one = _model(None)
+    one.set_weights(_shifted(one))
+    shifted = np.asarray(one.predict(x, batch_size=16, verbose=0))
+    averaged = _model(None, optimizer=mf.optimizers.Adam(0.01, use_ema=True))
+    averaged.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, validation_data=(x[:16], y[:16]))
+    expected = {"set_weights, then predict": shifted, "load_weights, then predict": shifted,
+                "use_ema with validation, then predict": np.asarray(averaged.predict(x, batch_size=16, verbose=0))}
+    for read in run_distributed(_written_after_a_read, world_size=4, timeout=TIMEOUT - 60, args=(str(tmp_path),)):
+        for case, value in expected.items():
+            np.testing.assert_allclose(read[case], value, rtol=1e-5, atol=1e-6, err_msg=case)
+
+
+# --- a key only one stage cannot place ---------------------------------------------------------------------------
+
+def _one_stage_refuses(rank: int, world_size: int) -> str:
+    from _two_d_model import data, module
+
+    import meshfit as mf
+
+    mesh = mf.dtensor.create_mesh([("pipe", 2), ("model", 2)])
+    layout_map = mf.dtensor.LayoutMap(mesh)
+    layout_map[r"layers\.1\.attn\.qkv\.weight"] = mf.dtensor.Layout(["pipe", mf.dtensor.UNSHARDED], mesh)  # stage 1's
+    with layout_map.pipeline(["layers.1"], microbatches=2).scope():
+        model = mf.Model(module())
+    model.compile(optimizer=mf.optimizers.AdamW(1e-3), loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    try:
+        model.fit(*data(16), batch_size=16, epochs=1, verbose=0)
+    except Exception as error:  # noqa: BLE001  (what each process is told)
+        return f"{type(error).__name__}: {error}"
+    return "not refused"
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.xfail(strict=True, reason="a key only a later stage cannot place is refused on that stage's processes "
+                                       "alone: the first stage's go on into the schedule and fail on the lost peer "
+                                       "(gloo's 'Connection closed by peer'), not naming the key")
+def test_a_key_one_stage_cannot_place_is_refused_by_name_on_every_process() -> None:
+    """A layout naming the pipeline axis for a weight of stage 1 only: every process (those of stage 0 too) must be
+    told the key and the fix, as when every stage holds such a weight."""
+    for message in run_distributed(_one_stage_refuses, world_size=4, timeout=120):
+        assert "layers.1.attn.qkv.weight" in message and "tensor axis 'model'" in message, message
+
+
+class _HeadFirst(Classifier):
+    """The classifier with its head registered before its blocks (the forward still calls it last)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        blocks = self.blocks
+        del self.blocks
+        self.blocks = blocks  # registered again: after the head
+
+
+def _out_of_order(rank: int, world_size: int) -> str:
+    x, y = _data(16)
+    model = _model((("pipe", 2),), ["blocks.2"], microbatches=2, module=_HeadFirst)
+    try:
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    except Exception as error:  # noqa: BLE001  (what each process is told)
+        return f"{type(error).__name__}: {error}"
+    return "not refused"
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.xfail(strict=True, reason="the traced stages' paths are checked against the registration order on "
+                                       "each process for its own stages only: the stage whose graph reads a stray "
+                                       "weight refuses, the other goes on into the schedule and fails on the lost "
+                                       "peer, not naming the cause")
+def test_a_forward_out_of_registration_order_is_refused_by_name_on_every_process() -> None:
+    """The head registered before the blocks but called after them: stage 1's traced graph reads ``head.*``, which
+    the registration order puts in stage 0. Every process must be told so (the message names the fix)."""
+    for message in run_distributed(_out_of_order, world_size=2, timeout=120):
+        assert "Register the submodules in the order the forward calls them" in message, message
+
+
+# --- a saved model loaded onto pipeline stages, optimizer state included -----------------------------------------
+
+def _loaded_onto_stages(rank: int, world_size: int, path: str, sharded: bool) -> dict[str, np.ndarray]:
+    import meshfit as mf
+
+    mesh = mf.dtensor.create_mesh(list(SHARDED))
+    layout_map = mf.dtensor.LayoutMap.fully_sharded(mesh) if sharded else mf.dtensor.LayoutMap(mesh)
+    with layout_map.pipeline(["blocks.2"], microbatches=2).scope():
+        model = mf.load_model(path, module=Classifier())
+    x, y = _data()
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    return _every(model)
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize("sharded", [True, False])
+def test_a_saved_model_loaded_onto_stages_trains_on_as_one_process(tmp_path: Any, sharded: bool) -> None:
+    """One process trains an epoch and saves (Adam's moments included); ``mf.load_model`` inside a pipeline scope
+    (2 stages x 2 shards or replicas) and one more epoch must end where one process's second epoch ends: the
+    loaded moments placed as each stage's weights are."""
+    import meshfit as mf
+
+    x, y = _data()
+    one = _model(None)
+    one.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    path = str(tmp_path / "model.keras")
+    one.save(path)
+    again = mf.load_model(path, module=Classifier())
+    again.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    expected = _every(again)
+    for every in run_distributed(_loaded_onto_stages, world_size=4, timeout=TIMEOUT - 60, args=(path, sharded)):
+        for name, value in expected.items():
+            np.testing.assert_allclose(every[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+# --- reading a staged model's structure ----------------------------------------------------------------------------
+
+def _summarized(mesh_dims: Any, sharded: bool) -> list[str]:
+    model = _model(mesh_dims, ["blocks.2"], microbatches=2, sharded=sharded) if mesh_dims else _model(None)
+    x, y = _data()
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    lines: list[str] = []
+    model.summary(print_fn=lines.append)
+    return lines
+
+
+def _summaries(rank: int, world_size: int, mesh_dims: Any, sharded: bool) -> list[str]:
+    return _summarized(mesh_dims, sharded)
+
+
+_RUNS_THE_MODULE = pytest.mark.xfail(strict=True, reason="summary's output shapes come from one forward of the user's "
+                                                         "module (torchinfo), whose weights on a staged process are "
+                                                         "DTensors beside plain ones: 'mixed torch.Tensor and DTensor'")
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize(("mesh_dims", "sharded"), [
+    pytest.param(SHARDED, True, marks=_RUNS_THE_MODULE, id="2 stages x 2 shards"),
+    pytest.param(SHARDED, False, id="2 stages x 2 replicas"),
+    pytest.param((("pipe", 2), ("model", 2)), False, marks=_RUNS_THE_MODULE, id="2 stages x 2 tensor parts"),
+])
+def test_summary_of_staged_models_is_one_process_s(mesh_dims: Any, sharded: bool) -> None:
+    """``model.summary()`` after ``fit`` on 2 stages (sharded, replicated or split over a tensor axis), on every
+    process: one process's table (layers, output shapes, parameter counts; released and sharded weights counted
+    whole), as the pipelines guide promises (the module stays whole in structure for summaries)."""
+    expected = _summarized(None, False)
+    size = int(np.prod([n for _, n in mesh_dims]))
+    for lines in run_distributed(_summaries, world_size=size, timeout=TIMEOUT - 60, args=(mesh_dims, sharded)):
+        assert lines == expected, (lines, expected)
