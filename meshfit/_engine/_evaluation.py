@@ -66,8 +66,11 @@ def evaluate(trainable: Trainable, data: Any, callbacks: Any) -> dict[str, float
     try:
         module.eval()
         with torch.no_grad():
+            # a placement whose ranks hold different parts (a pipeline's stages) steps together: every rank
+            # takes every batch, an empty share too (its step joins the others' collectives)
+            together = not trainable.residency.everywhere
             for returned in _executions(trainable, data, callbacks.on_test_batch_begin, trainable.test_step,
-                                        empty_ok=False):
+                                        empty_ok=together):
                 if readers:  # Keras's rule: the metrics are reduced at each step only for a reader of the logs
                     logs, _ = reduce_logs(trainable)
                     merge_returned(trainable, logs, returned[1])

@@ -112,6 +112,7 @@ class Model(TrackedMetricsMixin, StepsMixin, OnBatchMixin, WeightsMixin):
         self._step_params: list[nn.Parameter] | None = None  # _has_trainable_weights's list, per build
         if self.strategy.places_on_creation(module):  # sharded as Keras lays out
             self.placement = self.strategy.setup_module(module)  # variables: at creation (custom loops too)
+            self._refuse_step_overrides()  # a placement whose runner runs each step (a pipeline) takes none
 
     # ---- compile -------------------------------------------------------------------------
     def compile(self, optimizer: Any = "rmsprop", loss: Any = None, metrics: Any = None,
@@ -140,6 +141,9 @@ class Model(TrackedMetricsMixin, StepsMixin, OnBatchMixin, WeightsMixin):
                           UserWarning, stacklevel=2)
             jit_compile = False
         jit_compile = resolve_jit_compile(check_jit_compile(jit_compile), self.strategy.device)
+        if jit_compile and self._step_runner() is not None:  # placed at creation with a runner of its own
+            raise ValueError("Invalid `jit_compile=True` under a pipeline: torch.compile of pipeline stages is not "
+                             "supported yet. Compile with jit_compile=False (or 'auto').")
         check_bool("auto_scale_loss", auto_scale_loss)
         # Resolve everything first: a failed compile leaves the model as it was.
         steps_per_execution = positive_int("steps_per_execution", steps_per_execution)

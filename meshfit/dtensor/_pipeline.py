@@ -207,16 +207,7 @@ class PipelineStep:
             raise ValueError(f"Invalid input under a pipeline: expected one tensor per batch, received "
                              f"{type(x).__name__}. Feed the model one input tensor.")
         self._host = host
-        rows, n = x.shape[0], self.spec.microbatches
-        # sharded stages all-gather and reduce-scatter over the replicas: every replica runs the schedule
-        bad = bool(rows % n) or (self.sharded is not None and not rows)
-        total, unsplittable = (rows, bad) if self.replicas is None else self.replicas.agree(rows, bad)
-        if unsplittable:
-            empty = " (fully sharded stages need rows on every replica)" if self.sharded is not None else ""
-            raise ValueError(f"Invalid batch for the pipeline: a batch of {rows} rows on this replica (of {total} "
-                             f"in all replicas) does not split into microbatches={n} equal microbatches on every "
-                             f"replica{empty}. Use a batch size whose share on each replica is divisible by {n} (and "
-                             "a data set whose last batch is too, or drop the remainder), or change `microbatches`.")
+        rows, total = x.shape[0], self._agree_on_rows(x.shape[0])
         held = self._held_parameters()
         earlier = take_gradients(held)  # torch's schedule divides every gradient it finds by the microbatches
         output = None
@@ -226,7 +217,7 @@ class PipelineStep:
                 self._losses, self._training = [], train
                 # the last stage computes each microbatch's loss in microbatch order, with its rows' weights
                 self._weights = None if sample_weight is None or not self.last else \
-                    torch.as_tensor(sample_weight).tensor_split(n)
+                    torch.as_tensor(sample_weight).tensor_split(self.spec.microbatches)
                 run = schedule.step if train else schedule.eval
                 with self._weighted(rows, total), self._on_tensor_axis():
                     output = run(*((x,) if self.first else ()), target=y if self.last else None)
@@ -242,6 +233,25 @@ class PipelineStep:
             return None
         loss = torch.stack(self._losses).mean()
         return _Outputs(output, loss, rows)
+
+    def _agree_on_rows(self, rows: int, predicting: bool = False) -> int:
+        """Every replica's rows summed (one small all-reduce over the replicas, before any schedule); a batch
+        that does not split into the microbatches on some replica is refused on every replica together.
+        An empty share runs no schedule, which only a replicated stage's training or evaluation allows."""
+        n = self.spec.microbatches
+        # sharded stages all-gather and reduce-scatter over the replicas: every replica runs the schedule;
+        # a prediction's outputs come from a schedule on each replica
+        needs_rows = self.sharded is not None or predicting
+        bad = bool(rows % n) or (needs_rows and not rows)
+        total, unsplittable = (rows, bad) if self.replicas is None else self.replicas.agree(rows, bad)
+        if unsplittable:
+            empty = "" if not needs_rows else " (fully sharded stages need rows on every replica)" \
+                if self.sharded is not None else " (a prediction needs rows on every replica)"
+            raise ValueError(f"Invalid batch for the pipeline: a batch of {rows} rows on this replica (of {total} "
+                             f"in all replicas) does not split into microbatches={n} equal microbatches on every "
+                             f"replica{empty}. Use a batch size whose share on each replica is divisible by {n} (and "
+                             "a data set whose last batch is too, or drop the remainder), or change `microbatches`.")
+        return total
 
     def _on_tensor_axis(self) -> contextlib.AbstractContextManager[Any]:
         """Stages whose weights are split over a tensor axis run on DTensors, forward and backward: a tensor
@@ -296,6 +306,7 @@ class PipelineStep:
 
     def predict(self, host: Any, x: Any) -> Any:
         self._host = host
+        self._agree_on_rows(x.shape[0], predicting=True)  # a replica that cannot run it fails with the others
         earlier = take_gradients(self._held_parameters())  # the schedule would divide them
         try:
             with torch.no_grad(), self._on_tensor_axis():

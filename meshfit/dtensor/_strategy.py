@@ -102,11 +102,12 @@ class MeshStrategy(CollectiveStrategy):
 
     def places_on_creation(self, module: nn.Module) -> bool:
         """Whether ``mf.Model(module)`` places the module at once (Keras lays variables out when they are
-        created): fully sharded, or a plain map's tensor-parallel keys, unless a lazy parameter waits for
-        the first batch (a plain map's module made in its scope is then laid out when the scope ends)."""
+        created): fully sharded, a pipeline, or a plain map's tensor-parallel keys, unless a lazy parameter
+        waits for the first batch (a plain map's module made in its scope is then laid out when the scope
+        ends). A pipeline placed at creation also evaluates and predicts as a pipeline before any ``fit``."""
         if self.layout_map is None or any(is_lazy(p) for p in module.parameters()):
             return False
-        return self.layout_map.is_fully_sharded or \
+        return self.layout_map.is_fully_sharded or self.layout_map.pipeline_spec is not None or \
             plain_tensor_parallel(module, self.layout_map, self._batch) is not None
 
     # ---- identity: the data-parallel axis --------------------------------------------------

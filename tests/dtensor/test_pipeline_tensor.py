@@ -137,9 +137,9 @@ def _refused(rank: int, world_size: int) -> list[str]:
     keyed = mf.dtensor.LayoutMap(plain)
     keyed[r"attn\.qkv\.weight"] = mf.dtensor.Layout(["batch", mf.dtensor.UNSHARDED], plain)  # no tensor axis
     for layout_map in (wrong, keyed):
-        with layout_map.pipeline(SPLIT, microbatches=2).scope():
-            model = _compiled(mf.Model(module()))
-        try:
+        try:  # refused when the model is made (a pipeline is placed then)
+            with layout_map.pipeline(SPLIT, microbatches=2).scope():
+                model = _compiled(mf.Model(module()))
             model.fit(*data(16), batch_size=16, epochs=1, verbose=0)
         except ValueError as error:
             messages.append(str(error))
