@@ -3,6 +3,8 @@ gradient accumulation window's sums), saved once per rank."""
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 from meshfit._engine._state import RandomState
@@ -22,10 +24,36 @@ class ReplicaState:
     def __init__(self, trainable: Trainable) -> None:
         self._trainable = trainable
         self._random = RandomState(trainable.strategy.device)
+        self._foreign = False  # restored from a rank that held other state (another pipeline layout)
+
+    def role(self) -> str | None:
+        """What this rank's sums cover, where ranks hold different parts (a pipeline's stages): the paths it
+        holds and its replica; None where every rank holds everything."""
+        residency = self._trainable.residency
+        if residency.everywhere:
+            return None
+        held = "\n".join(sorted(path for path in self._trainable.module.state_dict() if residency.holds(path)))
+        return f"holds:{hashlib.sha256(held.encode()).hexdigest()[:16]};replica:{self._trainable.strategy.replica_id}"
+
+    def choose_saved(self, roles: Sequence[str | None], rank: int) -> int:
+        """The saved rank that held what this rank holds, in the same replica (a pipeline backup restored on
+        the same stages laid out in another order); else ``rank % saved``, its sums not restored (they cover
+        other stages' or replicas' batches: `load_state_dict`)."""
+        mine = self.role()
+        self._foreign = False
+        if not any(roles):  # saved where every rank held everything (or before ranks had roles)
+            return rank % len(roles)
+        if mine in roles:
+            return roles.index(mine)
+        self._foreign = True
+        return rank % len(roles)
 
     def state_dict(self) -> dict[str, Any]:
         metrics = {f"{i}:{m.name}": m.state_dict() for i, m in enumerate(self._trainable.metrics)}
-        state = {"rng": self._random.state_dict(), "metrics": metrics}
+        state: dict[str, Any] = {"rng": self._random.state_dict(), "metrics": metrics}
+        role = self.role()
+        if role is not None:
+            state["role"] = role
         gradients = self._gradients()
         if gradients is not None:
             state["gradients"] = gradients.state_dict()
@@ -44,8 +72,17 @@ class ReplicaState:
             if key not in saved:
                 raise ValueError(f"The backup has no state for metric {key!r} (it has {sorted(saved)}): "
                                  "compile the model with the same metrics as the run that made it.")
-            metric.load_state_dict(saved[key])
+            if self._foreign:  # sums of batches another layout's rank saw: this epoch counts from the resume
+                metric.reset_state()
+            else:
+                metric.load_state_dict(saved[key])
         self._random.load_state_dict(state["rng"])
         gradients = self._gradients()
         if gradients is not None and "gradients" in state:
+            if self._foreign:
+                raise ValueError("The backup was taken inside a gradient accumulation window by processes that "
+                                 "held other pipeline stages than this one now holds (another pipeline depth, or "
+                                 "one plain process): the window's gradient sums cannot be split anew. Resume on "
+                                 "the layout that saved it, or back up at the end of a window (save_freq a "
+                                 "multiple of gradient_accumulation_steps).")
             gradients.load_state_dict(state["gradients"])

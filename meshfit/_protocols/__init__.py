@@ -82,6 +82,15 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+@runtime_checkable
+class ChoosesSavedRank(Protocol):
+    """A per-rank trackable that chooses which saved rank's state it restores (`meshfit.train.PerRank`):
+    each saved rank's ``role`` (from its state's ``"role"`` entry, None when it has none) in saved-rank order;
+    returns the index of the state to load. Without it, rank ``r`` loads saved rank ``r % saved``."""
+
+    def choose_saved(self, roles: Sequence[str | None], rank: int) -> int: ...
+
+
 class MetricLike(Protocol):
     """What the loop needs of a metric (see `meshfit.metrics.Metric`)."""
 

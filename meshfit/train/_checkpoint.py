@@ -15,6 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from meshfit._protocols import ChoosesSavedRank
 from meshfit._storage import CorruptFileError, StateMismatchError, chief_writes
 from meshfit._storage import tagged_json as _tree
 from meshfit._validation import path_like
@@ -333,7 +334,7 @@ class Checkpoint:
         plans = []
         for name, (target, per_rank) in self._trackables.items():
             entry = _entry_for(saved, name, target, per_rank, path)
-            tree = entry["ranks"][rank % len(entry["ranks"])] if per_rank else entry["state"]
+            tree = entry["ranks"][_saved_rank(target, entry["ranks"], rank)] if per_rank else entry["state"]
             current = target if isinstance(target, torch.Tensor) else target.state_dict()
             if isinstance(target, torch.nn.Module):  # before reading: name the parameter, not torch's error
                 check_module_fits(name, target, _tree.tensor_refs(tree), stored, path)
@@ -376,3 +377,20 @@ def _rank0_step(step: Callable[[], None], distributed: bool, rank: int, group: A
         return _storage.all_gather_text(text, group) if distributed else [text]
 
     chief_writes(step, is_chief=rank == 0, gather=gather, what=f"save the checkpoint: rank 0 could not {what}")
+
+
+def _saved_rank(target: Any, saved: list[Any], rank: int) -> int:
+    """Which saved rank's state a `PerRank` trackable on ``rank`` restores: its own choice by the saved ranks'
+    roles (`ChoosesSavedRank`: a pipeline stage restores a rank that held its stages), else ``rank % saved``."""
+    if isinstance(target, ChoosesSavedRank):
+        return target.choose_saved([_role_of(tree) for tree in saved], rank)
+    return rank % len(saved)
+
+
+def _role_of(tree: Any) -> str | None:
+    """The ``"role"`` entry of a saved state's encoded tree (a plain string), or None."""
+    items = tree.get("dict") if isinstance(tree, dict) else None
+    for item in items or ():
+        if isinstance(item, list) and len(item) == 2 and item[0] == "role" and isinstance(item[1], str):
+            return item[1]
+    return None
