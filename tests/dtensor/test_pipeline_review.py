@@ -844,3 +844,85 @@ def test_a_summed_metric_on_stages_counts_each_row_once(mesh_dims: Any) -> None:
     size = int(np.prod([n for _, n in mesh_dims]))
     for result in run_distributed(_counted_on_stages, world_size=size, timeout=360, args=(mesh_dims,)):
         assert result == expected, result
+
+
+# --- several tensor-split stages on each process, clipped gradients ------------------------------------------------
+
+def _interleaved_split(mesh_dims: Any) -> dict[str, Any]:
+    from _two_d_model import data, module
+
+    import meshfit as mf
+
+    def compiled(model: Any) -> Any:
+        model.compile(optimizer=mf.optimizers.AdamW(1e-3, clipnorm=0.05),
+                      loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    if mesh_dims is None:
+        model = compiled(mf.Model(module()))
+    else:
+        mesh = mf.dtensor.create_mesh(list(mesh_dims))
+        layout_map = mf.dtensor.LayoutMap(mesh)
+        U = mf.dtensor.UNSHARDED
+        layout_map[r"attn\.qkv\.weight"] = mf.dtensor.Layout(["model", U], mesh)
+        layout_map[r"mlp\.fc2\.weight"] = mf.dtensor.Layout([U, "model"], mesh)
+        with layout_map.pipeline(["layers.0", "layers.1", "norm"], microbatches=4, schedule="Interleaved1F1B",
+                                 stages_per_rank=2).scope():
+            model = compiled(mf.Model(module()))
+    x, y = data(64)
+    history = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    return {"loss": history.history["loss"], "every": _every(model)}
+
+
+def _interleaved_split_on_stages(rank: int, world_size: int) -> dict[str, Any]:
+    return _interleaved_split((("pipe", 2), ("model", 2)))
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_interleaved_tensor_split_stages_with_clipped_gradients_equal_one_process() -> None:
+    """4 stages interleaved on 2 processes x 2 tensor parts (two units, each on DTensors, per process), AdamW with
+    ``clipnorm`` (each split gradient's norm is its whole tensor's): one process's loss and weights."""
+    expected = _interleaved_split(None)
+    for result in run_distributed(_interleaved_split_on_stages, world_size=4, timeout=TIMEOUT - 60):
+        np.testing.assert_allclose(result["loss"], expected["loss"], rtol=1e-5)
+        for path, value in expected["every"].items():
+            np.testing.assert_allclose(result["every"][path], value, rtol=1e-5, atol=1e-6, err_msg=path)
+
+
+def _tied_split(mesh_dims: Any) -> dict[str, Any]:
+    from _two_d_model import data, module
+
+    import meshfit as mf
+
+    def tied() -> nn.Module:
+        lm = module()
+        lm.head.weight = lm.layers[1].mlp.fc1.weight  # both (32, 16), both in stage 1
+        return lm
+
+    if mesh_dims is None:
+        model = mf.Model(tied())
+    else:
+        mesh = mf.dtensor.create_mesh(list(mesh_dims))
+        layout_map = mf.dtensor.LayoutMap(mesh)
+        layout_map[r"mlp\.fc1\.weight|head\.weight"] = mf.dtensor.Layout(["model", mf.dtensor.UNSHARDED], mesh)
+        with layout_map.pipeline(["layers.1"], microbatches=2).scope():
+            model = mf.Model(tied())
+    model.compile(optimizer=mf.optimizers.AdamW(1e-3), loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = data(64)
+    history = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    return {"loss": history.history["loss"], "every": _every(model)}
+
+
+def _tied_split_on_stages(rank: int, world_size: int) -> dict[str, Any]:
+    return _tied_split((("pipe", 2), ("model", 2)))
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_weight_tied_inside_a_tensor_split_stage_trains_as_one_process() -> None:
+    """A (32, 16) weight read by two modules of stage 1 (an MLP's first layer and the head), split column-wise over
+    the tensor axis: one parameter, its two uses' gradients summed, as one process's."""
+    expected = _tied_split(None)
+    for result in run_distributed(_tied_split_on_stages, world_size=4, timeout=TIMEOUT - 60):
+        np.testing.assert_allclose(result["loss"], expected["loss"], rtol=1e-5)
+        for path, value in expected["every"].items():
+            np.testing.assert_allclose(result["every"][path], value, rtol=1e-5, atol=1e-6, err_msg=path)
