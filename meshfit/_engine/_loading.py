@@ -126,8 +126,10 @@ def load_model(filepath: str | os.PathLike, module: nn.Module | None = None, com
             optimizer_file = os.path.join(path, "optimizer.safetensors")
             tensors = load_state_dict_file(optimizer_file)
             try:
-                # compile() keeps this very optimizer (a meshfit Optimizer is not wrapped)
-                optimizer.load_state_dict(unflatten_optimizer_state(tensors, config["optimizer_state"]))
+                # compile() keeps this very optimizer (a meshfit Optimizer is not wrapped); through the model's
+                # parts, a pipeline stage keeps the state of the parameters it trains only
+                model.saveable_parts().get("optimizer", optimizer).load_state_dict(
+                    unflatten_optimizer_state(tensors, config["optimizer_state"]))
             except (KeyError, TypeError, ValueError) as error:
                 raise ValueError(f"Cannot restore the optimizer state from {optimizer_file!r} and "
                                  f"{config_path!r}: {error}") from error

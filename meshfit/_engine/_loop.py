@@ -136,7 +136,7 @@ class TrainingLoop:
         Called at each epoch's end, at the end of ``run`` and by savers before each save.
         """
         if self.strategy.num_replicas_in_sync > 1:
-            agree_buffers(self.trainable.module, self.strategy)
+            agree_buffers(self.trainable.module, self.strategy, self.trainable.residency)
 
     # ---- running ---------------------------------------------------------------------------
     def run(self, *, epochs: int | None = None, initial_epoch: int = 0, until_step: int | None = None,

@@ -11,6 +11,7 @@ from torch import nn
 
 from meshfit._engine import _summary
 from meshfit._lazy_dtensor import is_dtensor
+from meshfit._protocols import ShapesModule
 from meshfit._saving import (
     laid_out_like,
     load_weights,
@@ -31,6 +32,7 @@ class WeightsMixin:
     _input_example: Any
     saveable_parts: Callable[[], dict[str, Any]]
     strategy: Any
+    placement: Any
 
     def get_weights(self) -> list[np.ndarray]:
         """The module's ``state_dict`` values (parameters, then buffers, per submodule) as numpy.
@@ -94,7 +96,10 @@ class WeightsMixin:
         Raises:
             ValueError: If lazy layers have not been materialised yet.
         """
-        text = _summary.summary_text(self.module, self.name, self._input_example, line_length=line_length,
+        runner = self.placement.step if self.placement is not None else None
+        # a pipeline's stages: the user's module holds other stages' weights released, its own sharded or split
+        module = runner.shapes_module() if isinstance(runner, ShapesModule) else self.module
+        text = _summary.summary_text(module, self.name, self._input_example, line_length=line_length,
                                      expand_nested=expand_nested, show_trainable=show_trainable)
         _summary.print_summary(text, print_fn)
 

@@ -72,7 +72,7 @@ class OnBatchMixin:
                 logs, _ = reduce_logs(self)  # type: ignore[arg-type]
                 merge_returned(self, logs, returned)  # type: ignore[arg-type]
                 if self.strategy.num_replicas_in_sync > 1:  # as fit ends an epoch: one set of buffers
-                    agree_buffers(self.module, self.strategy)  # type: ignore[attr-defined]
+                    agree_buffers(self.module, self.strategy, self.residency)  # type: ignore[attr-defined]
             finally:
                 data.close()
         return self._as_result(logs, return_dict)

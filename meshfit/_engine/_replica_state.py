@@ -24,28 +24,45 @@ class ReplicaState:
     def __init__(self, trainable: Trainable) -> None:
         self._trainable = trainable
         self._random = RandomState(trainable.strategy.device)
-        self._foreign = False  # restored from a rank that held other state (another pipeline layout)
+        self._foreign = False  # restored from a rank that held other paths (another pipeline layout)
+        self._metrics_foreign = False  # ... and other outputs or another replica: its metric sums are not ours
+
+    def _role(self) -> dict[str, str]:
+        """What this rank's sums cover: whether it holds the outputs (its metric sums are its replica's), its
+        replica among how many, and (where ranks hold different parts: a pipeline's stages) the paths it holds."""
+        residency, strategy = self._trainable.residency, self._trainable.strategy
+        role = {"outputs": str(int(residency.holds_outputs)), "replica": str(strategy.replica_id),
+                "replicas": str(strategy.num_replicas_in_sync)}
+        if not residency.everywhere:
+            held = "\n".join(sorted(p for p in self._trainable.module.state_dict() if residency.holds(p)))
+            role["holds"] = hashlib.sha256(held.encode()).hexdigest()[:16]
+        return role
 
     def role(self) -> str | None:
-        """What this rank's sums cover, where ranks hold different parts (a pipeline's stages): the paths it
-        holds and its replica; None where every rank holds everything."""
-        residency = self._trainable.residency
-        if residency.everywhere:
+        """`_role` as saved (None where every rank holds everything: the rank number says it all)."""
+        if self._trainable.residency.everywhere:
             return None
-        held = "\n".join(sorted(path for path in self._trainable.module.state_dict() if residency.holds(path)))
-        return f"holds:{hashlib.sha256(held.encode()).hexdigest()[:16]};replica:{self._trainable.strategy.replica_id}"
+        return ";".join(f"{key}={value}" for key, value in sorted(self._role().items()))
 
     def choose_saved(self, roles: Sequence[str | None], rank: int) -> int:
-        """The saved rank that held what this rank holds, in the same replica (a pipeline backup restored on
-        the same stages laid out in another order); else ``rank % saved``, its sums not restored (they cover
-        other stages' or replicas' batches: `load_state_dict`)."""
-        mine = self.role()
-        self._foreign = False
+        """The saved state this rank restores, where the saved ranks held different parts (a pipeline backup):
+        the rank that held the same paths in the same replica (everything restores, bitwise); else one that held
+        the outputs (or not) of the same replica out of as many (the metric sums restore; an accumulation
+        window's sums cannot: `load_state_dict` refuses them); else ``rank % saved`` with the epoch's metrics
+        counting from the resume."""
+        self._foreign = self._metrics_foreign = False
         if not any(roles):  # saved where every rank held everything (or before ranks had roles)
             return rank % len(roles)
-        if mine in roles:
-            return roles.index(mine)
+        mine = self._role()
+        saved = [dict(item.split("=", 1) for item in role.split(";")) if role else {} for role in roles]
+        if mine in saved:
+            return saved.index(mine)
         self._foreign = True
+        same = [i for i, theirs in enumerate(saved)
+                if all(theirs.get(key) == mine[key] for key in ("outputs", "replica", "replicas"))]
+        if same:
+            return same[0]
+        self._metrics_foreign = True
         return rank % len(roles)
 
     def state_dict(self) -> dict[str, Any]:
@@ -72,7 +89,7 @@ class ReplicaState:
             if key not in saved:
                 raise ValueError(f"The backup has no state for metric {key!r} (it has {sorted(saved)}): "
                                  "compile the model with the same metrics as the run that made it.")
-            if self._foreign:  # sums of batches another layout's rank saw: this epoch counts from the resume
+            if self._metrics_foreign:  # sums of batches another layout's rank saw: the epoch counts from the resume
                 metric.reset_state()
             else:
                 metric.load_state_dict(saved[key])

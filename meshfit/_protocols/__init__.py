@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from meshfit._protocols._placement import GradientSyncLike as GradientSyncLike
 from meshfit._protocols._placement import PlacementLike as PlacementLike
 from meshfit._protocols._placement import Residency as Residency
+from meshfit._protocols._placement import ShapesModule as ShapesModule
 from meshfit._protocols._placement import StepHost as StepHost
 from meshfit._protocols._placement import StepOutputs as StepOutputs
 from meshfit._protocols._placement import StepRunner as StepRunner

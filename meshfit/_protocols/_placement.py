@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -88,6 +88,15 @@ class StepRunner(Protocol):
     def evaluate(self, host: StepHost, x: Any, y: Any, sample_weight: Any) -> StepOutputs | None: ...
 
     def predict(self, host: StepHost, x: Any) -> Any: ...
+
+
+@runtime_checkable
+class ShapesModule(Protocol):
+    """A step runner under which the user's module cannot run whole on one process (a pipeline's other stages'
+    weights released, its own sharded or split): it gives a module of the same structure whose forward gives
+    the shapes (``model.summary()``'s output shapes)."""
+
+    def shapes_module(self) -> nn.Module: ...
 
 
 class PlacementLike(Protocol):

@@ -17,15 +17,22 @@ import torch
 from torch.nn.parameter import is_lazy
 
 from meshfit._lazy_dtensor import is_dtensor
-from meshfit._protocols import DistributionStrategy
+from meshfit._protocols import DistributionStrategy, Residency
+from meshfit.distribute._residency import EVERYWHERE
 
 
-def agree_buffers(module: torch.nn.Module, strategy: DistributionStrategy) -> None:
+def agree_buffers(module: torch.nn.Module, strategy: DistributionStrategy, residency: Residency = EVERYWHERE) -> None:
     """Give every replica rank 0's values of ``module``'s buffers, in place (collective).
 
     Every replica of ``strategy`` must call it at the same point; it does nothing for one replica.
+    Where ranks hold different parts (``residency``: a pipeline's stages), each stage's buffers are its
+    own: the ranks of a stage give theirs the values of the stage's first replica (over the data axis),
+    and no rank's copy of another stage's buffers is read.
     """
     if strategy.num_replicas_in_sync <= 1:
+        return
+    if not residency.everywhere:
+        _agree_held_buffers(module, strategy, residency)
         return
     buffers = [b for b in module.buffers() if not is_lazy(b) and not is_dtensor(b) and b.numel()]
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
@@ -40,3 +47,15 @@ def agree_buffers(module: torch.nn.Module, strategy: DistributionStrategy) -> No
                 buffer.copy_(flat[offset:offset + buffer.numel()].view_as(buffer))
                 offset += buffer.numel()
 
+
+def _agree_held_buffers(module: torch.nn.Module, strategy: DistributionStrategy, residency: Residency) -> None:
+    """The buffers this rank's stages hold, from the first replica of each stage (a broadcast over the data
+    axis: the replicas of a stage hold the same paths, and other stages' replicas take no part)."""
+    world = strategy.world
+    axis = world.data_axis_of(world.device_mesh) if world.device_mesh is not None else None
+    if axis is None:
+        return
+    held = [b for path, b in module.named_buffers() if residency.holds(path) and not is_lazy(b)
+            and not is_dtensor(b) and b.numel()]
+    if held:
+        world.broadcast_tensors(held, src=0, axis=axis)

@@ -150,7 +150,10 @@ class PlacementPlan:
         source = module
         for transform in self.transforms:
             module = transform.apply(module)
-        register_placement((p for p in module.parameters() if p.requires_grad), self.gradient_sync)
+        # A runner of its own (a pipeline's schedule) reduces every gradient there is, also of a weight frozen
+        # now and unfrozen later; a DDP wrapper reduces those it was built with (the trainable ones).
+        register_placement((p for p in module.parameters() if p.requires_grad or self.step is not None),
+                           self.gradient_sync)
         return Placement(module, source, self.gradient_sync, self.residency, self.step)
 
     def describe(self) -> list[str]:

@@ -124,7 +124,7 @@ class PipelineStep:
         self._weights: tuple[torch.Tensor, ...] | None = None  # this batch's sample weights, by microbatch
         self._used: set[int] = set()  # the parameters the traced stages' forwards use (ids)
         self._held = [p for name, p in source.named_parameters() if residency.holds(name)]
-        self._checked = False  # the optimizer's settings, checked at the first training step
+        self._checked: tuple[int, int] | None = None  # the optimizer and loss checked (by identity)
         self.world = world
 
     @property
@@ -178,16 +178,18 @@ class PipelineStep:
             raise ValueError(f"Invalid `split_points`: {list(self.spec.split_points)} split the traced forward into "
                              f"{traced.num_stages} stages, not {self.spec.num_stages}. Each split point must be a "
                              "module the forward calls.")
-        with untracked():  # the traced stages' weights are placeholders; the unit binds the user's
-            stages: list[Any] = [traced.build_stage(s, self.device, self.group) for s in self.stages]
-        graphs: list[nn.Module] = []
-        for s, stage, unit in zip(self.stages, stages, self.units, strict=True):
-            graph_module = stage.submod
-            stray = sorted({name for name, _ in graph_module.named_parameters()} - self.residency.stage_paths[s])
+        for s in range(self.spec.num_stages):  # every stage, on every rank: all refuse together, by name
+            names = {name for name, _ in traced.get_stage_module(s).named_parameters()}
+            stray = sorted(names - self.residency.stage_paths[s])
             if stray:
                 raise ValueError(f"The traced stage {s} uses {stray[:4]}, which the module's registration order puts "
                                  "in another stage: its forward calls its modules in another order than they are "
                                  "registered. Register the submodules in the order the forward calls them.")
+        with untracked():  # the traced stages' weights are placeholders; the unit binds the user's
+            stages: list[Any] = [traced.build_stage(s, self.device, self.group) for s in self.stages]
+        graphs: list[nn.Module] = []
+        for stage, unit in zip(stages, self.units, strict=True):
+            graph_module = stage.submod
             # The traced graph reads the parameters its forward uses (an unused one is held, never trained).
             self._used.update(id(unit.current(path)) for path in unit.used(graph_module))
             unit.activate(graph_module)
@@ -292,13 +294,31 @@ class PipelineStep:
         return [p for p in self._held if p.requires_grad]
 
     def train(self, host: Any, x: Any, y: Any, sample_weight: Any) -> _Outputs | None:
-        if not self._checked:
-            self._checked = True
-            if host.optimizer.get_config().get("global_clipnorm") is not None:
-                raise ValueError("Invalid `global_clipnorm` under a pipeline: each stage holds only its own "
-                                 "gradients, so the norm over all of them is not computed yet. Use `clipnorm` "
-                                 "(each gradient's own norm) or `clipvalue`, or train without a pipeline.")
+        compiled = (id(host.optimizer), id(host.loss))  # checked for each compile's optimizer and loss
+        if self._checked != compiled:
+            self._check(host)
+            self._checked = compiled
         return self._run(host, x, y, sample_weight, True)
+
+    def _check(self, host: Any) -> None:
+        """Refuse what the stages cannot train as one process: a norm over every stage's gradients, and a
+        summed loss (torch's schedule averages the microbatches' gradients)."""
+        if host.optimizer.get_config().get("global_clipnorm") is not None:
+            raise ValueError("Invalid `global_clipnorm` under a pipeline: each stage holds only its own "
+                             "gradients, so the norm over all of them is not computed yet. Use `clipnorm` "
+                             "(each gradient's own norm) or `clipvalue`, or train without a pipeline.")
+        if getattr(host.loss, "reduction", None) == "sum" and self.spec.microbatches > 1:
+            raise ValueError(f"Invalid `loss`: {type(host.loss).__name__}(reduction='sum') under a pipeline of "
+                             f"microbatches={self.spec.microbatches}: the schedule averages the microbatches' "
+                             "gradients, so training would use 1/microbatches of the sum's gradient. Use "
+                             "reduction='sum_over_batch_size' (the default) and scale the learning rate by the "
+                             "batch size instead, or microbatches=1.")
+
+    def shapes_module(self) -> nn.Module:
+        """The tracing template (the module's structure, its weights one-element placeholders of their shapes):
+        ``model.summary()`` runs it where the user's module holds released, sharded or split weights."""
+        follow_modes(self.source, self.template)
+        return self.template
 
     def evaluate(self, host: Any, x: Any, y: Any, sample_weight: Any) -> _Outputs | None:
         with torch.no_grad():

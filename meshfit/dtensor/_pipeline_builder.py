@@ -31,7 +31,7 @@ from meshfit.distribute import (
 from meshfit.dtensor._fully_sharded import _weighted_reduce_scatter
 from meshfit.dtensor._pipeline import PipelineSpec, PipelineStep, stage_paths
 from meshfit.dtensor._stage_gradients import Replicas, StageSync
-from meshfit.dtensor._stage_layouts import lay_out_stage, tensor_axis_of
+from meshfit.dtensor._stage_layouts import check_stage_layouts, lay_out_stage, tensor_axis_of
 from meshfit.dtensor._stage_unit import StageUnit, tracing_template
 
 
@@ -74,14 +74,15 @@ class PipelineBuilder:
         along = layout.movedim(mesh.axis_index(axis), 0).reshape(size, -1) if world.distributed else layout.reshape(1, 1)
         stage_ranks = [tuple(sorted(int(r) for r in along[s % size].tolist())) for s in range(self.spec.num_stages)]
         last = frozenset(stage_ranks[-1])  # every replica of the last stage holds its replica's outputs
-        residency = StageResidency(world.rank, paths, stage_ranks, last, last)
+        residency = StageResidency(world.rank, paths, stage_ranks, last, _log_ranks(world, mesh, axis, tensor, last))
         module = module.to(strategy.device)
         broadcast_initial_values([*module.parameters(), *module.buffers()], strategy)  # replicas start equal
         held = [s for s in range(self.spec.num_stages) if s % size == pipe_rank]
         tensor_mesh = world.sub_mesh(tensor) if tensor is not None and world.distributed else None
         with untracked():  # modules of meshfit's own, over the user's parameters
             template = tracing_template(module)  # before any sharding: the tracer reads shapes, never values
-            if tensor_mesh is not None and tensor is not None:  # the stage's weights: DTensors on the tensor axis, split by their keys
+            if tensor is not None and tensor_mesh is not None:  # the stage's weights: DTensors on the tensor axis
+                check_stage_layouts(module, self.layout_map, tensor)  # every stage's keys, on every rank
                 for s in held:
                     lay_out_stage(module, paths[s], self.layout_map, tensor, tensor_mesh)
             units = [StageUnit(module, paths[s], tensor_mesh) for s in held]
@@ -94,6 +95,16 @@ class PipelineBuilder:
         step = PipelineStep(module, template, units, self.spec, residency, pipe_rank, size, group, strategy.device,
                             world, replicas, weight)
         return place_staged(module, StageSync(), residency, step)  # registers the parameters with the sync
+
+
+def _log_ranks(world: Any, mesh: Any, pipeline: str, tensor: str | None, last: frozenset[int]) -> frozenset[int]:
+    """The last stage's ranks that send metric states in the log reduction: one per data replica (the ranks
+    along a tensor axis hold the same outputs: only its coordinate 0 counts)."""
+    if tensor is None or not world.distributed:
+        return last
+    others = [name for name in mesh.axis_names if name != pipeline]
+    stage = world.device_mesh.mesh.select(mesh.axis_index(pipeline), mesh.dim_size(pipeline) - 1)
+    return frozenset(int(r) for r in stage.select(others.index(tensor), 0).flatten().tolist())
 
 
 def _shard_units(units: list[StageUnit], module: nn.Module, batch_mesh: Any, weight: GradientWeight,

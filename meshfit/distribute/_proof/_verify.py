@@ -307,7 +307,7 @@ def verify_replicas(strategy: DistributionStrategy, model: Any, optimizer: Any =
     first = [(p, t) for p, t in state if p not in agreed]
     values, parts = local_parts([t for _, t in first], world.rank)
     if agreed:  # DDP trains with rank 0's statistics: they are compared once every replica has rank 0's
-        agree_buffers(module, strategy)
+        agree_buffers(module, strategy, residency)
     later = [(p, t) for p, t in state if p in agreed]
     more_values, more_parts = local_parts([t for _, t in later], world.rank)
     by_path = dict(zip([p for p, _ in first] + [p for p, _ in later],
