@@ -10,10 +10,9 @@ import torch
 from torch import nn
 
 from meshfit._engine import _summary
-from meshfit._lazy_dtensor import is_dtensor
+from meshfit._lazy_dtensor import placed_like, whole
 from meshfit._protocols import ShapesModule
 from meshfit._saving import (
-    laid_out_like,
     load_weights,
     require_every_worker,
     save_model,
@@ -44,7 +43,7 @@ class WeightsMixin:
             with self.strategy.guard():
                 require_every_worker(self.strategy, "model.get_weights", _SPLIT)
         state = self.saveable_parts()["module"].state_dict()  # completed from its holders (pipeline stages)
-        return [_full(t).detach().cpu().numpy().copy() for t in state.values()]
+        return [whole(t).detach().cpu().numpy().copy() for t in state.values()]
 
     def set_weights(self, weights: list[Any]) -> None:
         """Set the values ``get_weights`` returns, in the same order; shapes must match."""
@@ -58,7 +57,7 @@ class WeightsMixin:
             if tuple(tensor.shape) != tuple(current.shape):
                 raise ValueError(f"Invalid `weights`: {key!r} has shape {tuple(current.shape)}, received "
                                  f"shape {tuple(tensor.shape)}.")
-            new_state[key] = laid_out_like(tensor.to(current.dtype), current)
+            new_state[key] = placed_like(tensor.to(current.dtype), current)
         self.saveable_parts()["module"].load_state_dict(new_state)  # a pipeline's: this rank's stages
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -128,8 +127,3 @@ class WeightsMixin:
     def weights(self) -> list[torch.Tensor]:
         """``trainable_weights + non_trainable_weights``, as in Keras."""
         return [*self.trainable_weights, *self.non_trainable_weights]
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's full value (gathered from its shards), else ``tensor``."""
-    return tensor.full_tensor() if is_dtensor(tensor) else tensor

@@ -13,7 +13,7 @@ from meshfit._saving._every_worker import (
     split_across_workers,
 )
 from meshfit._saving._keras_archive import is_archive_path, unpack
-from meshfit._saving._save import laid_out_like, load_weights, read_config, save_model, save_weights
+from meshfit._saving._save import load_weights, read_config, save_model, save_weights
 from meshfit._saving._weights import load_state_dict_file, unflatten_optimizer_state
 
 __all__ = [
@@ -21,7 +21,6 @@ __all__ = [
     "is_archive_path",
     "is_sharded",
     "split_across_workers",
-    "laid_out_like",
     "load_state_dict_file",
     "load_weights",
     "module_from_config",

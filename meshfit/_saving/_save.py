@@ -33,9 +33,9 @@ import shutil
 import tempfile
 from typing import Any
 
-import torch
 from torch import nn
 
+from meshfit._lazy_dtensor import placed_like
 from meshfit._saving._architecture import module_to_config, plain_type
 from meshfit._saving._every_worker import require_every_worker, split_across_workers
 from meshfit._saving._keras_archive import is_archive_path, pack, unpack
@@ -92,15 +92,6 @@ def _metric_config(identifier: Any) -> Any:
     if METRIC_CLASSES.get(cls.__name__) is not cls:
         return {"class_name": cls.__name__, "config": None}  # not rebuildable without running code
     return {"class_name": cls.__name__, "config": builtin_metric_config(identifier)}
-
-
-def laid_out_like(value: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
-    """A full tensor split like ``current`` when that is a DTensor (a mesh's layouts), else itself."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if not isinstance(current, DTensor):
-        return value
-    return distribute_tensor(value.to(current.dtype), current.device_mesh, current.placements, src_data_rank=None)
 
 
 def _gathered(value: Any) -> Any:
@@ -224,7 +215,7 @@ def load_weights(model: Any, filepath: str | os.PathLike) -> None:
         path = os.path.join(path, "model.safetensors")
     state = load_state_dict_file(path)
     current = model.module.state_dict()
-    laid_out = {k: laid_out_like(v, current[k]) if k in current else v for k, v in state.items()}
+    laid_out = {k: placed_like(v, current[k]) if k in current else v for k, v in state.items()}
     model.saveable_parts()["module"].load_state_dict(laid_out)  # a pipeline's: this rank's stages
 
 

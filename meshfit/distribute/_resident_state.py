@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from meshfit._lazy_dtensor import placed_like, whole
 from meshfit.distribute._released import is_released
 from meshfit.distribute._residency import Residency
 
@@ -83,7 +84,7 @@ class ResidentModule:
         released = {path for path, param in self.module.named_parameters(remove_duplicate=False)
                     if is_released(param)}
         current = self.module.state_dict()
-        result = self.module.load_state_dict({path: _like(value, current.get(path)) for path, value in state.items()
+        result = self.module.load_state_dict({path: placed_like(value, current.get(path)) for path, value in state.items()
                                               if path not in released}, strict=False)
         missing = sorted(set(result.missing_keys) - released)
         if missing or result.unexpected_keys:
@@ -146,21 +147,7 @@ class ResidentOptimizer:
 
 def _full(state: dict[Any, Any]) -> dict[Any, Any]:
     """``state`` with each sharded tensor (a DTensor: a fully sharded stage's) gathered whole, in key order."""
-    out = dict(state)
-    for key, value in state.items():
-        full_tensor = getattr(value, "full_tensor", None)
-        if callable(full_tensor):
-            out[key] = full_tensor()
-    return out
-
-
-def _like(value: torch.Tensor, current: Any) -> torch.Tensor:
-    """A whole tensor ``value`` placed as ``current`` is (this rank's shard of a sharded stage's tensor)."""
-    if current is None or not hasattr(current, "device_mesh") or hasattr(value, "device_mesh"):
-        return value
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(value.to(current.dtype), current.device_mesh, current.placements, src_data_rank=None)
+    return {key: whole(value) for key, value in state.items()}
 
 
 def resident_parts(parts: dict[str, Any], module: nn.Module, residency: Residency, world: _World) -> dict[str, Any]:

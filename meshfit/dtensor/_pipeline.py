@@ -28,8 +28,9 @@ import torch.distributed as dist
 from torch import nn
 
 from meshfit import mixed_precision
+from meshfit._lazy_dtensor import local_part
 from meshfit.distribute import GradientWeight, StageResidency, untracked
-from meshfit.dtensor._stage_gradients import Replicas, ending, give_back, local_part, settle, take_gradients
+from meshfit.dtensor._stage_gradients import Replicas, ending, give_back, settle, take_gradients
 from meshfit.dtensor._stage_unit import StageUnit, follow_modes
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")

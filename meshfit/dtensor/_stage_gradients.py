@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshfit._lazy_dtensor import local_part
 from meshfit.distribute import GradientWeight
 
 
@@ -78,12 +79,6 @@ def ending(weight: GradientWeight) -> Iterator[None]:
         yield
     finally:
         weight.end_step()
-
-
-def local_part(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a sharded stage's gradient (the tensor itself otherwise)."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
 
 
 def settle(params: Sequence[nn.Parameter]) -> None:

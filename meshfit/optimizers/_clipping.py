@@ -17,17 +17,12 @@ from typing import Any
 
 import torch
 
+from meshfit._lazy_dtensor import whole
 from meshfit._validation import invalid_argument
 
 
-def _full(value: torch.Tensor) -> torch.Tensor:
-    """A plain tensor: a DTensor reduction is made whole (its Partial sum or its replicated value)."""
-    full_tensor = getattr(value, "full_tensor", None)
-    return full_tensor() if callable(full_tensor) else value
-
-
 def _square_sum(grad: torch.Tensor) -> torch.Tensor:
-    return _full(torch.sum(torch.square(grad)))
+    return whole(torch.sum(torch.square(grad)))  # a DTensor's: its Partial sum reduced, or its replicated value
 
 
 def _scale_(grad: torch.Tensor, scale: torch.Tensor) -> None:

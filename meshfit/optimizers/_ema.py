@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from meshfit._lazy_dtensor import placed_like
 from meshfit.distribute import is_released
 
 
@@ -73,14 +74,4 @@ class MovingAverage:
             for i, (average, param) in enumerate(zip(self.averages, self._params, strict=True)):
                 value = state[str(i)]
                 if value is not average and not is_released(param):
-                    average.copy_(_placed_like(value, average))
-
-
-def _placed_like(value: torch.Tensor, average: torch.Tensor) -> torch.Tensor:
-    """``value`` placed as ``average`` is: a whole tensor (a pipeline backup's, gathered from a fully sharded
-    stage) becomes this rank's shard of a sharded average."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(average, DTensor) and not isinstance(value, DTensor):
-        return distribute_tensor(value.to(average.dtype), average.device_mesh, average.placements, src_data_rank=None)
-    return value
+                    average.copy_(placed_like(value, average))  # a whole average onto a sharded stage's
