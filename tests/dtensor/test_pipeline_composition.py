@@ -689,7 +689,7 @@ def _windows(mesh_dims: Any) -> dict[str, np.ndarray]:
     model = _tensor_model(mesh_dims, False)
     model.compile(optimizer=mf.optimizers.AdamW(1e-3, gradient_accumulation_steps=3),
                   loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
-    x, y = data(68)  # 8 batches of 8 and a last one of 4 (2 a replica, 1 a microbatch), in windows of 3
+    x, y = data(36)  # 4 batches of 8 and a last one of 4 (2 a replica, 1 a microbatch), in windows of 3
     model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     return _every(model)
 
@@ -700,7 +700,7 @@ def _windows_on_three_d(rank: int, world_size: int) -> dict[str, np.ndarray]:
 
 @pytest.mark.timeout(420)
 def test_accumulation_windows_on_replicated_tensor_split_stages_equal_one_process() -> None:
-    """Windows of 3 batches of 8 on 2 stages x 2 replicas x 2 tensor parts, 68 rows (a last batch of 4 closes an
+    """Windows of 3 batches of 8 on 2 stages x 2 replicas x 2 tensor parts, 36 rows (a last batch of 4 closes an
     epoch mid-window, and a window spans the epoch's end): each batch's split gradients are reduced over the
     replicas by rows once and summed into the window, as one process's."""
     expected = _windows(None)

@@ -97,33 +97,38 @@ def _check(results: list[dict[str, Any]], expected: dict[str, Any]) -> None:
         assert result["digest"] == results[0]["digest"]
 
 
+def _both_spellings(rank: int, world_size: int, mesh_dims: list[tuple[str, int]], sharded: bool,
+                    directory: str) -> list[dict[str, Any]]:
+    """The DTensor spelling, then Keras 3's (`mf.distribution.ModelParallel` with tuple keys and
+    ``LayoutMap(...).pipeline(...)``), in one run of the processes."""
+    return [_staged(rank, world_size, mesh_dims, sharded, directory),
+            _staged(rank, world_size, mesh_dims, sharded, os.path.join(directory, "keras"), True)]
+
+
 @pytest.mark.timeout(TIMEOUT)
-@pytest.mark.parametrize(("mesh_dims", "sharded"), [
-    ([("pipe", 2), ("model", 2)], False),
-    ([("pipe", 2), ("batch", 2), ("model", 2)], False),
-    ([("pipe", 2), ("batch", 2), ("model", 2)], True),
+@pytest.mark.parametrize(("mesh_dims", "sharded", "keras"), [
+    ([("pipe", 2), ("model", 2)], False, False),
+    ([("pipe", 2), ("batch", 2), ("model", 2)], False, True),  # both spellings
+    ([("pipe", 2), ("batch", 2), ("model", 2)], True, False),
 ])
 def test_tensor_parallel_stages_equal_one_process(tmp_path: Any, mesh_dims: list[tuple[str, int]],
-                                                  sharded: bool) -> None:
+                                                  sharded: bool, keras: bool) -> None:
     import meshfit as mf
 
     expected = _one_process()
-    results = run_distributed(_staged, world_size=int(np.prod([n for _, n in mesh_dims])), timeout=TIMEOUT - 60,
-                              args=(mesh_dims, sharded, str(tmp_path)))
-    _check(results, expected)
+    size = int(np.prod([n for _, n in mesh_dims]))
+    if keras:
+        (tmp_path / "keras").mkdir()
+        runs = run_distributed(_both_spellings, world_size=size, timeout=TIMEOUT - 60,
+                               args=(mesh_dims, sharded, str(tmp_path)))
+        _check([dtensor for dtensor, _ in runs], expected)
+        _check([keras_run for _, keras_run in runs], expected)
+    else:
+        _check(run_distributed(_staged, world_size=size, timeout=TIMEOUT - 60,
+                               args=(mesh_dims, sharded, str(tmp_path))), expected)
     loaded = mf.load_model(str(tmp_path / "model.keras"), module=module())
     for path, value in loaded.module.state_dict().items():
         np.testing.assert_allclose(value.numpy(), expected["weights"][path], rtol=1e-5, atol=1e-6, err_msg=path)
-
-
-@pytest.mark.timeout(TIMEOUT)
-def test_keras_spelling_reaches_tensor_parallel_stages(tmp_path: Any) -> None:
-    """``mf.distribution.ModelParallel`` with tuple keys and ``LayoutMap(...).pipeline(...)`` on (pipe, batch,
-    model): the same numbers as one process."""
-    expected = _one_process()
-    results = run_distributed(_staged, world_size=8, timeout=TIMEOUT - 60,
-                              args=([("pipe", 2), ("batch", 2), ("model", 2)], False, str(tmp_path), True))
-    _check(results, expected)
 
 
 def _refused(rank: int, world_size: int) -> list[str]:
