@@ -190,10 +190,15 @@ def concat(parts: Sequence[Any]) -> Any:
 
 def batch_size_of(value: Any) -> int:
     """The length of the first dimension of the first leaf."""
-    leaf = value if type(value) is torch.Tensor else _first_leaf(value)
+    if type(value) is torch.Tensor:
+        leaf = value
+    elif type(value) is tuple and value and type(value[0]) is torch.Tensor:
+        leaf = value[0]  # an ``(x, y)`` batch: its first leaf without the walk
+    else:
+        leaf = _first_leaf(value)
     if leaf is _NO_LEAF:
         raise IndexError("batch_size_of: the structure holds no leaf (only None components)")
-    if type(leaf) is torch.Tensor and leaf.dim():
+    if type(leaf) is torch.Tensor and leaf.ndim:
         return leaf.shape[0]  # len(leaf), without Tensor.__len__'s Python frame (a step asks several times)
     return len(leaf)
 
@@ -237,12 +242,18 @@ def gather_rows(value: Any, indices: np.ndarray) -> Any:
 def copy_rows(value: Any, start: int, stop: int) -> Any:
     """Rows ``start:stop`` of every leaf, copied: `gather_rows` of consecutive rows, in one
     ``narrow_copy`` kernel a tensor (no index tensor to build and read)."""
+    if type(value) is tuple:  # the usual ``(x, y)`` rows of a step: no structure walk, no closure per leaf
+        length = stop - start
+        return tuple([torch.narrow_copy(leaf, 0, start, length) if type(leaf) is torch.Tensor
+                      else copy_rows(leaf, start, stop) for leaf in value])
     return map_structure(lambda leaf: torch.narrow_copy(leaf, 0, start, stop - start) if isinstance(leaf, torch.Tensor)
                          else leaf[np.arange(start, stop, dtype=np.int64)], value)
 
 
 def unpack_batch(data: Any) -> tuple[Any, Any, Any]:
     """Keras's rule: a tuple batch is ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)``."""
+    if data.__class__ is tuple and len(data) == 2:  # the usual batch: no type checks
+        return data[0], data[1], None
     if isinstance(data, (tuple, list)) and not isinstance(data, torch.Tensor):
         if len(data) == 1:
             return data[0], None, None

@@ -167,10 +167,15 @@ class Batch(Transform):
         return start, stop
 
     def _get(self, index: int, pass_index: int) -> Any:
-        length = self._length()
-        if length is not None and index >= length:
-            raise IndexError(index)
-        start, stop = self.rows(index)
+        # `_length` and `rows` inlined (a batch a step): the input's length is read once, not twice.
+        n, size = self._inner._length(), self.batch_size
+        start = index * size
+        stop = start + size
+        if n is not None:
+            if index >= (n // size if self.drop_remainder else -(-n // size)):
+                raise IndexError(index)
+            if n < stop:
+                stop = n
         return self._inner._gather_range(start, stop, pass_index)
 
     def get_rows(self, index: int, pass_index: int, start: int, stop: int) -> Any:
