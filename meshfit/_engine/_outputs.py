@@ -32,7 +32,9 @@ Key = str | int | None  # an output's name, its position in a tuple, or None (th
 
 def is_structured(value: Any) -> bool:
     """Whether a module's output is several outputs (a mapping, a tuple or a list), not one tensor."""
-    return not isinstance(value, torch.Tensor) and isinstance(value, (Mapping, list, tuple))  # a tensor: fast
+    if value.__class__ is torch.Tensor:  # the usual one output: no isinstance calls
+        return False
+    return not isinstance(value, torch.Tensor) and isinstance(value, (Mapping, list, tuple))
 
 
 def output_name(key: Key) -> str:
@@ -347,7 +349,7 @@ def zero_of(y_pred: Any) -> torch.Tensor:
 
 def detached(y_pred: Any) -> Any:
     """The outputs without their graph (a mapping becomes a dict; other leaves stay as they are)."""
-    if isinstance(y_pred, torch.Tensor):
+    if y_pred.__class__ is torch.Tensor or isinstance(y_pred, torch.Tensor):
         return y_pred.detach()
     if isinstance(y_pred, Mapping):
         return {k: detached(v) for k, v in y_pred.items()}

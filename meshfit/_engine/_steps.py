@@ -59,7 +59,7 @@ class StepsMixin:
         if y is not None:
             y_pred = detached(y_pred)
             structured = is_structured(y_pred)
-            if not structured and isinstance(y, (list, tuple)) and len(y) == 1:
+            if not structured and y.__class__ is not torch.Tensor and isinstance(y, (list, tuple)) and len(y) == 1:
                 y = y[0]  # Keras: a list of one target for the one output
             for metric in self._compiled_metrics:
                 if structured and not isinstance(metric, OutputMetric):
