@@ -60,7 +60,8 @@ def reduce_weighted(
     total = values.sum()
     if reduction == "sum":
         return total
-    return total / max(values.numel(), 1)
+    count = values.numel()
+    return total / (count if count > 1 else 1)  # max(count, 1), without the call
 
 
 def _warn_if_logits(loss: SparseCategoricalCrossentropy | CategoricalCrossentropy | BinaryCrossentropy,
@@ -133,7 +134,8 @@ class Loss:
         self, y_true: torch.Tensor, y_pred: torch.Tensor, sample_weight: torch.Tensor | float | None = None
     ) -> torch.Tensor:
         """Compute the reduced loss of a batch."""
-        y_true = torch.as_tensor(y_true, device=y_pred.device)
+        if y_true.__class__ is not torch.Tensor or y_true.device != y_pred.device:  # else as_tensor gives it back
+            y_true = torch.as_tensor(y_true, device=y_pred.device)
         return reduce_weighted(self.call(y_true, y_pred), sample_weight, self.reduction)
 
     def get_config(self) -> dict[str, Any]:
@@ -180,8 +182,9 @@ class SparseCategoricalCrossentropy(Loss):
         """Per-sample cross-entropy."""
         if y_true.ndim == y_pred.ndim and y_true.shape[-1] == 1:
             y_true = y_true.squeeze(-1)
-        target = y_true.long()
-        _warn_if_logits(self, y_pred)
+        target = y_true if y_true.dtype is torch.int64 else y_true.long()
+        if not (self.from_logits or self._outputs_checked):
+            _warn_if_logits(self, y_pred)
         if y_pred.ndim > 2 and self.axis in (-1, y_pred.ndim - 1) and target.shape == y_pred.shape[:-1] \
                 and not is_dtensor(y_pred):
             # (..., classes), e.g. a language model's (batch, seq, vocab): one row per position, classes
