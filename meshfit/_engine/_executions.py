@@ -72,7 +72,11 @@ def builtin_train_step(trainable: Trainable) -> bool:
 def accumulates(trainable: Trainable) -> bool:
     """Whether ``trainable``'s optimizer accumulates gradients over several batches; read once per
     execution (callbacks, which may change it, run between executions)."""
-    steps = getattr(getattr(trainable, "optimizer", None), "gradient_accumulation_steps", None)
+    holder: Any = trainable  # a `Trainable` may have no optimizer (then no accumulation)
+    try:  # `getattr` with a default, twice, without its two calls an execution
+        steps = holder.optimizer.gradient_accumulation_steps
+    except AttributeError:
+        return False
     return bool(steps) and steps != 1
 
 

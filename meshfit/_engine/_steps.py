@@ -94,7 +94,8 @@ class StepsMixin:
             return self._forward_only_step(x, y, sample_weight)
         if self.optimizer is None:
             raise RuntimeError("train_step needs an optimizer: call compile(optimizer=...) first.")
-        runner = self._step_runner()
+        placement = self.placement  # `_step_runner`, inline (every step)
+        runner = placement.step if placement is not None else None
         if runner is not None:  # the placement runs forward → loss → backward (a pipeline's schedule)
             self.optimizer.zero_grad(set_to_none=True)
             with _autocast(self.strategy.device):
