@@ -19,6 +19,8 @@ def _sparse_labels(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
 # The hits (True / False per sample): the accuracy metrics count them (`Mean` sums booleans in float64,
 # exactly, without a float64 copy); the public functions below return them as Keras's 1.0 / 0.0.
 def _sparse_categorical_hits(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+    if y_true.dtype is torch.int64 and y_true.ndim != y_pred.ndim:  # labels as they are: no call a step
+        return y_pred.argmax(dim=-1) == y_true
     return y_pred.argmax(dim=-1) == _sparse_labels(y_true, y_pred)
 
 
