@@ -75,6 +75,7 @@ class StageSync:
 
 @contextlib.contextmanager
 def ending(weight: GradientWeight) -> Iterator[None]:
+    """The schedule's step inside ``weight``'s factor; back to idle after it (`GradientWeight.end_step`)."""
     try:
         yield
     finally:

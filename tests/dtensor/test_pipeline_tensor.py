@@ -168,3 +168,44 @@ def test_the_stage_layouts_refuse_two_tensor_axes() -> None:
     with pytest.raises(ValueError, match="one tensor axis"):
         tensor_axis_of(mesh, "pipe", "batch")
     assert tensor_axis_of(mf.dtensor.Mesh(("pipe", "model"), (1, 1)), "pipe", None) == "model"
+
+
+def _dropping(rank: int, world_size: int) -> list[np.ndarray]:
+    import torch
+    from _pipeline_model import Classifier, compile_model
+    from _pipeline_model import data as rows
+    from torch import nn
+
+    import meshfit as mf
+
+    class Dropping(Classifier):
+        def __init__(self) -> None:
+            super().__init__()
+            self.drop = nn.Dropout(0.3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.tokens(x) + self.positions(torch.arange(x.shape[1], device=x.device))
+            return self.head(self.drop(self.blocks(h)).mean(dim=1))
+
+    mesh = mf.dtensor.create_mesh([("pipe", 2), ("model", 2)])
+    layout_map = mf.dtensor.LayoutMap(mesh)
+    layout_map[r"blocks\.\d\.fc\.weight"] = mf.dtensor.Layout(["model", mf.dtensor.UNSHARDED], mesh)
+    with layout_map.pipeline(["blocks.2"], microbatches=2).scope():
+        model = mf.Model(Dropping())
+    compile_model(mf, model)
+    torch.manual_seed(100 + rank)  # every process its own random stream, as a careless script leaves it
+    x, y = rows(64)
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+              callbacks=[mf.callbacks.VerifyReplicas(every_n_steps=1, on_divergence="stop")])
+    return [np.asarray(w) for w in model.get_weights()]
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_dropout_inside_a_tensor_split_stage_keeps_the_tensor_parts_equal() -> None:
+    """Dropout on a stage's replicated activations, each process seeded differently: the processes along the
+    tensor axis draw one mask (DTensor's random-number tracker), so the replica check finds their copies equal at
+    every step and every process reads the same weights."""
+    runs = run_distributed(_dropping, world_size=4, timeout=TIMEOUT - 60)
+    for weights in runs[1:]:
+        for got, want in zip(weights, runs[0], strict=True):
+            np.testing.assert_array_equal(got, want)
