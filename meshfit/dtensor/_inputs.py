@@ -31,7 +31,7 @@ from torch import nn
 from meshfit._lazy_dtensor import is_dtensor
 from meshfit.data import map_structure
 from meshfit.distribute import PlacementHook
-from meshfit.dtensor._pack import batch_placements, local_rows
+from meshfit.dtensor._pack import batch_dtensors, batch_placements, local_rows_of
 
 
 def accept_inputs(module: nn.Module) -> Callable[[nn.Module, tuple, dict], Any]:
@@ -72,29 +72,14 @@ class _Before(PlacementHook):
             return None
         if kinds == {True}:
             mesh = params[0].device_mesh  # type: ignore[attr-defined]  # a DTensor parameter
-            converted = [False]
-
-            def to_dtensor(leaf: Any) -> Any:
-                if not isinstance(leaf, torch.Tensor) or is_dtensor(leaf):
-                    return leaf
-                from torch.distributed.tensor import DTensor
-
-                converted[0] = True
-                return DTensor.from_local(leaf, mesh, batch_placements(mesh, leaf.dim()), run_check=False)
-
-            args, kwargs = map_structure(to_dtensor, args), map_structure(to_dtensor, kwargs)
-            self.calls.append(("to_local", None) if converted[0] else None)
+            args, in_args = batch_dtensors(args, mesh)
+            kwargs, in_kwargs = batch_dtensors(kwargs, mesh)
+            self.calls.append(("to_local", None) if in_args or in_kwargs else None)
             return args, kwargs
-        meshes: list[Any] = []
-
-        def to_local(leaf: Any) -> Any:
-            if not is_dtensor(leaf):
-                return leaf
-            meshes.append(leaf.device_mesh)
-            return local_rows(leaf)
-
-        args, kwargs = map_structure(to_local, args), map_structure(to_local, kwargs)
-        self.calls.append(("to_dtensor", meshes[0]) if meshes else None)
+        args, mesh = local_rows_of(args)
+        kwargs, kwargs_mesh = local_rows_of(kwargs)
+        mesh = mesh if mesh is not None else kwargs_mesh
+        self.calls.append(("to_dtensor", mesh) if mesh is not None else None)
         return args, kwargs
 
 
@@ -111,14 +96,7 @@ class _After(PlacementHook):
         kind, mesh = call
         if kind == "to_local":
             return map_structure(lambda leaf: _rows(leaf) if is_dtensor(leaf) else leaf, output)
-        from torch.distributed.tensor import DTensor
-
-        def to_dtensor(leaf: Any) -> Any:
-            if not isinstance(leaf, torch.Tensor) or is_dtensor(leaf):
-                return leaf
-            return DTensor.from_local(leaf, mesh, batch_placements(mesh, leaf.dim()), run_check=False)
-
-        return map_structure(to_dtensor, output)
+        return batch_dtensors(output, mesh)[0]
 
 
 def _rows(tensor: Any) -> torch.Tensor:

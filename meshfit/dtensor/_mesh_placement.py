@@ -22,11 +22,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from meshfit._lazy_dtensor import is_dtensor
-from meshfit.data import map_structure
 from meshfit.distribute import (
     DataParallelSync,
     InPlace,
@@ -47,7 +45,7 @@ from meshfit.dtensor._fully_sharded import _check_not_shared as check_not_shared
 from meshfit.dtensor._fully_sharded import _default_blocks as default_blocks
 from meshfit.dtensor._fully_sharded import fully_shard_module
 from meshfit.dtensor._layout_map import LayoutMap
-from meshfit.dtensor._pack import batch_placements, local_rows
+from meshfit.dtensor._pack import batch_dtensors, local_rows_of
 from meshfit.dtensor._pipeline_builder import PipelineBuilder
 from meshfit.dtensor._scope_layouts import mark_placed
 from meshfit.dtensor._tensor_parallel import TensorParallel, slices_meet_their_readers, tensor_parallel_styles
@@ -151,30 +149,17 @@ class _PackedInputs:
         module.register_forward_hook(placement_hook(self.after), with_kwargs=True)
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        meshes: list[Any] = []
-
-        def to_local(leaf: Any) -> Any:
-            if not is_dtensor(leaf):
-                return leaf
-            meshes.append(leaf.device_mesh)
-            return local_rows(leaf)
-
-        converted = map_structure(to_local, args), map_structure(to_local, kwargs)
-        self.meshes.append(meshes[0] if meshes else None)
-        return converted if meshes else None
+        local_args, mesh = local_rows_of(args)
+        local_kwargs, kwargs_mesh = local_rows_of(kwargs)
+        mesh = mesh if mesh is not None else kwargs_mesh
+        self.meshes.append(mesh)
+        return (local_args, local_kwargs) if mesh is not None else None
 
     def after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         mesh = self.meshes.pop() if self.meshes else None
         if mesh is None:
             return output
-        from torch.distributed.tensor import DTensor
-
-        def to_dtensor(leaf: Any) -> Any:
-            if not isinstance(leaf, torch.Tensor) or is_dtensor(leaf):
-                return leaf
-            return DTensor.from_local(leaf, mesh, batch_placements(mesh, leaf.dim()), run_check=False)
-
-        return map_structure(to_dtensor, output)
+        return batch_dtensors(output, mesh)[0]
 
 
 def tensor_parallel_map(module: nn.Module, layout_map: LayoutMap, batch: str | None) -> LayoutMap:

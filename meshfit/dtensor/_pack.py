@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from meshfit._lazy_dtensor import is_dtensor
+from meshfit.data import map_structure
 from meshfit.distribute import data_axis_of, process_world
 from meshfit.dtensor._layout import Layout
 
@@ -107,3 +109,34 @@ def data_axis(device_mesh: Any) -> str | None:
     world = process_world()
     return data_axis_of(device_mesh, world.dims if world is not None else None)
 
+
+def local_rows_of(structure: Any) -> tuple[Any, Any]:
+    """``structure`` with each DTensor leaf made this process's rows (`local_rows`), and the first such leaf's
+    mesh (None when no leaf is a DTensor)."""
+    meshes: list[Any] = []
+
+    def to_local(leaf: Any) -> Any:
+        if not is_dtensor(leaf):
+            return leaf
+        meshes.append(leaf.device_mesh)
+        return local_rows(leaf)
+
+    converted = map_structure(to_local, structure)
+    return converted, meshes[0] if meshes else None
+
+
+def batch_dtensors(structure: Any, mesh: Any) -> tuple[Any, bool]:
+    """``structure`` with each plain tensor leaf made a DTensor of this process's rows on ``mesh`` (split over its
+    data axis: `batch_placements`), and whether any leaf was."""
+    converted = False
+
+    def to_dtensor(leaf: Any) -> Any:
+        nonlocal converted
+        if not isinstance(leaf, torch.Tensor) or is_dtensor(leaf):
+            return leaf
+        from torch.distributed.tensor import DTensor
+
+        converted = True
+        return DTensor.from_local(leaf, mesh, batch_placements(mesh, leaf.dim()), run_check=False)
+
+    return map_structure(to_dtensor, structure), converted
