@@ -14,10 +14,10 @@ Real processes, gloo (`tests/_multiproc.py`); DDP's gradient buckets are not cou
 
 from __future__ import annotations
 
+import collections
 import gc
 import os
 import signal
-import sys
 from typing import Any
 
 import numpy as np
@@ -25,6 +25,7 @@ import pytest
 import torch
 from _collectives import count_collectives
 from _multiproc import run_distributed
+from _python_calls import calls_made
 from torch import nn
 
 import meshfit as mf
@@ -60,24 +61,8 @@ def _data(steps: int) -> tuple[np.ndarray, np.ndarray]:
 def _calls_by_function(run: Any) -> tuple[int, dict[str, int]]:
     """Python calls (functions and C functions called from Python) while ``run()`` runs, and the Python
     functions' calls as ``"file:function"``."""
-    count, functions = 0, {}
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        nonlocal count
-        if event == "call":
-            count += 1
-            key = f"{frame.f_code.co_filename}:{frame.f_code.co_name}"
-            functions[key] = functions.get(key, 0) + 1
-        elif event == "c_call":
-            count += 1
-
-    previous = sys.getprofile()
-    sys.setprofile(profile)
-    try:
-        run()
-    finally:
-        sys.setprofile(previous)
-    return count, functions
+    made = calls_made(run, where=True)
+    return len(made), dict(collections.Counter(name for name in made if ":" in name))
 
 
 def _marginal_calls(rank: int, size: int) -> tuple[float, dict[str, float]]:

@@ -1,6 +1,7 @@
-"""What one process's ``fit`` step spends outside the user's work, counted per piece: the batch's rows,
-the batch's unpacking, the output checks and the Keras-style loss make no Python call they can spare,
-and give what the general paths give (the same tensors, the same errors, the same warning).
+"""What one process's ``fit`` step spends outside the user's work, counted per piece (the whole step's count
+is `tests/test_step_overhead.py`'s): the batch's rows, the batch's unpacking, the output checks and the
+Keras-style loss make no Python call they can spare, and give what the general paths give (the same
+tensors, the same errors, the same warning).
 
 Counts are ``sys.setprofile`` events (Python functions and C functions called from Python): the
 interpreter's work, the same on a loaded machine.
@@ -8,14 +9,13 @@ interpreter's work, the same on a loaded machine.
 
 from __future__ import annotations
 
-import sys
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from _python_calls import calls_made
 from torch import nn
 
 import meshfit as mf
@@ -24,62 +24,10 @@ from meshfit.data import Dataset, batch_size_of, unpack_batch
 from meshfit.data._structure import copy_rows, map_structure
 from meshfit.losses import SparseCategoricalCrossentropy
 
-BATCH = 64
-
-#: Python calls a further ``fit`` step may make on the 8-32-4 MLP (SGD, ``metrics=["accuracy"]``,
-#: ``verbose=0``, as bench/bench_step_overhead.py): 270 when this bound was set, 317 before the batch
-#: rows, the unpacking, the output checks, the loss and the accuracy were trimmed (a hand loop makes 177).
-MAX_CALLS_PER_STEP = 290
-
-
-def _events(run: Callable[[], Any]) -> list[str]:
-    """The calls made while ``run()`` runs, on this thread: ``name`` of each Python and C function."""
-    seen: list[str] = []
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "call":
-            seen.append(frame.f_code.co_name)
-        elif event == "c_call":
-            seen.append(getattr(arg, "__name__", "?"))
-
-    previous = sys.getprofile()
-    sys.setprofile(profile)
-    try:
-        run()
-    finally:
-        sys.setprofile(previous)
-    return seen[1:-1]  # the first is ``run`` itself (the lambda), the last ``sys.setprofile``
-
-
-def _marginal_fit_calls(steps: int = 10) -> float:
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((3 * steps * BATCH, 8)).astype("float32")
-    y = rng.integers(0, 4, size=3 * steps * BATCH).astype("int64")
-    torch.manual_seed(0)
-    model = mf.Model(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4)))
-    model.compile(optimizer=mf.optimizers.SGD(0.01),
-                  loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
-
-    def fit(rows: int) -> None:
-        model.fit(x[:rows], y[:rows], batch_size=BATCH, shuffle=False, verbose=0)
-
-    fit(steps * BATCH)  # warm-up: builds the model and the optimizer
-    fit(2 * steps * BATCH)
-    short = len(_events(lambda: fit(steps * BATCH)))
-    long = len(_events(lambda: fit(2 * steps * BATCH)))
-    return (long - short) / steps
-
-
-def test_fit_step_python_calls_stay_under_the_one_process_bound():
-    calls = _marginal_fit_calls()
-    assert 0 < calls <= MAX_CALLS_PER_STEP, (
-        f"fit makes {calls} Python calls a further step on the tiny MLP, over {MAX_CALLS_PER_STEP}: a per-step "
-        "cut was lost (bench/bench_step_overhead.py --only mlp --counts-only)")
-
 
 def test_the_rows_of_an_x_y_batch_are_one_kernel_a_tensor_and_no_structure_walk():
     x, y = torch.randn(10, 3), torch.arange(10)
-    events = _events(lambda: copy_rows((x, y), 2, 6))
+    events = calls_made(lambda: copy_rows((x, y), 2, 6))
     assert events.count("narrow_copy") == 2
     assert len(events) <= 4, events  # copy_rows, its list, two narrow_copy (the structure walk made 21)
 
@@ -133,7 +81,7 @@ def test_a_batch_reads_its_input_length_once_and_keeps_its_bounds():
     x, y = np.arange(20.0, dtype=np.float32).reshape(10, 2), np.arange(10)
     dataset = Dataset.from_tensor_slices((x, y)).batch(4)
     node = dataset._node
-    events = _events(lambda: node.get(0, 0))
+    events = calls_made(lambda: node.get(0, 0))
     assert events.count("_length") == 1, events  # was read twice (the batch count, then the rows)
     last = node.get(2, 0)
     assert last[1].tolist() == [8, 9]  # the partial last batch
@@ -149,8 +97,8 @@ def test_a_batch_reads_its_input_length_once_and_keeps_its_bounds():
 
 def test_the_size_and_unpacking_of_an_x_y_batch_make_no_call():
     x, y = torch.randn(5, 3), torch.arange(5)
-    assert _events(lambda: batch_size_of((x, y))) == ["batch_size_of"]
-    assert _events(lambda: unpack_batch((x, y))) == ["unpack_batch", "len"]
+    assert calls_made(lambda: batch_size_of((x, y))) == ["batch_size_of"]
+    assert calls_made(lambda: unpack_batch((x, y))) == ["unpack_batch", "len"]
     assert batch_size_of((x, y)) == 5
     assert batch_size_of(((), x)) == 5 and batch_size_of((None, y)) == 5
     assert batch_size_of((np.zeros((7, 2)), x)) == 7
@@ -165,8 +113,8 @@ def test_the_size_and_unpacking_of_an_x_y_batch_make_no_call():
 
 def test_one_output_is_checked_and_detached_without_isinstance():
     out = torch.randn(3, 2, requires_grad=True) * 2
-    assert _events(lambda: is_structured(out)) == ["is_structured"]
-    assert _events(lambda: detached(out)) == ["detached", "detach"]
+    assert calls_made(lambda: is_structured(out)) == ["is_structured"]
+    assert calls_made(lambda: detached(out)) == ["detached", "detach"]
     assert not is_structured(out) and is_structured((out,)) and is_structured({"a": out})
     assert not is_structured(nn.Parameter(torch.randn(2)))
     assert not detached(out).requires_grad
@@ -178,7 +126,7 @@ def test_the_keras_loss_of_int64_labels_makes_only_its_kernels_calls():
     loss = SparseCategoricalCrossentropy(from_logits=True)
     logits, labels = torch.randn(8, 4), torch.randint(0, 4, (8,))
     loss(labels, logits)
-    names = _events(lambda: loss(labels, logits))
+    names = calls_made(lambda: loss(labels, logits))
     for spared in ("as_tensor", "long", "_warn_if_logits", "max"):
         assert spared not in names, names
 
@@ -222,7 +170,7 @@ def test_whether_the_optimizer_accumulates_is_read_without_getattr_calls():
             self.gradient_accumulation_steps = steps
 
     usual = Holder(Accumulating(None))
-    assert _events(lambda: accumulates(usual)) == ["accumulates"]  # was two getattr calls besides
+    assert calls_made(lambda: accumulates(usual)) == ["accumulates"]  # was two getattr calls besides
     assert accumulates(Holder(Accumulating(4))) is True
     assert accumulates(Holder(Accumulating(1))) is False
     assert accumulates(Holder(Accumulating(0))) is False
@@ -235,7 +183,7 @@ def test_the_sparse_accuracy_of_int64_labels_makes_no_label_call():
     from meshfit.metrics._accuracy import _sparse_categorical_hits
 
     scores, labels = torch.randn(6, 4), torch.tensor([0, 1, 2, 3, 0, 1])
-    events = _events(lambda: _sparse_categorical_hits(labels, scores))
+    events = calls_made(lambda: _sparse_categorical_hits(labels, scores))
     assert "_sparse_labels" not in events, events
     want = scores.argmax(dim=-1) == labels
     for given in (labels, labels.unsqueeze(-1), labels.to(torch.int32), labels.to(torch.int32).unsqueeze(-1)):
