@@ -101,3 +101,17 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
     """A fully sharded stage's tensor gathered (collective among the stage's ranks); a plain one as it is."""
     full_tensor = getattr(tensor, "full_tensor", None)
     return full_tensor() if callable(full_tensor) else tensor
+
+
+def refusal(call: Callable[[], Any], any_error: bool = False) -> str:
+    """What ``call()`` is refused with: a ValueError's message (any exception's, its type named, with
+    ``any_error``: what each process is told, a lost peer included); ``"not refused"`` when it runs."""
+    try:
+        call()
+    except ValueError as error:
+        return f"{type(error).__name__}: {error}" if any_error else str(error)
+    except Exception as error:
+        if not any_error:
+            raise
+        return f"{type(error).__name__}: {error}"
+    return "not refused"

@@ -12,7 +12,7 @@ import pytest
 import torch
 from _multiproc import run_distributed
 from _pipeline_model import Classifier
-from _pipeline_run import _data, _every, _model
+from _pipeline_run import _data, _every, _model, refusal
 from torch import nn
 
 TIMEOUT = 300
@@ -472,15 +472,14 @@ def _one_stage_refuses(rank: int, world_size: int) -> str:
     mesh = mf.dtensor.create_mesh([("pipe", 2), ("model", 2)])
     layout_map = mf.dtensor.LayoutMap(mesh)
     layout_map[r"layers\.1\.attn\.qkv\.weight"] = mf.dtensor.Layout(["pipe", mf.dtensor.UNSHARDED], mesh)  # stage 1's
-    try:  # refused when the model is made (a pipeline is placed then) or when fit starts
+    def build_and_fit() -> None:  # refused when the model is made (a pipeline is placed then) or fit starts
         with layout_map.pipeline(["layers.1"], microbatches=2).scope():
             model = mf.Model(module())
         model.compile(optimizer=mf.optimizers.AdamW(1e-3),
                       loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
         model.fit(*data(16), batch_size=16, epochs=1, verbose=0)
-    except Exception as error:  # noqa: BLE001  (what each process is told)
-        return f"{type(error).__name__}: {error}"
-    return "not refused"
+
+    return refusal(build_and_fit, any_error=True)
 
 
 @pytest.mark.timeout(TIMEOUT)
@@ -504,11 +503,7 @@ class _HeadFirst(Classifier):
 def _out_of_order(rank: int, world_size: int) -> str:
     x, y = _data(16)
     model = _model((("pipe", 2),), ["blocks.2"], microbatches=2, module=_HeadFirst)
-    try:
-        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
-    except Exception as error:  # noqa: BLE001  (what each process is told)
-        return f"{type(error).__name__}: {error}"
-    return "not refused"
+    return refusal(lambda: model.fit(x, y, batch_size=16, epochs=1, verbose=0), any_error=True)
 
 
 @pytest.mark.timeout(TIMEOUT)
@@ -911,11 +906,7 @@ def _recompiled(rank: int, world_size: int) -> str:
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     model.compile(optimizer=mf.optimizers.Adam(0.01, global_clipnorm=0.1),
                   loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True))
-    try:
-        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
-    except ValueError as error:
-        return str(error)
-    return "not refused"
+    return refusal(lambda: model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0))
 
 
 @pytest.mark.timeout(TIMEOUT)
