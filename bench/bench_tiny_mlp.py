@@ -1,0 +1,77 @@
+"""``fit`` ÷ a hand-written loop on the tiny MLP, each variant a default process started as a user starts it.
+
+The step of a 32-32-10 MLP at batch 32 is almost all framework: what ``fit`` adds per step shows here.
+Each round starts ``python bench/_tiny_mlp.py VARIANT`` once per variant (reversed order every other
+round; no tuning of the environment beyond one torch thread, which the script sets as a user does) and
+takes the ratio of the per-step times of the timed epochs (2 of 3 epochs of 1,563 steps). Two pairs:
+
+- ``fit`` ÷ ``hand``: ``fit`` on ``Dataset.from_tensor_slices((x, y)).shuffle(50000, seed=0).batch(32)``
+  and the hand loop on the same batch order (the checksums of the final weights are printed: they agree
+  to float rounding, ``fit``'s Adam being fused and torch's default not);
+- ``fit-arrays`` ÷ ``hand-randperm``: Keras's usual ``model.fit(x, y, batch_size=32, epochs=3)`` against a
+  loop that draws ``torch.randperm`` each epoch (each shuffles its own way: the same work, other batches).
+
+Reported: the median of the per-round ratios of CPU time per step (range in brackets), the same for wall
+time, and each variant's median milliseconds a step. Target: ``fit`` ÷ hand ≤ 1.05.
+
+Run:  .venv/bin/python bench/bench_tiny_mlp.py [--rounds R] [--epochs E] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common as C  # noqa: E402
+
+TARGET = 1.05
+PAIRS = (("fit", "hand"), ("fit-arrays", "hand-randperm"))
+
+
+def run_variant(variant: str, epochs: int, tmp: str) -> dict:
+    out = os.path.join(tmp, f"{variant}.json")
+    argv = [C.python(), os.path.join(C.BENCH, "_tiny_mlp.py"), variant, "--epochs", str(epochs), "--out", out]
+    C.run_children([(variant, argv, C.clean_env())], timeout=600)
+    return C.read_json(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=None, help="rounds (default 5; quick 1)")
+    parser.add_argument("--epochs", type=int, default=None, help="epochs a process, the first a warm-up (default 3)")
+    parser.add_argument("--quick", action="store_true", help="one round of 2 epochs: checks that it works")
+    args = parser.parse_args()
+    rounds = args.rounds or (1 if args.quick else 5)
+    epochs = args.epochs or (2 if args.quick else 3)
+    variants = [v for pair in PAIRS for v in pair]
+    print(f"tiny MLP 32-32-10, Adam, batch 32, 50,000 examples, 1 thread; {rounds} rounds, {epochs} epochs a "
+          f"process (the first a warm-up); {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}", flush=True)
+    print("command: " + C.command_line([C.python(), "bench/_tiny_mlp.py", "VARIANT", "--epochs", str(epochs),
+                                        "--out", "OUT"]), flush=True)
+    results: dict[str, list[dict]] = {v: [] for v in variants}
+    with tempfile.TemporaryDirectory(prefix="meshfit-bench-") as tmp:
+        for r in range(rounds):
+            for variant in variants if r % 2 == 0 else variants[::-1]:
+                results[variant].append(run_variant(variant, epochs, tmp))
+            print(f"round {r + 1}: " + ", ".join(f"{v} {results[v][-1]['cpu_ms']:.4f}" for v in variants)
+                  + " CPU ms/step", flush=True)
+    print(f"load at the end {os.getloadavg()[0]:.2f}")
+    print("| pair | ms/step (CPU) | CPU ratio | wall ratio | weights' checksums |")
+    print("|---|---|---|---|---|")
+    for num, den in PAIRS:
+        cpu = C.ratios([x["cpu_ms"] for x in results[num]], [x["cpu_ms"] for x in results[den]])
+        wall = C.ratios([x["wall_ms"] for x in results[num]], [x["wall_ms"] for x in results[den]])
+        ms = f"{C.median([x['cpu_ms'] for x in results[num]]):.4f} / {C.median([x['cpu_ms'] for x in results[den]]):.4f}"
+        sums = f"{results[num][0]['checksum']:.9g} / {results[den][0]['checksum']:.9g}"
+        print(f"| `{num}` ÷ `{den}` | {ms} | **{C.median(cpu):.3f}** {C.spread(cpu)} | "
+              f"{C.median(wall):.3f} {C.spread(wall)} | {sums} |")
+    cpu = C.ratios([x["cpu_ms"] for x in results["fit"]], [x["cpu_ms"] for x in results["hand"]])
+    print(f"fit ÷ hand, CPU: {C.median(cpu):.3f} — {C.verdict(C.median(cpu), TARGET)}")
+
+
+if __name__ == "__main__":
+    main()
