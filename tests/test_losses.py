@@ -57,6 +57,26 @@ def test_sparse_categorical_crossentropy_from_logits_matches_torch_and_backprops
     assert logits.grad is not None
 
 
+def test_sparse_categorical_crossentropy_mean_of_logits_is_the_per_sample_path_in_one_kernel():
+    # (batch, classes) logits, int64 labels, no weights: torch's mean cross-entropy, the same loss and
+    # gradient as the per-sample losses' sum over the batch size (to float rounding), for any batch.
+    torch.manual_seed(0)
+    loss = SparseCategoricalCrossentropy(from_logits=True)
+    for rows in (1, 7, 32):
+        logits = torch.randn(rows, 5, requires_grad=True)
+        labels = torch.randint(0, 5, (rows,))
+        fast = loss(labels, logits)
+        fast_grad, = torch.autograd.grad(fast, logits)
+        general = loss.call(labels, logits).sum() / rows
+        general_grad, = torch.autograd.grad(general, logits)
+        torch.testing.assert_close(fast, general, rtol=1e-6, atol=0)
+        torch.testing.assert_close(fast_grad, general_grad, rtol=1e-6, atol=1e-9)
+    # Every label counts (torch's ignore_index of -100 skips none), as in Keras: -100 is out of range.
+    for labels in (torch.tensor([1, -100]), torch.tensor([[1], [-100]])):
+        with pytest.raises(IndexError, match="-100 is out of bounds"):
+            loss(labels, torch.randn(2, 5))
+
+
 def test_sparse_categorical_crossentropy_axis_1_for_torch_layout():
     logits = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0))
     labels = torch.tensor([[0, 1, 2, 0], [2, 2, 1, 0]])

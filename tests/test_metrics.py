@@ -82,6 +82,22 @@ def test_mean_tracks_a_loss_weighted_by_batch_size_and_sum_adds():
     assert total.result().item() == pytest.approx(9.0)
 
 
+def test_the_loss_trackers_sum_is_the_float64_sum_of_each_loss_times_its_batch_size():
+    # A scalar loss weighted by a whole batch size is added in one scaled add: bit for bit the sum of
+    # the float64 products, in the order given, for float32 and the narrower floats.
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        tracker, expected = Mean("loss"), torch.zeros((), dtype=torch.float64)
+        for _ in range(2000):
+            value = (torch.rand((), generator=generator) * 10).to(dtype)
+            size = int(torch.randint(1, 5000, (1,), generator=generator))
+            tracker.update_state(value, sample_weight=size)
+            expected += value.to(torch.float64) * float(size)
+        total, count = (state.item() for state in tracker.state_dict().values())
+        assert total == expected.item()
+        assert total / count == tracker.result().item()
+
+
 def test_mean_metric_wrapper_is_named_after_function():
     def doubled_error(y_true, y_pred):
         return 2 * (y_true - y_pred).abs()

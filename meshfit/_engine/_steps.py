@@ -20,7 +20,7 @@ from meshfit._engine._step_logs import MetricResults
 from meshfit._protocols import DistributionStrategy, PlacementLike, Residency, StepOutputs, StepRunner
 from meshfit.data import batch_size_of, unpack_batch
 from meshfit.distribute import EVERYWHERE
-from meshfit.losses import Loss, TorchModuleLoss
+from meshfit.losses import Loss, SparseCategoricalCrossentropy, TorchModuleLoss
 from meshfit.metrics import Mean, Metric
 
 
@@ -234,4 +234,4 @@ def _takes_training(compute_loss: Callable[..., Any]) -> bool:
 
 #: The ``__call__`` of the losses that take one tensor (``y_pred.device``): a dict of outputs meets a
 #: clear error naming them. A `Loss` subclass with its own ``__call__`` gets the outputs as they are.
-_TENSOR_LOSS_CALLS = (Loss.__call__, TorchModuleLoss.__call__)
+_TENSOR_LOSS_CALLS = (Loss.__call__, TorchModuleLoss.__call__, SparseCategoricalCrossentropy.__call__)

@@ -13,6 +13,9 @@ from meshfit._lazy_dtensor import is_dtensor
 from meshfit._validation import check_bool, invalid_argument
 
 EPSILON = 1e-7
+# torch's cross-entropy skips targets equal to its ``ignore_index`` (-100 by default, leaving a silent zero);
+# Keras has no such class: every label counts, and one out of range is an error. No label is this one.
+_NO_IGNORED_CLASS = -(2**63)
 REDUCTIONS = ("sum_over_batch_size", "sum", "none")
 
 
@@ -200,9 +203,26 @@ class SparseCategoricalCrossentropy(Loss):
     def _per_sample(self, target: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """The cross-entropy of each sample, classes on dim 1 of ``scores``."""
         if self.from_logits:
-            return F.cross_entropy(scores, target, reduction="none")
+            return F.cross_entropy(scores, target, reduction="none", ignore_index=_NO_IGNORED_CLASS)
         probs = scores / scores.sum(dim=1, keepdim=True)
-        return F.nll_loss(torch.log(probs.clamp(EPSILON, 1.0 - EPSILON)), target, reduction="none")
+        return F.nll_loss(torch.log(probs.clamp(EPSILON, 1.0 - EPSILON)), target, reduction="none",
+                          ignore_index=_NO_IGNORED_CLASS)
+
+    def __call__(self, y_true: torch.Tensor, y_pred: torch.Tensor,
+                 sample_weight: torch.Tensor | float | None = None) -> torch.Tensor:
+        """The reduced loss of a batch. The usual case (logits of shape ``(batch, classes)``, int64 labels,
+        no weights, the mean over the batch) is torch's own mean cross-entropy: one kernel forward and
+        one backward where the per-sample losses, their sum and the division took three and three."""
+        if (sample_weight is None and y_pred.__class__ is torch.Tensor and y_true.__class__ is torch.Tensor
+                and self.from_logits and self.reduction == "sum_over_batch_size" and y_pred.ndim == 2
+                and y_true.ndim == 1 and y_true.dtype is torch.int64 and self.axis in (-1, 1)
+                and len(y_true) and type(self).call is SparseCategoricalCrossentropy.call
+                and y_true.device == y_pred.device):
+            return F.cross_entropy(y_pred, y_true, ignore_index=_NO_IGNORED_CLASS)
+        # `Loss.__call__`'s body, not a call of it: a warning about the outputs names the caller's line
+        if y_true.__class__ is not torch.Tensor or y_true.device != y_pred.device:
+            y_true = torch.as_tensor(y_true, device=y_pred.device)
+        return reduce_weighted(self.call(y_true, y_pred), sample_weight, self.reduction)
 
 
 class CategoricalCrossentropy(Loss):

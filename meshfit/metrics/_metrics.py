@@ -178,6 +178,11 @@ def _check_mesh(mesh: Any) -> Any:
     return mesh
 
 
+# Below 2**29, a whole number times a float32 (or narrower) value is exact in float64.
+_EXACT_FACTOR = 2**29
+_NARROW_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _whole_number(value: Any) -> bool:
     """Whether ``value`` is a Python int or a float holding one (not a bool)."""
     if isinstance(value, bool):
@@ -215,6 +220,16 @@ class Mean(Metric):
         if values.__class__ is not torch.Tensor or values.requires_grad:
             values = _as_tensor(values)
         ndim = values.ndim
+        if not ndim and sample_weight.__class__ is int and 0 < sample_weight < _EXACT_FACTOR \
+                and values.dtype in _NARROW_FLOATS:
+            # The loss tracker's step: a scalar loss times the batch size. Its float64 product is exact
+            # (at most 24 + 29 significant bits), so one ``add_`` scaled by the size gives the very sum
+            # that the float64 copy, the product and the add gave (three kernels).
+            total = self._states["total"]
+            if total.device == values.device:
+                total.add_(values, alpha=sample_weight)
+                self._pending_count += sample_weight
+                return
         if ndim and sample_weight is None and values.dtype is torch.bool and values.is_contiguous():
             # Hits (the accuracies): their float64 sum is the whole number of hits, as the sum of
             # their float64 copies is; no copy made.
