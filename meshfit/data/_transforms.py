@@ -72,6 +72,12 @@ class Shuffle(Transform):
             source = self._permutation(pass_index)[indices]
         return self._inner._gather(source, pass_index)
 
+    def _gather_range(self, start: int, stop: int, pass_index: int) -> Any:
+        # A batch's consecutive positions: a slice of the permutation (no index array made and read)
+        if self._inner._length() is None:
+            return self._gather(np.arange(start, stop, dtype=np.int64), pass_index)
+        return self._inner._gather(self._permutation(pass_index)[start:stop], pass_index)
+
 
 def _unseeded_shuffle_seed() -> int:
     """A seed for ``shuffle(seed=None)``, drawn from torch's global generator.
