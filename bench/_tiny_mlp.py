@@ -7,19 +7,24 @@ and start from the same weights, so both do the same arithmetic.
 
 - ``hand``: ``xb, yb = x[idx], y[idx]; opt.zero_grad(); loss = F.cross_entropy(model(xb), yb);
   loss.backward(); opt.step(); total += loss.item()`` (the loop reads its loss every step, as a
-  hand-written loop that prints its progress does), torch's own ``torch.optim.Adam``.
+  hand-written loop that prints its progress does), torch's own ``torch.optim.Adam`` with its defaults
+  (``hand-fused``: ``fused=True``, the implementation ``fit``'s Adam takes).
 - ``fit``: ``model.compile(Adam, SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])``
   then ``model.fit(dataset, epochs=E)`` with its default ``verbose`` (its output goes to a pipe, so the bar
   prints a line an epoch), the dataset ``Dataset.from_tensor_slices((x, y))`` batched by 32 in the same
   order.
 
-The first epoch is a warm-up; the others are timed (wall and process CPU). The result (JSON) also holds
-a checksum of the final weights.
+The first epoch is a warm-up; the others are timed (wall and process CPU), or with ``--counts`` the Python
+calls and aten ops made in them are counted (per step, the epochs' own work included). The result (JSON)
+also holds a checksum of the final weights.
 """
 
 import argparse
+import collections
 import json
+import sys
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,20 +51,56 @@ def orders(epochs: int) -> list[np.ndarray]:
     return np.split(np.fromiter(iter(index), dtype=np.int64, count=epochs * EXAMPLES), epochs)
 
 
+class Meter:
+    """What a process measures over its epochs after the first: wall and CPU time, or (``counts``) the
+    Python calls (``sys.setprofile``'s call and c_call events) and aten ops (a dispatch mode) made."""
+
+    def __init__(self, counts: bool) -> None:
+        self.counts, self.marks, self.calls = counts, [], 0
+        self.ops: collections.Counter[str] = collections.Counter()
+        self._mode: Any = None
+
+    def start(self) -> None:
+        self.marks.append((time.perf_counter(), time.process_time()))
+        if self.counts:
+            from torch.utils._python_dispatch import TorchDispatchMode
+
+            ops = self.ops
+
+            class OpCounter(TorchDispatchMode):
+                def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                    ops[str(func)] += 1
+                    return func(*args, **(kwargs or {}))
+
+            self._mode = OpCounter()
+            self._mode.__enter__()
+            sys.setprofile(self._profile)
+
+    def _profile(self, frame: Any, event: str, arg: Any) -> None:
+        if event in ("call", "c_call"):
+            self.calls += 1
+
+    def stop(self) -> None:
+        if self._mode is not None:
+            sys.setprofile(None)
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+        self.marks.append((time.perf_counter(), time.process_time()))
+
+
 def module() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))
 
 
-def run_hand(x: np.ndarray, y: np.ndarray, epochs: int, shuffle: bool) -> tuple[list, nn.Module]:
+def run_hand(x: np.ndarray, y: np.ndarray, epochs: int, shuffle: bool, meter: Meter, fused: bool) -> nn.Module:
     model = module()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-7)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-7, fused=fused or None)
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
     fixed = [torch.from_numpy(order) for order in orders(epochs)] if not shuffle else []
-    marks = []
     for epoch in range(epochs):
         if epoch == 1:
-            marks.append((time.perf_counter(), time.process_time()))
+            meter.start()
         order = torch.randperm(EXAMPLES) if shuffle else fixed[epoch]
         total = 0.0
         for start in range(0, EXAMPLES, BATCH):
@@ -70,24 +111,20 @@ def run_hand(x: np.ndarray, y: np.ndarray, epochs: int, shuffle: bool) -> tuple[
             loss.backward()
             opt.step()
             total += loss.item()
-    marks.append((time.perf_counter(), time.process_time()))
-    return marks, model
+    meter.stop()
+    return model
 
 
-def run_fit(x: np.ndarray, y: np.ndarray, epochs: int, arrays: bool) -> tuple[list, nn.Module]:
+def run_fit(x: np.ndarray, y: np.ndarray, epochs: int, arrays: bool, meter: Meter) -> nn.Module:
     import meshfit as mf
 
     class EpochClock(mf.callbacks.Callback):
-        def __init__(self) -> None:
-            super().__init__()
-            self.marks: list = []
-
         def on_epoch_begin(self, epoch, logs=None):
             if epoch == 1:
-                self.marks.append((time.perf_counter(), time.process_time()))
+                meter.start()
 
         def on_train_end(self, logs=None):
-            self.marks.append((time.perf_counter(), time.process_time()))
+            meter.stop()
 
     net = module()
     model = mf.Model(net)
@@ -99,27 +136,32 @@ def run_fit(x: np.ndarray, y: np.ndarray, epochs: int, arrays: bool) -> tuple[li
     else:
         dataset = mf.data.Dataset.from_tensor_slices((x, y)).shuffle(EXAMPLES, seed=0).batch(BATCH)
         model.fit(dataset, epochs=epochs, callbacks=[clock])
-    return clock.marks, net
+    return net
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("variant", choices=("fit", "hand", "fit-arrays", "hand-randperm"))
+    parser.add_argument("variant", choices=("fit", "hand", "fit-arrays", "hand-randperm", "hand-fused"))
     parser.add_argument("--epochs", type=int, default=3, help="the first one is a warm-up")
+    parser.add_argument("--counts", action="store_true",
+                        help="count Python calls and aten ops a step instead of timing (slower)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    meter = Meter(args.counts)
     torch.set_num_threads(1)
     x, y = data()
     if args.variant.startswith("hand"):
-        marks, net = run_hand(x, y, args.epochs, shuffle=args.variant == "hand-randperm")
+        net = run_hand(x, y, args.epochs, shuffle=args.variant == "hand-randperm", meter=meter,
+                       fused=args.variant == "hand-fused")
     else:
-        marks, net = run_fit(x, y, args.epochs, arrays=args.variant == "fit-arrays")
-    (wall0, cpu0), (wall1, cpu1) = marks
+        net = run_fit(x, y, args.epochs, arrays=args.variant == "fit-arrays", meter=meter)
+    (wall0, cpu0), (wall1, cpu1) = meter.marks
     steps = (args.epochs - 1) * -(-EXAMPLES // BATCH)
     checksum = float(sum(p.detach().double().abs().sum() for p in net.parameters()))
     with open(args.out, "w") as f:
         json.dump({"wall_ms": (wall1 - wall0) * 1e3 / steps, "cpu_ms": (cpu1 - cpu0) * 1e3 / steps,
-                   "checksum": checksum}, f)
+                   "checksum": checksum, "calls": meter.calls / steps,
+                   "ops": sum(meter.ops.values()) / steps, "ops_by_name": dict(meter.ops)}, f)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,13 @@ takes the ratio of the per-step times of the timed epochs (2 of 3 epochs of 1,56
   and the hand loop on the same batch order (the checksums of the final weights are printed: they agree
   to float rounding, ``fit``'s Adam being fused and torch's default not);
 - ``fit-arrays`` ÷ ``hand-randperm``: Keras's usual ``model.fit(x, y, batch_size=32, epochs=3)`` against a
-  loop that draws ``torch.randperm`` each epoch (each shuffles its own way: the same work, other batches).
+  loop that draws ``torch.randperm`` each epoch (each shuffles its own way: the same work, other batches);
+- ``fit`` ÷ ``hand-fused``: the hand loop with ``torch.optim.Adam(..., fused=True)``, the implementation
+  ``fit``'s Adam takes by default (torch's default is its per-parameter loop): what ``fit`` adds around the
+  same kernels.
+
+``--counts`` then starts one more process per variant that counts, over its timed epochs, the Python calls
+(``sys.setprofile``: calls and C calls) and the aten ops (a dispatch mode) a step.
 
 Reported: the median of the per-round ratios of CPU time per step (range in brackets), the same for wall
 time, and each variant's median milliseconds a step. Target: ``fit`` ÷ hand ≤ 1.05.
@@ -29,12 +35,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
 TARGET = 1.05
-PAIRS = (("fit", "hand"), ("fit-arrays", "hand-randperm"))
+PAIRS = (("fit", "hand"), ("fit-arrays", "hand-randperm"), ("fit", "hand-fused"))
 
 
-def run_variant(variant: str, epochs: int, tmp: str) -> dict:
+def run_variant(variant: str, epochs: int, tmp: str, counts: bool = False) -> dict:
     out = os.path.join(tmp, f"{variant}.json")
     argv = [C.python(), os.path.join(C.BENCH, "_tiny_mlp.py"), variant, "--epochs", str(epochs), "--out", out]
+    argv += ["--counts"] if counts else []
     C.run_children([(variant, argv, C.clean_env())], timeout=600)
     return C.read_json(out)
 
@@ -44,21 +51,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None, help="rounds (default 5; quick 1)")
     parser.add_argument("--epochs", type=int, default=None, help="epochs a process, the first a warm-up (default 3)")
     parser.add_argument("--quick", action="store_true", help="one round of 2 epochs: checks that it works")
+    parser.add_argument("--counts", action="store_true", help="also count Python calls and aten ops a step")
     args = parser.parse_args()
     rounds = args.rounds or (1 if args.quick else 5)
     epochs = args.epochs or (2 if args.quick else 3)
-    variants = [v for pair in PAIRS for v in pair]
+    variants = list(dict.fromkeys(v for pair in PAIRS for v in pair))
     print(f"tiny MLP 32-32-10, Adam, batch 32, 50,000 examples, 1 thread; {rounds} rounds, {epochs} epochs a "
           f"process (the first a warm-up); {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}", flush=True)
     print("command: " + C.command_line([C.python(), "bench/_tiny_mlp.py", "VARIANT", "--epochs", str(epochs),
                                         "--out", "OUT"]), flush=True)
     results: dict[str, list[dict]] = {v: [] for v in variants}
+    counted: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="meshfit-bench-") as tmp:
         for r in range(rounds):
             for variant in variants if r % 2 == 0 else variants[::-1]:
                 results[variant].append(run_variant(variant, epochs, tmp))
             print(f"round {r + 1}: " + ", ".join(f"{v} {results[v][-1]['cpu_ms']:.4f}" for v in variants)
                   + " CPU ms/step", flush=True)
+        if args.counts:
+            counted = {v: run_variant(v, 2, tmp, counts=True) for v in variants}
     print(f"load at the end {os.getloadavg()[0]:.2f}")
     print("| pair | ms/step (CPU) | CPU ratio | wall ratio | weights' checksums |")
     print("|---|---|---|---|---|")
@@ -69,6 +80,11 @@ def main() -> None:
         sums = f"{results[num][0]['checksum']:.9g} / {results[den][0]['checksum']:.9g}"
         print(f"| `{num}` ÷ `{den}` | {ms} | **{C.median(cpu):.3f}** {C.spread(cpu)} | "
               f"{C.median(wall):.3f} {C.spread(wall)} | {sums} |")
+    if counted:
+        print("| variant | Python calls a step | aten ops a step |")
+        print("|---|---|---|")
+        for v in variants:
+            print(f"| `{v}` | {counted[v]['calls']:.1f} | {counted[v]['ops']:.1f} |")
     cpu = C.ratios([x["cpu_ms"] for x in results["fit"]], [x["cpu_ms"] for x in results["hand"]])
     print(f"fit ÷ hand, CPU: {C.median(cpu):.3f} — {C.verdict(C.median(cpu), TARGET)}")
 
