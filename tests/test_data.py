@@ -154,6 +154,19 @@ def test_batch_after_repeat_spans_passes():
     assert [b.tolist() for b in Dataset.range(3).batch(2).repeat(2)] == [[0, 1], [2], [0, 1], [2]]
 
 
+@pytest.mark.parametrize("count", [3, None])
+def test_batches_of_a_shuffled_repeat_are_its_elements_in_order(count):
+    # A batch within one pass reads its consecutive rows at once; one spanning two passes element by
+    # element: the same elements either way, each pass reshuffled.
+    data = Dataset.from_tensor_slices((np.arange(10), np.arange(10) * 2)).shuffle(7, seed=1).repeat(count)
+    elements = [(int(a), int(b)) for a, b in data.take(30)]
+    batches = list(data.batch(4).take(7))
+    assert [(int(a), int(b)) for x, y in batches for a, b in zip(x, y, strict=True)] == elements[:28]
+    assert [len(x) for x, _ in batches] == [4] * 7
+    empty = data.batch(4).node.get_rows(0, 0, 2, 2)  # a replica's empty share of a batch
+    assert [tuple(part.shape) for part in empty] == [(0,), (0,)]
+
+
 def test_map_unpacks_tuples_into_arguments_and_passes_dicts_whole():
     ds = Dataset.from_tensor_slices((torch.arange(4), torch.arange(4) * 10))
     assert _ints(ds.map(lambda a, b: a + b)) == [0, 11, 22, 33]

@@ -149,9 +149,18 @@ class Repeat(Transform):
             raise StopIteration
         indices = np.asarray(indices, dtype=np.int64)
         passes = pass_index * (2**32 if self.count is None else self.count) + indices // n
-        if (passes == passes[0]).all():  # the usual case: the whole batch lies in one inner pass
-            return self._inner._gather(indices % n, int(passes[0]))
+        if not len(passes) or (passes == passes[0]).all():  # the usual case: the batch lies in one inner pass
+            return self._inner._gather(indices % n, int(passes[0]) if len(passes) else pass_index)
         return stack([self._inner._get(int(i), int(t)) for i, t in zip(indices % n, passes, strict=True)])
+
+    def _gather_range(self, start: int, stop: int, pass_index: int) -> Any:
+        # The usual batch (consecutive positions within one inner pass): the inner node's own range,
+        # with no index array made, divided and compared
+        n = self._inner._length()
+        if n and start // n == max(stop - 1, start) // n:  # (an empty range: a replica's empty share)
+            inner_pass = pass_index * (2**32 if self.count is None else self.count) + start // n
+            return self._inner._gather_range(start % n, start % n + stop - start, inner_pass)
+        return self._gather(np.arange(start, stop, dtype=np.int64), pass_index)
 
 
 class Batch(Transform):
