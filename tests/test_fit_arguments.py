@@ -93,10 +93,15 @@ def test_class_weight_follows_keras_3_with_sample_weight_and_empty_dicts(digits)
     yielding = mf.data.Dataset.from_tensor_slices((x, y, sample_weight)).batch(25)
     with pytest.raises(ValueError, match=r"the data yields sample weights"):
         make_model().fit(yielding, class_weight={0: 2.0}, verbose=0)
-    # An empty dict weighs every class 1: the same run as no class_weight.
+    # An empty dict weighs every class 1: the same run as no class_weight. (The weights are equal bit for
+    # bit; the loss logged with weights of 1 is their sum over the batch size, without them torch's mean
+    # cross-entropy: equal to float rounding.)
     plain, empty = make_model(), make_model()
     expected = plain.fit(x, y, batch_size=25, shuffle=False, verbose=0).history
-    assert empty.fit(x, y, batch_size=25, shuffle=False, class_weight={}, verbose=0).history == expected
+    weighted = empty.fit(x, y, batch_size=25, shuffle=False, class_weight={}, verbose=0).history
+    assert weighted.keys() == expected.keys()
+    for key, values in expected.items():
+        assert weighted[key] == pytest.approx(values, rel=1e-6)
     for a, b in zip(plain.get_weights(), empty.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
     make_model().fit(yielding, class_weight={}, verbose=0)  # as Keras's dataset adapter: `if class_weight:`
@@ -229,6 +234,39 @@ def test_every_argument_together_resumes_bitwise_under_backup_and_restore(digits
     assert history.history == ref_history.history and history.epoch == ref_history.epoch
     for a, b in zip(resumed.get_weights(), reference.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_several_steps_per_execution_warn_once_about_the_users_batch_hooks(digits, tmp_path):
+    import warnings
+
+    x, y = digits
+
+    class PerStep(mf.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            pass
+
+    def fit(steps_per_execution, callbacks):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            make_model(steps_per_execution=steps_per_execution).fit(x, y, batch_size=25, verbose=0,
+                                                                    callbacks=callbacks)
+        return [str(w.message) for w in caught if "steps_per_execution" in str(w.message)]
+
+    told = fit(4, [PerStep(), mf.callbacks.LambdaCallback(on_batch_begin=lambda batch, logs: None)])
+    assert len(told) == 1
+    assert "compile(steps_per_execution=4)" in told[0] and "PerStep, LambdaCallback" in told[0]
+    assert "once per execution of 4 steps" in told[0] and "steps_per_execution=1" in told[0]
+    # meshfit's own callbacks follow executions; epoch hooks and one step an execution need no word.
+    ours = [mf.callbacks.History(), mf.callbacks.BackupAndRestore(str(tmp_path / "backup"), save_freq=2),
+            mf.callbacks.ModelCheckpoint(str(tmp_path / "best.weights.pt"), save_freq=2, save_weights_only=True),
+            mf.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: None)]
+    assert fit(4, ours) == []
+    assert fit(1, [PerStep()]) == []
+    # A LambdaCallback has the hooks it was given, no other: the loop calls none a step for epoch functions.
+    epochs_only = mf.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: None)
+    assert not mf.callbacks.implements_hook(epochs_only, "on_train_batch_end")
+    assert not mf.callbacks.implements_hook(epochs_only, "on_train_batch_begin")
+    assert mf.callbacks.implements_hook(mf.callbacks.LambdaCallback(on_batch_end=print), "on_train_batch_end")
 
 
 def test_step_backups_with_several_steps_per_execution_save_each_multiple_crossed(digits, tmp_path):

@@ -12,13 +12,14 @@ whether the optimizer accumulates gradients.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from meshfit._engine._data_handler import EndOfData
 from meshfit._engine._step_logs import agree
 from meshfit._engine._steps import StepsMixin
 from meshfit._protocols import Trainable
-from meshfit.callbacks import ProgbarLogger, implements_hook
+from meshfit.callbacks import LambdaCallback, ProgbarLogger, implements_hook
 
 
 def next_batch(trainable: Trainable, data: Any, agree_end: bool | None = None) -> tuple[Any, int] | None:
@@ -86,3 +87,20 @@ def stopping_batch_hooks(cbs: Any) -> bool:
     return any(getattr(c, "stops_in_batch_hooks", True)
                and (implements_hook(c, "on_train_batch_begin") or implements_hook(c, "on_train_batch_end"))
                for c in cbs)
+
+
+def warn_hooks_per_execution(cbs: Any, steps_per_execution: int) -> None:
+    """Under ``steps_per_execution`` N > 1, say once which of the user's callbacks have training batch
+    hooks: ``fit`` calls them once per execution of N steps (Keras's rule), not after every step.
+    meshfit's own callbacks (savers, the bar, the history) follow executions as they are meant to."""
+    if steps_per_execution <= 1:
+        return
+    names = [type(c).__name__ for c in cbs
+             if (not type(c).__module__.startswith("meshfit.") or type(c) is LambdaCallback)
+             and (implements_hook(c, "on_train_batch_begin") or implements_hook(c, "on_train_batch_end"))]
+    if names:
+        warnings.warn(f"compile(steps_per_execution={steps_per_execution}): fit calls the training batch hooks of "
+                      f"{', '.join(names)} once per execution of {steps_per_execution} steps (as Keras does), "
+                      "not after every step; `batch` is the execution's first index in on_train_batch_begin and "
+                      "its last in on_train_batch_end. Compile with steps_per_execution=1 where a callback needs "
+                      "every step.", stacklevel=5)

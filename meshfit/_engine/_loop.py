@@ -19,6 +19,7 @@ from meshfit._engine._executions import (
     next_batch,
     only_bars_read_batch_ends,
     stopping_batch_hooks,
+    warn_hooks_per_execution,
 )
 from meshfit._engine._preemption import PreemptionChecks, PreemptionWatch
 from meshfit._engine._replica_state import ReplicaState
@@ -232,6 +233,7 @@ class TrainingLoop:
         `CHECK_SECONDS` of training (`PreemptionChecks`), not one at every step."""
         cbs, trainable = self.callbacks, self.trainable
         self._hooks = batch_hooks(cbs)
+        warn_hooks_per_execution(cbs, trainable.steps_per_execution)
         may_stop = not builtin_train_step(trainable) or stopping_batch_hooks(cbs)
         reads, stops, preemption = sum_flags(self.strategy, [float(cbs.batch_logs_needed()), float(may_stop),
                                                               float(handles_preemption)])

@@ -15,11 +15,6 @@ if TYPE_CHECKING:  # annotations only: the model and the loop import the callbac
     from meshfit._protocols import ModelLike as Model
 
 
-def _overrides(callback: Callback, hook: str) -> bool:
-    method = getattr(type(callback), hook, None)
-    return method is not None and method is not getattr(Callback, hook, None)
-
-
 #: The base class's batch hooks that call another hook (Keras's older names): a callback implements
 #: the first when it overrides either.
 _ALIASES = {"on_train_batch_begin": "on_batch_begin", "on_train_batch_end": "on_batch_end"}
@@ -179,8 +174,7 @@ class CallbackList:
 
     def batch_logs_needed(self) -> bool:
         """Whether a callback reads per-batch training logs (Keras checks for the override too)."""
-        return any(_overrides(c, "on_train_batch_end") or _overrides(c, "on_batch_end")
-                   for c in self.callbacks if c.reads_batch_logs)
+        return any(implements_hook(c, "on_train_batch_end") for c in self.callbacks if c.reads_batch_logs)
 
     def __iter__(self) -> Iterator[Callback]:
         return iter(self.callbacks)

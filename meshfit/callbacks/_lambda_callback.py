@@ -47,6 +47,9 @@ class LambdaCallback(Callback):
             if not callable(function):
                 raise invalid_argument(name, "a function", function, TypeError)
             self._functions[hook] = function
+            # Only the hooks given are this callback's own (the others stay the base's empty ones), so the
+            # loop calls no hook it was not given: a callback of epoch hooks costs nothing a step.
+            setattr(self, hook, _make_hook(function, hook in _HOOKS_WITH_INDEX))
 
     @property
     def reads_batch_logs(self) -> bool:
@@ -54,23 +57,11 @@ class LambdaCallback(Callback):
         return "on_train_batch_end" in self._functions
 
 
-def _make_hook(name: str, with_index: bool) -> Callable[..., None]:
-    def index_hook(self: LambdaCallback, index: int, logs: dict | None = None) -> None:
-        function = self._functions.get(name)
-        if function is not None:
-            function(index, logs)
+def _make_hook(function: Callable[..., Any], with_index: bool) -> Callable[..., None]:
+    def index_hook(index: int, logs: dict | None = None) -> None:
+        function(index, logs)
 
-    def plain_hook(self: LambdaCallback, logs: dict | None = None) -> None:
-        function = self._functions.get(name)
-        if function is not None:
-            function(logs)
+    def plain_hook(logs: dict | None = None) -> None:
+        function(logs)
 
-    hook: Callable[..., None] = index_hook if with_index else plain_hook
-    hook.__name__ = name
-    hook.__doc__ = f"Calls the function given as ``{name}``, if any."
-    return hook
-
-
-for _name in (*_HOOKS_WITH_INDEX, *_HOOKS_WITHOUT_INDEX):
-    setattr(LambdaCallback, _name, _make_hook(_name, _name in _HOOKS_WITH_INDEX))
-del _name
+    return index_hook if with_index else plain_hook
