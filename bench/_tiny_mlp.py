@@ -139,6 +139,11 @@ def run_fit(x: np.ndarray, y: np.ndarray, epochs: int, arrays: bool, meter: Mete
     return net
 
 
+def _meshfit_file() -> str | None:
+    module = sys.modules.get("meshfit")
+    return None if module is None else module.__file__
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("variant", choices=("fit", "hand", "fit-arrays", "hand-randperm", "hand-fused"))
@@ -160,7 +165,7 @@ def main() -> None:
     checksum = float(sum(p.detach().double().abs().sum() for p in net.parameters()))
     with open(args.out, "w") as f:
         json.dump({"wall_ms": (wall1 - wall0) * 1e3 / steps, "cpu_ms": (cpu1 - cpu0) * 1e3 / steps,
-                   "checksum": checksum, "calls": meter.calls / steps,
+                   "checksum": checksum, "calls": meter.calls / steps, "meshfit": _meshfit_file(),
                    "ops": sum(meter.ops.values()) / steps, "ops_by_name": dict(meter.ops)}, f)
 
 

@@ -14,6 +14,8 @@ takes the ratio of the per-step times of the timed epochs (2 of 3 epochs of 1,56
   ``fit``'s Adam takes by default (torch's default is its per-parameter loop): what ``fit`` adds around the
   same kernels.
 
+``--baseline DIR`` adds ``fit-before``: the ``fit`` variant with another meshfit tree (``git archive`` of an
+older commit into DIR) first on ``PYTHONPATH``, in the same rounds: before and after in one run.
 ``--counts`` then starts one more process per variant that counts, over its timed epochs, the Python calls
 (``sys.setprofile``: calls and C calls) and the aten ops (a dispatch mode) a step.
 
@@ -38,11 +40,14 @@ TARGET = 1.05
 PAIRS = (("fit", "hand"), ("fit-arrays", "hand-randperm"), ("fit", "hand-fused"))
 
 
-def run_variant(variant: str, epochs: int, tmp: str, counts: bool = False) -> dict:
+def run_variant(variant: str, epochs: int, tmp: str, counts: bool = False, baseline: str | None = None) -> dict:
     out = os.path.join(tmp, f"{variant}.json")
+    env = C.clean_env()
+    if variant == "fit-before":  # the fit variant, importing meshfit from the baseline tree
+        variant, env["PYTHONPATH"] = "fit", os.path.abspath(str(baseline))
     argv = [C.python(), os.path.join(C.BENCH, "_tiny_mlp.py"), variant, "--epochs", str(epochs), "--out", out]
     argv += ["--counts"] if counts else []
-    C.run_children([(variant, argv, C.clean_env())], timeout=600)
+    C.run_children([(variant, argv, env)], timeout=600)
     return C.read_json(out)
 
 
@@ -52,10 +57,12 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=None, help="epochs a process, the first a warm-up (default 3)")
     parser.add_argument("--quick", action="store_true", help="one round of 2 epochs: checks that it works")
     parser.add_argument("--counts", action="store_true", help="also count Python calls and aten ops a step")
+    parser.add_argument("--baseline", default=None, help="another meshfit tree: adds its fit as fit-before")
     args = parser.parse_args()
     rounds = args.rounds or (1 if args.quick else 5)
     epochs = args.epochs or (2 if args.quick else 3)
-    variants = list(dict.fromkeys(v for pair in PAIRS for v in pair))
+    pairs = PAIRS + ((("fit-before", "hand"),) if args.baseline else ())
+    variants = list(dict.fromkeys(v for pair in pairs for v in pair))
     print(f"tiny MLP 32-32-10, Adam, batch 32, 50,000 examples, 1 thread; {rounds} rounds, {epochs} epochs a "
           f"process (the first a warm-up); {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}", flush=True)
     print("command: " + C.command_line([C.python(), "bench/_tiny_mlp.py", "VARIANT", "--epochs", str(epochs),
@@ -65,15 +72,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="meshfit-bench-") as tmp:
         for r in range(rounds):
             for variant in variants if r % 2 == 0 else variants[::-1]:
-                results[variant].append(run_variant(variant, epochs, tmp))
+                results[variant].append(run_variant(variant, epochs, tmp, baseline=args.baseline))
             print(f"round {r + 1}: " + ", ".join(f"{v} {results[v][-1]['cpu_ms']:.4f}" for v in variants)
                   + " CPU ms/step", flush=True)
         if args.counts:
-            counted = {v: run_variant(v, 2, tmp, counts=True) for v in variants}
+            counted = {v: run_variant(v, 2, tmp, counts=True, baseline=args.baseline) for v in variants}
     print(f"load at the end {os.getloadavg()[0]:.2f}")
     print("| pair | ms/step (CPU) | CPU ratio | wall ratio | weights' checksums |")
     print("|---|---|---|---|---|")
-    for num, den in PAIRS:
+    if args.baseline:
+        print(f"fit-before imported {results['fit-before'][0]['meshfit']}; fit {results['fit'][0]['meshfit']}")
+    for num, den in pairs:
         cpu = C.ratios([x["cpu_ms"] for x in results[num]], [x["cpu_ms"] for x in results[den]])
         wall = C.ratios([x["wall_ms"] for x in results[num]], [x["wall_ms"] for x in results[den]])
         ms = f"{C.median([x['cpu_ms'] for x in results[num]]):.4f} / {C.median([x['cpu_ms'] for x in results[den]]):.4f}"

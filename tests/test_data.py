@@ -165,6 +165,10 @@ def test_batches_of_a_shuffled_repeat_are_its_elements_in_order(count):
     assert [len(x) for x, _ in batches] == [4] * 7
     empty = data.batch(4).node.get_rows(0, 0, 2, 2)  # a replica's empty share of a batch
     assert [tuple(part.shape) for part in empty] == [(0,), (0,)]
+    # A mapped pipeline's empty share too: its structure and dtypes, no rows.
+    mapped = Dataset.from_tensor_slices((np.arange(10.0), np.arange(10))).map(lambda a, b: (a * 2, b[None]))
+    empty = mapped.batch(4).node.get_rows(2, 0, 1, 1)
+    assert [(tuple(part.shape), part.dtype) for part in empty] == [((0,), torch.float64), ((0, 1), torch.int64)]
 
 
 def test_map_unpacks_tuples_into_arguments_and_passes_dicts_whole():

@@ -143,6 +143,26 @@ def test_lambda_callback_calls_each_function_with_keras_arguments(data):
         mf.callbacks.LambdaCallback(on_epoch_end=3)
 
 
+def test_lambda_callback_pickles_and_a_subclass_hook_reads_the_batch_logs(data):
+    import pickle
+
+    # Only the hooks given are the callback's own, and a callback of picklable functions pickles.
+    restored = pickle.loads(pickle.dumps(mf.callbacks.LambdaCallback(on_epoch_end=print, on_train_batch_end=print)))
+    assert mf.callbacks.implements_hook(restored, "on_train_batch_end")
+    assert not mf.callbacks.implements_hook(restored, "on_train_batch_begin")
+    # A subclass's own batch hook is a batch hook: it gets the logs, as in Keras.
+    x, y = data
+    seen: list[dict] = []
+
+    class Logged(mf.callbacks.LambdaCallback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(dict(logs or {}))
+
+    make_model().fit(x[:64], y[:64], batch_size=32, verbose=0,
+                     callbacks=[Logged(on_epoch_end=lambda epoch, logs: None)])
+    assert len(seen) == 2 and all("loss" in logs for logs in seen)
+
+
 def test_terminate_on_nan_stops_after_the_first_bad_batch(data, capsys):
     x, y = data
     x = x[:64].copy()

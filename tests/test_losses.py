@@ -71,10 +71,13 @@ def test_sparse_categorical_crossentropy_mean_of_logits_is_the_per_sample_path_i
         general_grad, = torch.autograd.grad(general, logits)
         torch.testing.assert_close(fast, general, rtol=1e-6, atol=0)
         torch.testing.assert_close(fast_grad, general_grad, rtol=1e-6, atol=1e-9)
-    # Every label counts (torch's ignore_index of -100 skips none), as in Keras: -100 is out of range.
-    for labels in (torch.tensor([1, -100]), torch.tensor([[1], [-100]])):
-        with pytest.raises(IndexError, match="-100 is out of bounds"):
-            loss(labels, torch.randn(2, 5))
+    # Every label counts (torch's ignore_index of -100 skips none), as in Keras: -100 is out of range, and
+    # so is what a NaN or an overflowing float label becomes as int64, on either path.
+    broken = int(torch.tensor([float("nan")]).long())
+    for bad in (-100, broken, -(2**63), 2**63 - 1):
+        for labels in (torch.tensor([1, bad]), torch.tensor([[1], [bad]])):
+            with pytest.raises(IndexError, match=f"{bad} is out of bounds"):
+                loss(labels, torch.randn(2, 5))
 
 
 def test_sparse_categorical_crossentropy_axis_1_for_torch_layout():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +37,6 @@ class LambdaCallback(Callback):
     def __init__(self, **hooks: Callable[..., Any] | None) -> None:
         super().__init__()
         known = set(_HOOKS_WITH_INDEX) | set(_HOOKS_WITHOUT_INDEX)
-        self._functions: dict[str, Callable[..., Any]] = {}
         for name, function in hooks.items():
             if function is None:
                 continue
@@ -46,22 +46,20 @@ class LambdaCallback(Callback):
                 continue
             if not callable(function):
                 raise invalid_argument(name, "a function", function, TypeError)
-            self._functions[hook] = function
             # Only the hooks given are this callback's own (the others stay the base's empty ones), so the
             # loop calls no hook it was not given: a callback of epoch hooks costs nothing a step.
             setattr(self, hook, _make_hook(function, hook in _HOOKS_WITH_INDEX))
 
-    @property
-    def reads_batch_logs(self) -> bool:
-        """Whether a function was given for the end of training batches (the loop then reduces their logs)."""
-        return "on_train_batch_end" in self._functions
+
+# The hooks a LambdaCallback was given, bound to their functions: partials of module-level functions, so
+# that a callback of picklable functions pickles (as Keras's, which keeps the functions themselves).
+def _call_with_index(function: Callable[..., Any], index: int, logs: dict | None = None) -> None:
+    function(index, logs)
+
+
+def _call_with_logs(function: Callable[..., Any], logs: dict | None = None) -> None:
+    function(logs)
 
 
 def _make_hook(function: Callable[..., Any], with_index: bool) -> Callable[..., None]:
-    def index_hook(index: int, logs: dict | None = None) -> None:
-        function(index, logs)
-
-    def plain_hook(logs: dict | None = None) -> None:
-        function(logs)
-
-    return index_hook if with_index else plain_hook
+    return functools.partial(_call_with_index if with_index else _call_with_logs, function)

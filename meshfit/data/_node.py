@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from meshfit.data._options import Options
-from meshfit.data._structure import stack
+from meshfit.data._structure import slice_rows, stack
 
 AUTOTUNE = -1
 _N = TypeVar("_N", bound="Node")
@@ -35,6 +35,8 @@ class Node:
 
     def _gather(self, indices: np.ndarray, pass_index: int) -> Any:
         """Elements ``indices`` of pass ``pass_index``, stacked."""
+        if not len(indices):  # none (a replica's empty share of a last batch): the structure, with no rows
+            return slice_rows(stack([self._get(0, pass_index)]), 0, 0)
         return stack([self._get(int(i), pass_index) for i in indices])
 
     def _gather_range(self, start: int, stop: int, pass_index: int) -> Any:

@@ -14,8 +14,10 @@ from meshfit._validation import check_bool, invalid_argument
 
 EPSILON = 1e-7
 # torch's cross-entropy skips targets equal to its ``ignore_index`` (-100 by default, leaving a silent zero);
-# Keras has no such class: every label counts, and one out of range is an error. No label is this one.
-_NO_IGNORED_CLASS = -(2**63)
+# Keras has no such class: every label counts, and one out of range is an error. No label is this one: odd
+# and beyond 2**53, no float label cast to int64 gives it (a NaN or an overflow gives -2**63 or 2**63 - 1,
+# both out of range), nor does any int32 label.
+_NO_IGNORED_CLASS = -(2**62) - 1
 REDUCTIONS = ("sum_over_batch_size", "sum", "none")
 
 
