@@ -98,13 +98,13 @@ class StepsMixin:
         runner = placement.step if placement is not None else None
         if runner is not None:  # the placement runs forward → loss → backward (a pipeline's schedule)
             self.optimizer.zero_grad(set_to_none=True)
-            with _autocast(self.strategy.device):
+            with _autocast(self.strategy):
                 outputs = runner.train(self, x, y, sample_weight)
             self.optimizer.step()
             return self._record(x, y, sample_weight, outputs)
         # Freed, as Keras leaves an unused gradient None; no page faults: meshfit/_runtime/_allocator.py.
         self.optimizer.zero_grad(set_to_none=True)
-        with _autocast(self.strategy.device):  # forward + loss in the policy's dtype
+        with _autocast(self.strategy):  # forward + loss in the policy's dtype
             y_pred = self(x)
             size = batch_size_of(y_pred)
             if size == 0:
@@ -218,12 +218,13 @@ class StepsMixin:
 _NO_AUTOCAST = contextlib.nullcontext()  # reusable: entered by every float32 step, no object made per step
 
 
-def _autocast(device: Any) -> AbstractContextManager[Any]:
-    """`mixed_precision.autocast`, or a shared do-nothing context under ``"float32"`` (no generator
-    made and run at each step for a policy that changes nothing)."""
+def _autocast(strategy: DistributionStrategy) -> AbstractContextManager[Any]:
+    """`mixed_precision.autocast` on the strategy's device, or a shared do-nothing context under
+    ``"float32"`` (no generator made and run, and no device read, at each step for a policy that changes
+    nothing)."""
     if mixed_precision.global_policy().compute_dtype == "float32":
         return _NO_AUTOCAST
-    return mixed_precision.autocast(device)
+    return mixed_precision.autocast(strategy.device)
 
 
 @functools.lru_cache(maxsize=64)

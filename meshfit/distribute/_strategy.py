@@ -37,6 +37,7 @@ from meshfit.distribute._values import (
 )
 from meshfit.distribute._world import World
 
+_NO_WEIGHT = contextlib.nullcontext()  # reusable: one replica weighs nothing, entered at every step
 
 class Strategy(CrossReplicaMethods):
     """Base class of meshfit strategies: one replica in this process, no communication."""
@@ -276,7 +277,7 @@ class Strategy(CrossReplicaMethods):
         contribution is scaled by ``local_size * replicas / global_size`` — on each parameter's
         gradient before the all-reduce reads it, so it holds for a user's own ``train_step`` too. One replica: nothing to do.
         """
-        return contextlib.nullcontext()
+        return _NO_WEIGHT
 
     def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
         """Split a dataset batched with the global batch size into this replica's batches."""
