@@ -39,6 +39,7 @@ from meshfit.distribute._world import World
 
 _NO_WEIGHT = contextlib.nullcontext()  # reusable: one replica weighs nothing, entered at every step
 
+
 class Strategy(CrossReplicaMethods):
     """Base class of meshfit strategies: one replica in this process, no communication."""
 
