@@ -1,6 +1,6 @@
 """The seed CNN trained by a hand-written PyTorch loop; a process of ``bench_all.py``.
 
-The loop is the issue's: ``opt.zero_grad(); loss = F.cross_entropy(model(xb), yb); loss.backward();
+The loop is the usual hand-written one: ``opt.zero_grad(); loss = F.cross_entropy(model(xb), yb); loss.backward();
 opt.step()`` on ``xb, yb = x[idx], y[idx]``. meshfit is imported only to load the same digits and to
 take the same batch order as ``_cnn_fit.py`` (so both do the same arithmetic: compare the checksums),
 outside the timed loop. The first ``--steps`` steps are a warm-up.

@@ -28,7 +28,7 @@ from meshfit._runtime._launch import free_ports
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
 
-# The issue targets the benchmarks report against.
+# The targets the benchmarks report against.
 TARGET_FIT = 1.03          # fit / hand-written loop, one process
 TARGET_MULTIWORKER = 1.05  # 2-worker fit / hand-written DDP loop
 TARGET_BACKUP = 1.02       # fit with BackupAndRestore(save_freq=30) / without, its digest included
@@ -200,7 +200,7 @@ def summarize(times: dict[str, dict[str, list[float]]], numerator: str, denomina
 
 
 def quiet_threads() -> None:
-    """One intra-op thread, as the issue's measurements use (and as ``meshfit launch`` sets)."""
+    """One intra-op thread, as the measurements use (and as ``meshfit launch`` sets)."""
     import torch
 
     torch.set_num_threads(1)

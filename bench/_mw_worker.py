@@ -27,7 +27,7 @@ All variants of a mode train their own copy of the same initial model on the sam
 ``--batch-hook`` / ``--backup`` (mode ddp): fit's callbacks, see ``fit_callbacks``.
 
 ``--model``: ``cnn`` (default) the seed CNN with SGD 0.01 on the digits, global batch 128; ``mlp`` (mode
-``ddp`` only) the tiny MLP of the per-step overhead issue, 32-32-10 with Adam (learning rate 0.001,
+``ddp`` only) the tiny MLP of the per-step overhead measurements, 32-32-10 with Adam (learning rate 0.001,
 epsilon 1e-7 in both loops) on 50,000 random examples, global batch 64 (32 per worker): a step that
 is almost all framework. The hand-written loop's ``torch.optim.Adam`` is torch's default (not fused);
 ``fit``'s is fused, so the two loops' weights agree to rounding, not bitwise.

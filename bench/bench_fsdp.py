@@ -1,4 +1,4 @@
-"""Fully sharded data parallel (issue 21): ``LayoutMap.fully_sharded`` against a hand-written FSDP2 loop.
+"""Fully sharded data parallel: ``LayoutMap.fully_sharded`` against a hand-written FSDP2 loop.
 
 Model: an MLP of ``--layers`` blocks (``Linear(W, W)`` + ReLU, ``W = --width``) and a 10-class head,
 Adam (lr 1e-4), float32. Two variants, on the same batches:
