@@ -98,6 +98,29 @@ def test_the_loss_trackers_sum_is_the_float64_sum_of_each_loss_times_its_batch_s
         assert total / count == tracker.result().item()
 
 
+def test_sparse_accuracy_keeps_hits_until_read_and_counts_them_as_each_batch_would():
+    # The usual batch's hits wait to be summed with the next ones (two kernels a step): every read
+    # (result, state_dict, reset), a weighted update in between, and the bound on kept batches give the
+    # states a step-by-step float64 count gives, bit for bit.
+    generator = torch.Generator().manual_seed(0)
+    kept, reference = SparseCategoricalAccuracy(), Mean()
+    for step in range(200):
+        rows = 1 + step % 37
+        y_true = torch.randint(0, 5, (rows,), generator=generator)
+        y_pred = torch.randn(rows, 5, generator=generator)
+        weight = torch.rand(rows, generator=generator) if step % 50 == 7 else None
+        kept.update_state(y_true, y_pred, sample_weight=weight)
+        reference.update_state((y_pred.argmax(-1) == y_true).to(torch.float64), sample_weight=weight)
+        assert len(kept._pending_hits) < 64  # at most 63 batches wait
+        if step % 45 == 44:
+            assert kept.result().item() == reference.result().item()
+        if step == 120:
+            kept.reset_state()
+            reference.reset_state()
+    for key, state in reference.state_dict().items():
+        assert torch.equal(kept.state_dict()[key], state), key
+
+
 def test_mean_metric_wrapper_is_named_after_function():
     def doubled_error(y_true, y_pred):
         return 2 * (y_true - y_pred).abs()

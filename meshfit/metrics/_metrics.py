@@ -181,6 +181,9 @@ def _check_mesh(mesh: Any) -> Any:
 # Below 2**29, a whole number times a float32 (or narrower) value is exact in float64.
 _EXACT_FACTOR = 2**29
 _NARROW_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+# Batches of hits a `Mean` keeps before summing them (or fewer, once they hold this many elements).
+_HITS_KEPT = 64
+_HIT_ELEMENTS_KEPT = 2**20
 
 
 def _whole_number(value: Any) -> bool:
@@ -212,6 +215,8 @@ class Mean(Metric):
         # Whole-number counts added since the state was last read: a Python number, so that a step adds
         # to one accumulator (no kernel for the count); added to ``count`` whenever the states are read.
         self._pending_count = 0.0
+        self._pending_hits: list[torch.Tensor] = []  # `_count_hits`: batches of hits not summed yet
+        self._pending_hit_elements = 0
 
     def update_state(self, values: Any, sample_weight: Any = None) -> None:  # type: ignore[override]
         """Add `values` (any shape), each weighted by the broadcast `sample_weight`."""
@@ -266,6 +271,32 @@ class Mean(Metric):
         self._accumulate("total", (values * weight).sum())
         self._accumulate("count", weight.sum())
 
+    def _count_hits(self, hits: torch.Tensor) -> None:
+        """Count a batch's hits: ``hits`` is a boolean tensor its caller made for this (nothing else writes
+        it), on the device the states live on. Batches are kept until the states are next read (or
+        `_HITS_KEPT` batches, or `_HIT_ELEMENTS_KEPT` elements, wait) and then summed together: a step
+        pays for its comparison alone. Whole numbers: the float64 sum is the same in any grouping."""
+        pending = self._pending_hits
+        pending.append(hits)
+        count = hits.numel()
+        self._pending_count += count
+        self._pending_hit_elements += count
+        if len(pending) >= _HITS_KEPT or self._pending_hit_elements >= _HIT_ELEMENTS_KEPT:
+            self._add_pending_hits()
+
+    def _add_pending_hits(self) -> None:
+        """Add the kept batches of hits to ``total``, in one sum."""
+        pending = self._pending_hits
+        if pending:
+            self._pending_hits, self._pending_hit_elements = [], 0
+            flat = pending[0] if len(pending) == 1 else torch.cat([h if h.ndim == 1 else h.reshape(-1) for h in pending])
+            self._states["total"] += flat.sum(dtype=torch.float64)
+
+    def _accumulate(self, name: str, value: torch.Tensor | float, device: torch.device | None = None) -> None:
+        if self._pending_hits:  # kept hits first: the state may move to another device here
+            self._add_pending_hits()
+        super()._accumulate(name, value, device)
+
     def _add_pending_count(self) -> None:
         """Add the host-side count to the ``count`` accumulator, on the device ``total`` lives on."""
         if self._pending_count:
@@ -273,12 +304,14 @@ class Mean(Metric):
             self._accumulate("count", pending, self._states["total"].device)
 
     def _live_states(self) -> dict[str, torch.Tensor]:
+        self._add_pending_hits()
         self._add_pending_count()
         return self._states
 
     def reset_state(self) -> None:
         """Zero the accumulators."""
         self._pending_count = 0.0
+        self._pending_hits, self._pending_hit_elements = [], 0
         super().reset_state()
 
     def result_from(self, states: tuple[torch.Tensor, ...]) -> torch.Tensor:
