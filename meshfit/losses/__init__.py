@@ -1,15 +1,12 @@
 """Losses: Keras-style `Loss` classes and `get`, `serialize`, `deserialize`."""
 
 from meshfit._export import publish as _publish
-from meshfit.losses._losses import (
+from meshfit.losses._crossentropy import (
     BinaryCrossentropy,
     CategoricalCrossentropy,
-    Huber,
-    Loss,
-    MeanAbsoluteError,
-    MeanSquaredError,
     SparseCategoricalCrossentropy,
 )
+from meshfit.losses._losses import Huber, Loss, MeanAbsoluteError, MeanSquaredError
 
 # Seams for meshfit's other packages (not public API: not in __all__).
 from meshfit.losses._losses import broadcast_weight as broadcast_weight

@@ -9,14 +9,16 @@ import torch
 from torch import nn
 
 from meshfit._serialization import describe, rebuild
-from meshfit.losses._losses import (
+from meshfit.losses._crossentropy import (
     BinaryCrossentropy,
     CategoricalCrossentropy,
+    SparseCategoricalCrossentropy,
+)
+from meshfit.losses._losses import (
     Huber,
     Loss,
     MeanAbsoluteError,
     MeanSquaredError,
-    SparseCategoricalCrossentropy,
     reduce_weighted,
     snake_case,
 )
