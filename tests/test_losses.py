@@ -76,8 +76,44 @@ def test_sparse_categorical_crossentropy_mean_of_logits_is_the_per_sample_path_i
     broken = int(torch.tensor([float("nan")]).long())
     for bad in (-100, broken, -(2**63), 2**63 - 1):
         for labels in (torch.tensor([1, bad]), torch.tensor([[1], [bad]])):
-            with pytest.raises(IndexError, match=f"{bad} is out of bounds"):
+            with pytest.raises(IndexError, match=rf"{bad} is out of bounds.* takes labels in \[0, 5\).*ignore_class"):
                 loss(labels, torch.randn(2, 5))
+
+
+def test_sparse_categorical_crossentropy_ignore_class_follows_keras_3():
+    # Keras 3's losses_test.py (3422977a): test_ignore_class, with reduction=None spelled "none".
+    logits = torch.tensor([[[0.854, 0.698, 0.598], [0.088, 0.86, 0.018]]], dtype=torch.float64)
+    for y_true in (torch.tensor([[-1, 2]]), torch.tensor([[[-1], [2]]])):
+        loss = SparseCategoricalCrossentropy(from_logits=True, ignore_class=-1, reduction="none")(y_true, logits)
+        torch.testing.assert_close(loss, torch.tensor([[0.0, 1.480129]], dtype=torch.float64), rtol=1e-5, atol=1e-6)
+    # ... and test_config.
+    config = SparseCategoricalCrossentropy(from_logits=True, ignore_class=3, axis=0, name="scce").get_config()
+    assert (config["from_logits"], config["ignore_class"], config["axis"]) == (True, 3, 0)
+    assert SparseCategoricalCrossentropy.from_config(config).ignore_class == 3
+    # The mean counts the labels that count (Keras divides by their number + epsilon): torch's ignore_index
+    # convention on a language model's (batch, seq, vocab) logits with -100 padding, to float rounding.
+    torch.manual_seed(0)
+    scores = torch.randn(2, 5, 7, requires_grad=True)
+    labels = torch.randint(0, 7, (2, 5))
+    labels[0, 3:] = -100
+    mean = SparseCategoricalCrossentropy(from_logits=True, ignore_class=-100)(labels, scores)
+    torch.testing.assert_close(mean, F.cross_entropy(scores.reshape(-1, 7), labels.reshape(-1), ignore_index=-100))
+    grad, = torch.autograd.grad(mean, scores)
+    assert torch.count_nonzero(grad[0, 3:]) == 0  # the padding learns nothing
+    weights = torch.rand(2, 5)
+    weighted = SparseCategoricalCrossentropy(from_logits=True, ignore_class=-100)(labels, scores, sample_weight=weights)
+    per_label = F.cross_entropy(scores.reshape(-1, 7), labels.reshape(-1), ignore_index=-100, reduction="none")
+    torch.testing.assert_close(weighted, (per_label * weights.reshape(-1)).sum() / 8)
+    # On probabilities too; every label ignored gives 0, not NaN.
+    probs = torch.softmax(torch.randn(3, 4), dim=-1)
+    ignored = SparseCategoricalCrossentropy(ignore_class=2)
+    torch.testing.assert_close(ignored(torch.tensor([2, 1, 0]), probs),
+                               -(probs[1, 1].log() + probs[2, 0].log()) / 2, rtol=1e-5, atol=0)
+    assert ignored(torch.tensor([2, 2, 2]), probs).item() == 0.0
+    with pytest.raises(TypeError, match="Invalid `ignore_class`"):
+        SparseCategoricalCrossentropy(ignore_class="-100")
+    with pytest.raises(TypeError, match="Invalid `ignore_class`"):
+        SparseCategoricalCrossentropy(ignore_class=True)
 
 
 def test_sparse_categorical_crossentropy_axis_1_for_torch_layout():

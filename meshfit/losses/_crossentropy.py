@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from meshfit._lazy_dtensor import is_dtensor
-from meshfit._validation import check_bool
+from meshfit._validation import check_bool, invalid_argument
 from meshfit.losses._losses import Loss, mean_last_dim, reduce_weighted, squeeze_or_expand
 
 EPSILON = 1e-7
@@ -49,14 +49,26 @@ def _check_smoothing(value: Any) -> float:
 class SparseCategoricalCrossentropy(Loss):
     """Cross-entropy between integer labels and class scores (classes on dim `axis`).
 
+    Every label counts: one outside ``[0, classes)`` is an error (torch's ``ignore_index`` skips none). A
+    label to leave out (a padding or "void" class, torch's -100) is Keras's ``ignore_class``.
+
     Args:
         from_logits: Whether `y_pred` holds logits (else probabilities, clamped to `[1e-7, 1 - 1e-7]`).
         axis: The class dim of `y_pred`; `-1` as in Keras, `1` for torch's `(n, classes, ...)`.
         name: Name of the loss.
         reduction: See `Loss`.
+        ignore_class: A label whose samples count for nothing (Keras 3's argument): their loss is 0, and
+            ``"sum_over_batch_size"`` divides by the number of the other labels.
+
+    Example:
+        >>> import torch
+        >>> loss = SparseCategoricalCrossentropy(from_logits=True, ignore_class=-100)
+        >>> logits = torch.tensor([[2.0, 0.0], [0.0, 2.0], [5.0, -5.0]])
+        >>> round(float(loss(torch.tensor([0, 1, -100]), logits)), 4)  # the mean over the two labels
+        0.1269
     """
 
-    config_keys = ("from_logits", "axis")
+    config_keys = ("from_logits", "axis", "ignore_class")
 
     def __init__(
         self,
@@ -64,20 +76,40 @@ class SparseCategoricalCrossentropy(Loss):
         axis: int = -1,
         name: str | None = None,
         reduction: str = "sum_over_batch_size",
+        ignore_class: int | None = None,
     ) -> None:
         super().__init__(name, reduction)
         check_bool("from_logits", from_logits)
+        if ignore_class is not None and (isinstance(ignore_class, bool) or not isinstance(ignore_class, int)):
+            raise invalid_argument("ignore_class", "an int label (or None)", ignore_class, TypeError)
         self.from_logits = from_logits
         self._outputs_checked = False
         self.axis = axis
+        self.ignore_class = ignore_class
 
-    def call(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
-        """Per-sample cross-entropy."""
+    def _target(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        """The labels as int64, one dim fewer than the scores (a ``(n, 1)`` column squeezed)."""
         if y_true.ndim == y_pred.ndim and y_true.shape[-1] == 1:
             y_true = y_true.squeeze(-1)
-        target = y_true if y_true.dtype is torch.int64 else y_true.long()
+        return y_true if y_true.dtype is torch.int64 else y_true.long()
+
+    def call(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        """Per-sample cross-entropy (0 for an ``ignore_class`` label)."""
+        target = self._target(y_true, y_pred)
         if not (self.from_logits or self._outputs_checked):
             _warn_if_logits(self, y_pred)
+        if self.ignore_class is None:
+            return self._per_label(target, y_pred)
+        # As Keras: the ignored samples' labels and scores replaced by zeros, their losses set to 0
+        valid = target != self.ignore_class
+        class_dim = self.axis % y_pred.ndim if y_pred.ndim else 0
+        scores = torch.where(valid.unsqueeze(class_dim), y_pred, torch.zeros((), dtype=y_pred.dtype,
+                                                                             device=y_pred.device))
+        values = self._per_label(torch.where(valid, target, 0), scores)
+        return torch.where(valid, values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+    def _per_label(self, target: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        """`call` for labels that all count."""
         if y_pred.ndim > 2 and self.axis in (-1, y_pred.ndim - 1) and target.shape == y_pred.shape[:-1] \
                 and not is_dtensor(y_pred):
             # (..., classes), e.g. a language model's (batch, seq, vocab): one row per position, classes
@@ -92,11 +124,20 @@ class SparseCategoricalCrossentropy(Loss):
 
     def _per_sample(self, target: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """The cross-entropy of each sample, classes on dim 1 of ``scores``."""
-        if self.from_logits:
-            return F.cross_entropy(scores, target, reduction="none", ignore_index=_NO_IGNORED_CLASS)
-        probs = scores / scores.sum(dim=1, keepdim=True)
-        return F.nll_loss(torch.log(probs.clamp(EPSILON, 1.0 - EPSILON)), target, reduction="none",
-                          ignore_index=_NO_IGNORED_CLASS)
+        try:
+            if self.from_logits:
+                return F.cross_entropy(scores, target, reduction="none", ignore_index=_NO_IGNORED_CLASS)
+            probs = scores / scores.sum(dim=1, keepdim=True)
+            return F.nll_loss(torch.log(probs.clamp(EPSILON, 1.0 - EPSILON)), target, reduction="none",
+                              ignore_index=_NO_IGNORED_CLASS)
+        except IndexError as error:
+            raise self._out_of_range(error, scores.shape[1]) from None
+
+    def _out_of_range(self, error: IndexError, classes: int) -> IndexError:
+        """torch's error for a label outside the classes, with what to do about it."""
+        return IndexError(f"{error} `{self.name}` takes labels in [0, {classes}). To leave one out (a padding or "
+                          "void label, as torch's ignore_index), pass it as Keras's ignore_class: "
+                          f"{type(self).__name__}(from_logits={self.from_logits}, ignore_class=-100) for -100.")
 
     def __call__(self, y_true: torch.Tensor, y_pred: torch.Tensor,
                  sample_weight: torch.Tensor | float | None = None) -> torch.Tensor:
@@ -106,13 +147,21 @@ class SparseCategoricalCrossentropy(Loss):
         if (sample_weight is None and y_pred.__class__ is torch.Tensor and y_true.__class__ is torch.Tensor
                 and self.from_logits and self.reduction == "sum_over_batch_size" and y_pred.ndim == 2
                 and y_true.ndim == 1 and y_true.dtype is torch.int64 and self.axis in (-1, 1)
-                and len(y_true) and type(self).call is SparseCategoricalCrossentropy.call
+                and len(y_true) and self.ignore_class is None and type(self).call is SparseCategoricalCrossentropy.call
                 and y_true.device == y_pred.device):
-            return F.cross_entropy(y_pred, y_true, ignore_index=_NO_IGNORED_CLASS)
+            try:
+                return F.cross_entropy(y_pred, y_true, ignore_index=_NO_IGNORED_CLASS)
+            except IndexError as error:
+                raise self._out_of_range(error, y_pred.shape[1]) from None
         # `Loss.__call__`'s body, not a call of it: a warning about the outputs names the caller's line
         if y_true.__class__ is not torch.Tensor or y_true.device != y_pred.device:
             y_true = torch.as_tensor(y_true, device=y_pred.device)
-        return reduce_weighted(self.call(y_true, y_pred), sample_weight, self.reduction)
+        values = self.call(y_true, y_pred)
+        if self.ignore_class is None or self.reduction != "sum_over_batch_size":
+            return reduce_weighted(values, sample_weight, self.reduction)
+        # Keras 3: the weighted sum over the labels that count (+ epsilon: 0 when none does)
+        counted = (self._target(y_true, y_pred) != self.ignore_class).sum()
+        return reduce_weighted(values, sample_weight, "sum") / (counted + EPSILON)
 
 
 class CategoricalCrossentropy(Loss):
