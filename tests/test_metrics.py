@@ -119,6 +119,22 @@ def test_sparse_accuracy_keeps_hits_until_read_and_counts_them_as_each_batch_wou
             reference.reset_state()
     for key, state in reference.state_dict().items():
         assert torch.equal(kept.state_dict()[key], state), key
+    # Once the total holds a fraction (a float64 weight, a restored fraction), each batch's hits are added
+    # at once, in order: (t + h1) + h2 + ..., as the per-batch count rounds.
+    t = 0.2237140727487692
+    for start in ("weighted", "restored"):
+        metric = SparseCategoricalAccuracy()
+        if start == "weighted":
+            metric.update_state(torch.tensor([0]), torch.tensor([[1.0, 0.0]]),
+                                sample_weight=torch.tensor([t], dtype=torch.float64))
+        else:
+            metric.load_state_dict({"total": torch.tensor(t, dtype=torch.float64),
+                                    "count": torch.tensor(1.0, dtype=torch.float64)})
+        expected = t
+        for rows in (23, 18, 36, 34):  # all hits, unweighted: the usual batch
+            metric.update_state(torch.zeros(rows, dtype=torch.int64), torch.tensor([[1.0, 0.0]]).repeat(rows, 1))
+            expected += float(rows)
+        assert metric.state_dict()["total"].item() == expected, start
 
 
 def test_mean_metric_wrapper_is_named_after_function():

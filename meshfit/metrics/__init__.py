@@ -8,7 +8,8 @@ from meshfit.metrics._accuracy import (
     SparseCategoricalAccuracy,
     SparseTopKCategoricalAccuracy,
 )
-from meshfit.metrics._metrics import Mean, MeanMetricWrapper, Metric, Sum
+from meshfit.metrics._mean import Mean, MeanMetricWrapper
+from meshfit.metrics._metrics import Metric, Sum
 from meshfit.metrics._regression import MeanAbsoluteError, MeanSquaredError
 
 # Seams for meshfit's other packages (not public API: not in __all__).

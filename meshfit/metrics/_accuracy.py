@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from meshfit.losses import squeeze_or_expand
-from meshfit.metrics._metrics import MeanMetricWrapper
+from meshfit.metrics._mean import MeanMetricWrapper
 
 
 def _sparse_labels(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:

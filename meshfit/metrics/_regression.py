@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from meshfit import losses
-from meshfit.metrics._metrics import MeanMetricWrapper
+from meshfit.metrics._mean import MeanMetricWrapper
 
 
 class MeanSquaredError(MeanMetricWrapper):

@@ -19,7 +19,8 @@ from meshfit.metrics._accuracy import (
     SparseTopKCategoricalAccuracy,
     _AutoAccuracy,
 )
-from meshfit.metrics._metrics import MeanMetricWrapper, Metric
+from meshfit.metrics._mean import MeanMetricWrapper
+from meshfit.metrics._metrics import Metric
 from meshfit.metrics._regression import MeanAbsoluteError, MeanSquaredError
 from meshfit.metrics._torchmetrics import TorchMetricsMetric
 

@@ -1,0 +1,209 @@
+"""`Mean`, the weighted mean (the loss tracker, the accuracies), and `MeanMetricWrapper` over a function.
+
+A step's update adds to float64 accumulators without a host read; whole-number counts wait on the host,
+and an accuracy's hits wait as booleans, until the states are read (then added in one kernel each).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from meshfit import losses
+from meshfit.metrics._metrics import Metric, _as_tensor
+
+# Below 2**29, a whole number times a float32 (or narrower) value is exact in float64.
+_EXACT_FACTOR = 2**29
+_NARROW_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+# Batches of hits a `Mean` keeps before summing them (or fewer, once they hold this many elements).
+_HITS_KEPT = 64
+_HIT_ELEMENTS_KEPT = 2**20
+
+
+def _whole_number(value: Any) -> bool:
+    """Whether ``value`` is a Python int or a float holding one (not a bool)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+
+
+class Mean(Metric):
+    """The (weighted) mean of the values it is given.
+
+    Args:
+        name: The metric's name.
+
+    Example:
+        >>> import meshfit.metrics as metrics
+        >>> m = metrics.Mean("loss")
+        >>> m.update_state(2.0, sample_weight=3)
+        >>> m.update_state(4.0, sample_weight=1)
+        >>> float(m.result())
+        2.5
+    """
+
+    def __init__(self, name: str = "mean", mesh: Any = None) -> None:
+        super().__init__(name, mesh)
+        self.add_state("total")
+        self.add_state("count")
+        # Whole-number counts added since the state was last read: a Python number, so that a step adds
+        # to one accumulator (no kernel for the count); added to ``count`` whenever the states are read.
+        self._pending_count = 0.0
+        self._pending_hits: list[torch.Tensor] = []  # `_count_hits`: batches of hits not summed yet
+        self._pending_hit_elements = 0
+        # Whether ``total`` holds a whole number (then hits summed in any grouping give the same float64);
+        # False from the first value that may not be (a loss, a weight), until the next reset.
+        self._whole_total = True
+
+    def update_state(self, values: Any, sample_weight: Any = None) -> None:  # type: ignore[override]
+        """Add `values` (any shape), each weighted by the broadcast `sample_weight`."""
+        # Called for every metric at every step: attribute reads (``__class__``, ``ndim``, ``dtype``)
+        # rather than calls where they give the same answer.
+        if values.__class__ is not torch.Tensor or values.requires_grad:
+            values = _as_tensor(values)
+        ndim = values.ndim
+        if not ndim and sample_weight.__class__ is int and 0 < sample_weight < _EXACT_FACTOR \
+                and values.dtype in _NARROW_FLOATS:
+            # The loss tracker's step: a scalar loss times the batch size. Its float64 product is exact
+            # (at most 24 + 29 significant bits), so one ``add_`` scaled by the size gives the very sum
+            # that the float64 copy, the product and the add gave (three kernels).
+            total = self._states["total"]
+            if total.device == values.device:
+                if self._pending_hits:
+                    self._add_pending_hits()
+                total.add_(values, alpha=sample_weight)
+                self._pending_count += sample_weight
+                self._whole_total = False
+                return
+        if ndim and sample_weight is None and values.dtype is torch.bool and values.is_contiguous():
+            # Hits (the accuracies): their float64 sum is the whole number of hits, as the sum of
+            # their float64 copies is; no copy made.
+            total = self._states["total"]
+            if total.device == values.device:
+                total += values.sum(dtype=torch.float64)
+                self._pending_count += values.numel()
+                return
+        if values.dtype is not torch.float64:
+            values = values.to(torch.float64)
+        if (sample_weight is None or sample_weight.__class__ is int or _whole_number(sample_weight)) and (
+                not ndim or values.is_contiguous()):
+            # No weight, or a whole number (the loss tracker's batch size): the count is known on
+            # the host, ``n * w`` exactly (the sum of ``n`` copies of ``w``), so it is one scalar
+            # add with no tensor of weights made; the total is the same sum of the same products.
+            each = 1.0 if sample_weight is None else float(sample_weight)
+            weighted = values if sample_weight is None else values * each
+            if ndim:
+                weighted = weighted.sum()
+            total = self._states["total"]
+            count = values.numel() * each if ndim else each  # whole numbers: exact in any order
+            if total.device == values.device:  # the usual step: the count stays on the host for now
+                if self._pending_hits:
+                    self._add_pending_hits()
+                total += weighted
+                self._pending_count += count
+                self._whole_total = False
+                return
+            self._accumulate("total", weighted)
+            self._accumulate("count", count, values.device)
+            return
+        self._add_pending_count()  # a weighted count may be fractional: keep its order of additions
+        if isinstance(sample_weight, (int, float)) and not isinstance(sample_weight, bool):
+            weight = torch.full_like(values, float(sample_weight))  # no host-to-device copy of the number
+        else:
+            values, weight = losses.broadcast_weight(values, _as_tensor(sample_weight))
+        self._accumulate("total", (values * weight).sum())
+        self._accumulate("count", weight.sum())
+
+    def _count_hits(self, hits: torch.Tensor) -> None:
+        """Count a batch's hits: ``hits`` is a boolean tensor its caller made for this (nothing else writes
+        it), on the device the states live on. While ``total`` holds a whole number, batches are kept until
+        the states are next read (or `_HITS_KEPT` batches, or `_HIT_ELEMENTS_KEPT` elements, wait) and then
+        summed together: a step pays for its comparison alone, and whole numbers give the same float64 sum
+        in any grouping. After a fraction (a weighted batch) each batch is added at once, in order."""
+        count = hits.numel()
+        if not self._whole_total:
+            self._states["total"] += hits.sum(dtype=torch.float64)
+            self._pending_count += count
+            return
+        pending = self._pending_hits
+        pending.append(hits)
+        self._pending_count += count
+        self._pending_hit_elements += count
+        if len(pending) >= _HITS_KEPT or self._pending_hit_elements >= _HIT_ELEMENTS_KEPT:
+            self._add_pending_hits()
+
+    def _add_pending_hits(self) -> None:
+        """Add the kept batches of hits to ``total``, in one sum."""
+        pending = self._pending_hits
+        if pending:
+            self._pending_hits, self._pending_hit_elements = [], 0
+            flat = pending[0] if len(pending) == 1 else torch.cat([h if h.ndim == 1 else h.reshape(-1) for h in pending])
+            self._states["total"] += flat.sum(dtype=torch.float64)
+
+    def _accumulate(self, name: str, value: torch.Tensor | float, device: torch.device | None = None) -> None:
+        if self._pending_hits:  # kept hits first: in order, and the state may move to another device here
+            self._add_pending_hits()
+        if name == "total":
+            self._whole_total = False
+        super()._accumulate(name, value, device)
+
+    def _assign_states(self, states: dict[str, torch.Tensor]) -> None:
+        super()._assign_states(states)  # (after `_live_states`: nothing kept)
+        total = self._states["total"]
+        self._whole_total = bool(torch.equal(total, total.floor()))  # a restore: one host read
+
+    def _add_pending_count(self) -> None:
+        """Add the host-side count to the ``count`` accumulator, on the device ``total`` lives on."""
+        if self._pending_count:
+            pending, self._pending_count = self._pending_count, 0.0
+            self._accumulate("count", pending, self._states["total"].device)
+
+    def _live_states(self) -> dict[str, torch.Tensor]:
+        self._add_pending_hits()
+        self._add_pending_count()
+        return self._states
+
+    def reset_state(self) -> None:
+        """Zero the accumulators."""
+        self._pending_count = 0.0
+        self._pending_hits, self._pending_hit_elements = [], 0
+        self._whole_total = True
+        super().reset_state()
+
+    def result_from(self, states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """`total / count`, or 0 when nothing was counted."""
+        total, count = states
+        return total / count if count > 0 else torch.zeros_like(total)
+
+
+class MeanMetricWrapper(Mean):
+    """The weighted mean over samples of `fn(y_true, y_pred, **kwargs)`.
+
+    Args:
+        fn: Returns one value per sample (or per element); a scalar counts as one value.
+        name: The metric's name; defaults to `fn.__name__`.
+        **kwargs: Passed to `fn`.
+    """
+
+    def __init__(self, fn: Callable[..., Any], name: str | None = None, mesh: Any = None, **kwargs: Any) -> None:
+        if not callable(fn):
+            raise TypeError(f"Invalid `fn`: expected a callable, received fn={fn!r}.")
+        fn_name = getattr(fn, "__name__", "")
+        super().__init__(name or (fn_name if fn_name.isidentifier() else "metric"), mesh)
+        self._fn = fn
+        self._fn_kwargs = kwargs
+
+    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:  # type: ignore[override]
+        """Accumulate `fn`'s values for one batch."""
+        if y_pred.__class__ is not torch.Tensor or y_pred.requires_grad:
+            y_pred = _as_tensor(y_pred)
+        if y_true.__class__ is not torch.Tensor or y_true.requires_grad:
+            y_true = _as_tensor(y_true)
+        if y_true.device != y_pred.device:
+            y_true = y_true.to(y_pred.device)
+        # Both inputs are detached, so ``fn`` records no graph (no ``no_grad`` to enter at each step);
+        # `Mean.update_state` detaches what it is given all the same.
+        values = self._fn(y_true, y_pred, **self._fn_kwargs)
+        super().update_state(values, sample_weight)
