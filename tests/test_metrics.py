@@ -135,6 +135,18 @@ def test_sparse_accuracy_keeps_hits_until_read_and_counts_them_as_each_batch_wou
             metric.update_state(torch.zeros(rows, dtype=torch.int64), torch.tensor([[1.0, 0.0]]).repeat(rows, 1))
             expected += float(rows)
         assert metric.state_dict()["total"].item() == expected, start
+    # The same for the count: after a fractional weight, each batch's whole count is added at once, in order.
+    for start in ("weighted", "restored"):
+        mean = Mean()
+        if start == "weighted":
+            mean.update_state(torch.tensor([1.0], dtype=torch.float64), sample_weight=torch.tensor([t], dtype=torch.float64))
+        else:
+            mean.load_state_dict({"total": torch.tensor(t, dtype=torch.float64), "count": torch.tensor(t, dtype=torch.float64)})
+        expected = t
+        for rows in (23, 18, 36, 34):
+            mean.update_state(torch.ones(rows))
+            expected += float(rows)
+        assert mean.state_dict()["count"].item() == expected, start
 
 
 def test_mean_metric_wrapper_is_named_after_function():

@@ -54,8 +54,10 @@ class Mean(Metric):
         self._pending_hits: list[torch.Tensor] = []  # `_count_hits`: batches of hits not summed yet
         self._pending_hit_elements = 0
         # Whether ``total`` holds a whole number (then hits summed in any grouping give the same float64);
-        # False from the first value that may not be (a loss, a weight), until the next reset.
+        # False from the first value that may not be (a loss, a weight), until the next reset. The same for
+        # ``count`` (a fractional weight): after one, whole counts are added at once, in order.
         self._whole_total = True
+        self._whole_count = True
 
     def update_state(self, values: Any, sample_weight: Any = None) -> None:  # type: ignore[override]
         """Add `values` (any shape), each weighted by the broadcast `sample_weight`."""
@@ -75,6 +77,8 @@ class Mean(Metric):
                     self._add_pending_hits()
                 total.add_(values, alpha=sample_weight)
                 self._pending_count += sample_weight
+                if not self._whole_count:
+                    self._add_pending_count()
                 self._whole_total = False
                 return
         if ndim and sample_weight is None and values.dtype is torch.bool and values.is_contiguous():
@@ -84,6 +88,8 @@ class Mean(Metric):
             if total.device == values.device:
                 total += values.sum(dtype=torch.float64)
                 self._pending_count += values.numel()
+                if not self._whole_count:
+                    self._add_pending_count()
                 return
         if values.dtype is not torch.float64:
             values = values.to(torch.float64)
@@ -103,6 +109,8 @@ class Mean(Metric):
                     self._add_pending_hits()
                 total += weighted
                 self._pending_count += count
+                if not self._whole_count:
+                    self._add_pending_count()
                 self._whole_total = False
                 return
             self._accumulate("total", weighted)
@@ -115,6 +123,7 @@ class Mean(Metric):
             values, weight = losses.broadcast_weight(values, _as_tensor(sample_weight))
         self._accumulate("total", (values * weight).sum())
         self._accumulate("count", weight.sum())
+        self._whole_count = False
 
     def _count_hits(self, hits: torch.Tensor) -> None:
         """Count a batch's hits: ``hits`` is a boolean tensor its caller made for this (nothing else writes
@@ -126,10 +135,14 @@ class Mean(Metric):
         if not self._whole_total:
             self._states["total"] += hits.sum(dtype=torch.float64)
             self._pending_count += count
+            if not self._whole_count:
+                self._add_pending_count()
             return
         pending = self._pending_hits
         pending.append(hits)
         self._pending_count += count
+        if not self._whole_count:
+            self._add_pending_count()
         self._pending_hit_elements += count
         if len(pending) >= _HITS_KEPT or self._pending_hit_elements >= _HIT_ELEMENTS_KEPT:
             self._add_pending_hits()
@@ -151,8 +164,9 @@ class Mean(Metric):
 
     def _assign_states(self, states: dict[str, torch.Tensor]) -> None:
         super()._assign_states(states)  # (after `_live_states`: nothing kept)
-        total = self._states["total"]
-        self._whole_total = bool(torch.equal(total, total.floor()))  # a restore: one host read
+        total, count = self._states["total"], self._states["count"]
+        self._whole_total = bool(torch.equal(total, total.floor()))  # a restore: one host read each
+        self._whole_count = bool(torch.equal(count, count.floor()))
 
     def _add_pending_count(self) -> None:
         """Add the host-side count to the ``count`` accumulator, on the device ``total`` lives on."""
@@ -169,7 +183,7 @@ class Mean(Metric):
         """Zero the accumulators."""
         self._pending_count = 0.0
         self._pending_hits, self._pending_hit_elements = [], 0
-        self._whole_total = True
+        self._whole_total = self._whole_count = True
         super().reset_state()
 
     def result_from(self, states: tuple[torch.Tensor, ...]) -> torch.Tensor:
