@@ -71,3 +71,25 @@ def test_jit_compile_on_cpu_when_asked_compiles_and_trains_to_the_eager_weights(
 def test_jit_compile_rejects_other_values_naming_them(value):
     with pytest.raises(TypeError, match=r"Invalid `jit_compile`: expected True, False or 'auto', received jit_compile="):
         _model().compile("sgd", "mse", jit_compile=value)
+
+
+def test_a_module_torch_cannot_compile_is_named_with_how_to_train_it_eagerly(monkeypatch):
+    # torch.compile fails at the first step (here its backend refuses the graph): fit says which module,
+    # torch's reason and the eager spelling; it does not fall back to eager where compiling was asked for.
+    import functools
+
+    def refusing_backend(graph, example_inputs):
+        raise NotImplementedError("no kernel for this graph on this device")
+
+    monkeypatch.setenv("MESHFIT_JIT_COMPILE_ON_CPU", "1")
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=refusing_backend))
+    torch._dynamo.reset()
+    model = _model()
+    model.compile("sgd", "mse", jit_compile=True)
+    with pytest.raises(RuntimeError, match=r"jit_compile=True: torch.compile could not compile Sequential "
+                                           r"\(BackendCompilerFailed: .*no kernel for this graph.*jit_compile=False"):
+        _fit(model)
+    torch._dynamo.reset()
+    eager = _model()
+    eager.compile("sgd", "mse", jit_compile=False)
+    assert len(_fit(eager)) == 4  # the same model trains eagerly

@@ -17,6 +17,9 @@ decides the same way, by device, once at ``compile()``:
   compiled 1.60x (CNN) and 1.11x (MLP) slower than eager in ``bench/bench_jit.py`` on this
   project's loaded 2-core machine. ``MESHFIT_JIT_COMPILE_ON_CPU=1`` compiles anyway, for a model
   that measures faster compiled.
+- A module torch cannot compile (``True``): the first step raises, naming the module, torch's reason and
+  ``jit_compile=False``; meshfit does not fall back to eager where compiling was asked for, and ``"auto"``
+  never compiles, so it has nothing to fall back from.
 """
 
 from __future__ import annotations

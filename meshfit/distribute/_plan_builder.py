@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -35,9 +35,34 @@ from meshfit.distribute._residency import EVERYWHERE
 
 
 def compiled(module: nn.Module, jit_compile: bool) -> nn.Module:
-    """``module`` compiled with ``torch.compile`` when asked (it shares the module's parameters)."""
-    # For a Module, torch.compile returns an OptimizedModule (a Module); its stub says a Callable.
-    return torch.compile(module) if jit_compile else module  # type: ignore[return-value]
+    """``module`` compiled with ``torch.compile`` when asked (it shares the module's parameters). torch
+    compiles at the first call; a failure there says which module and how to train it eagerly."""
+    if not jit_compile:
+        return module
+    optimized: Any = torch.compile(module)  # an OptimizedModule (a Module); its stub says a Callable
+    optimized.forward = _naming_compile_failures(optimized.forward, type(module).__name__)
+    return cast(nn.Module, optimized)
+
+
+def _naming_compile_failures(forward: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``forward`` (a compiled module's), re-raising torch.compile's own failures with what to do: where
+    ``jit_compile=True`` was asked for, meshfit does not fall back to eager (``"auto"`` never compiles)."""
+    def forward_compiled(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return forward(*args, **kwargs)
+        except RuntimeError as error:
+            import torch._dynamo.exc  # loaded already: torch.compile ran
+
+            if not isinstance(error, torch._dynamo.exc.TorchDynamoException):
+                raise
+            # torch's first paragraph ("backend='inductor' raised:" and the cause), not its hints after it
+            reason = " ".join(str(error).strip().split("\n\n")[0].split()) or "no message"
+            reason = reason if len(reason) <= 400 else reason[:397] + "..."
+            raise RuntimeError(
+                f"jit_compile=True: torch.compile could not compile {name} ({type(error).__name__}: {reason}). "
+                "meshfit does not fall back to eager execution where compiling was asked for: compile the model "
+                "with jit_compile=False (or 'auto', the default) to train it eagerly.") from error
+    return forward_compiled
 
 
 @dataclasses.dataclass
