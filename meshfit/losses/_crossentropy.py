@@ -131,6 +131,8 @@ class SparseCategoricalCrossentropy(Loss):
             return F.nll_loss(torch.log(probs.clamp(EPSILON, 1.0 - EPSILON)), target, reduction="none",
                               ignore_index=_NO_IGNORED_CLASS)
         except IndexError as error:
+            if "out of bounds" not in str(error) or scores.ndim < 2:  # not a label's range: torch's as it is
+                raise
             raise self._out_of_range(error, scores.shape[1]) from None
 
     def _out_of_range(self, error: IndexError, classes: int) -> IndexError:
@@ -152,6 +154,8 @@ class SparseCategoricalCrossentropy(Loss):
             try:
                 return F.cross_entropy(y_pred, y_true, ignore_index=_NO_IGNORED_CLASS)
             except IndexError as error:
+                if "out of bounds" not in str(error):
+                    raise
                 raise self._out_of_range(error, y_pred.shape[1]) from None
         # `Loss.__call__`'s body, not a call of it: a warning about the outputs names the caller's line
         if y_true.__class__ is not torch.Tensor or y_true.device != y_pred.device:
