@@ -93,3 +93,16 @@ def test_a_module_torch_cannot_compile_is_named_with_how_to_train_it_eagerly(mon
     eager = _model()
     eager.compile("sgd", "mse", jit_compile=False)
     assert len(_fit(eager)) == 4  # the same model trains eagerly
+
+
+def test_an_error_of_the_models_inputs_under_jit_compile_is_torchs_own():
+    # A shape mismatch fails eagerly too: it is not reported as a compile failure.
+    from meshfit.distribute._plan_builder import compiled
+
+    torch._dynamo.reset()
+    module = compiled(nn.Linear(4, 2), True)
+    module(torch.randn(3, 4))
+    with pytest.raises(RuntimeError) as info:
+        module(torch.randn(3, 5))
+    assert "could not compile" not in str(info.value) and "jit_compile=False" not in str(info.value)
+    torch._dynamo.reset()

@@ -116,6 +116,27 @@ def test_sparse_categorical_crossentropy_ignore_class_follows_keras_3():
         SparseCategoricalCrossentropy(ignore_class=True)
 
 
+def test_sparse_categorical_crossentropy_ignore_class_mean_is_exact_and_axis_1_labels_squeeze():
+    # The mean divides by the exact count of the labels that count (Keras's divide_no_nan, torch's ignore_index
+    # mean), in the loss's dtype.
+    torch.manual_seed(0)
+    logits = torch.randn(4, 3, dtype=torch.float64)
+    labels = torch.tensor([2, -100, -100, -100])
+    loss = SparseCategoricalCrossentropy(from_logits=True, ignore_class=-100)(labels, logits)
+    assert loss.dtype is torch.float64
+    torch.testing.assert_close(loss, F.cross_entropy(logits, labels, ignore_index=-100), rtol=1e-12, atol=0.0)
+    # Keras squeezes a size-1 label dim at `axis`: torch's (n, 1, H, W) labels for (n, classes, H, W) scores.
+    scores = torch.randn(2, 4, 3, 5)
+    columns = torch.randint(0, 4, (2, 1, 3, 5))
+    for ignore_class in (None, 0):
+        loss = SparseCategoricalCrossentropy(from_logits=True, axis=1, ignore_class=ignore_class)(columns, scores)
+        expected = F.cross_entropy(scores, columns.squeeze(1), ignore_index=-100 if ignore_class is None else 0)
+        torch.testing.assert_close(loss, expected)
+    # A label out of range besides the ignored one is an error that says which is left out.
+    with pytest.raises(IndexError, match=r"Target 7 is out of bounds.*leaves out ignore_class=-100 only"):
+        SparseCategoricalCrossentropy(from_logits=True, ignore_class=-100)(torch.tensor([7, -100]), logits[:2])
+
+
 def test_sparse_categorical_crossentropy_axis_1_for_torch_layout():
     logits = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0))
     labels = torch.tensor([[0, 1, 2, 0], [2, 2, 1, 0]])

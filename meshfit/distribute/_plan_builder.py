@@ -51,9 +51,12 @@ def _naming_compile_failures(forward: Callable[..., Any], name: str) -> Callable
         try:
             return forward(*args, **kwargs)
         except RuntimeError as error:
-            import torch._dynamo.exc  # loaded already: torch.compile ran
+            import torch._dynamo.exc as dynamo_errors  # loaded already: torch.compile ran
 
-            if not isinstance(error, torch._dynamo.exc.TorchDynamoException):
+            # torch.compile's own failures; an error of the model's own code or inputs met while tracing
+            # (TorchRuntimeError: it fails eagerly too) or of the user's call (UserError) passes as it is
+            if not isinstance(error, (dynamo_errors.BackendCompilerFailed, dynamo_errors.InternalTorchDynamoError,
+                                      dynamo_errors.Unsupported)):
                 raise
             # torch's first paragraph ("backend='inductor' raised:" and the cause), not its hints after it
             reason = " ".join(str(error).strip().split("\n\n")[0].split()) or "no message"

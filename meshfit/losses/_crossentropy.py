@@ -88,28 +88,21 @@ class SparseCategoricalCrossentropy(Loss):
         self.ignore_class = ignore_class
 
     def _target(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
-        """The labels as int64, one dim fewer than the scores (a ``(n, 1)`` column squeezed)."""
-        if y_true.ndim == y_pred.ndim and y_true.shape[-1] == 1:
-            y_true = y_true.squeeze(-1)
+        """The labels as int64, one dim fewer than the scores (a size-1 dim at ``axis`` squeezed, as Keras)."""
+        if y_true.ndim == y_pred.ndim and y_true.ndim and y_true.shape[self.axis] == 1:
+            y_true = y_true.squeeze(self.axis)
         return y_true if y_true.dtype is torch.int64 else y_true.long()
 
     def call(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
-        """Per-sample cross-entropy (0 for an ``ignore_class`` label)."""
+        """Per-sample cross-entropy (0 for an ``ignore_class`` label: torch's kernel skips it, forward and
+        backward, as its ``ignore_index``)."""
         target = self._target(y_true, y_pred)
         if not (self.from_logits or self._outputs_checked):
             _warn_if_logits(self, y_pred)
-        if self.ignore_class is None:
-            return self._per_label(target, y_pred)
-        # As Keras: the ignored samples' labels and scores replaced by zeros, their losses set to 0
-        valid = target != self.ignore_class
-        class_dim = self.axis % y_pred.ndim if y_pred.ndim else 0
-        scores = torch.where(valid.unsqueeze(class_dim), y_pred, torch.zeros((), dtype=y_pred.dtype,
-                                                                             device=y_pred.device))
-        values = self._per_label(torch.where(valid, target, 0), scores)
-        return torch.where(valid, values, torch.zeros((), dtype=values.dtype, device=values.device))
+        return self._per_label(target, y_pred)
 
     def _per_label(self, target: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
-        """`call` for labels that all count."""
+        """`call` on int64 labels: the scores' classes moved where torch's kernel takes them."""
         if y_pred.ndim > 2 and self.axis in (-1, y_pred.ndim - 1) and target.shape == y_pred.shape[:-1] \
                 and not is_dtensor(y_pred):
             # (..., classes), e.g. a language model's (batch, seq, vocab): one row per position, classes
@@ -124,12 +117,13 @@ class SparseCategoricalCrossentropy(Loss):
 
     def _per_sample(self, target: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """The cross-entropy of each sample, classes on dim 1 of ``scores``."""
+        ignored = _NO_IGNORED_CLASS if self.ignore_class is None else self.ignore_class
         try:
             if self.from_logits:
-                return F.cross_entropy(scores, target, reduction="none", ignore_index=_NO_IGNORED_CLASS)
+                return F.cross_entropy(scores, target, reduction="none", ignore_index=ignored)
             probs = scores / scores.sum(dim=1, keepdim=True)
             return F.nll_loss(torch.log(probs.clamp(EPSILON, 1.0 - EPSILON)), target, reduction="none",
-                              ignore_index=_NO_IGNORED_CLASS)
+                              ignore_index=ignored)
         except IndexError as error:
             if "out of bounds" not in str(error) or scores.ndim < 2:  # not a label's range: torch's as it is
                 raise
@@ -137,6 +131,9 @@ class SparseCategoricalCrossentropy(Loss):
 
     def _out_of_range(self, error: IndexError, classes: int) -> IndexError:
         """torch's error for a label outside the classes, with what to do about it."""
+        if self.ignore_class is not None:
+            return IndexError(f"{error} `{self.name}` takes labels in [0, {classes}) and leaves out "
+                              f"ignore_class={self.ignore_class} only.")
         return IndexError(f"{error} `{self.name}` takes labels in [0, {classes}). To leave one out (a padding or "
                           "void label, as torch's ignore_index), pass it as Keras's ignore_class: "
                           f"{type(self).__name__}(from_logits={self.from_logits}, ignore_class=-100) for -100.")
@@ -163,9 +160,10 @@ class SparseCategoricalCrossentropy(Loss):
         values = self.call(y_true, y_pred)
         if self.ignore_class is None or self.reduction != "sum_over_batch_size":
             return reduce_weighted(values, sample_weight, self.reduction)
-        # Keras 3: the weighted sum over the labels that count (+ epsilon: 0 when none does)
-        counted = (self._target(y_true, y_pred) != self.ignore_class).sum()
-        return reduce_weighted(values, sample_weight, "sum") / (counted + EPSILON)
+        # Keras 3: the weighted sum over the number of labels that count (0 when none does: divide_no_nan)
+        total = reduce_weighted(values, sample_weight, "sum")
+        counted = (self._target(y_true, y_pred) != self.ignore_class).sum().to(total.dtype)
+        return total / counted.clamp(min=1)
 
 
 class CategoricalCrossentropy(Loss):
