@@ -248,8 +248,11 @@ class PipelineStep:
         bad = bool(rows % n) or (needs_rows and not rows)
         total, unsplittable = (rows, bad) if self.replicas is None else self.replicas.agree(rows, bad)
         if unsplittable:
-            empty = "" if not needs_rows else " (fully sharded stages need rows on every replica)" \
-                if self.sharded is not None else " (a prediction needs rows on every replica)"
+            empty = ""
+            if self.sharded is not None:
+                empty = " (fully sharded stages need rows on every replica)"
+            elif predicting:
+                empty = " (a prediction needs rows on every replica)"
             raise ValueError(f"Invalid batch for the pipeline: a batch of {rows} rows on this replica (of {total} "
                              f"in all replicas) does not split into microbatches={n} equal microbatches on every "
                              f"replica{empty}. Use a batch size whose share on each replica is divisible by {n} (and "

@@ -76,9 +76,7 @@ class Mean(Metric):
                 if self._pending_hits:
                     self._add_pending_hits()
                 total.add_(values, alpha=sample_weight)
-                self._pending_count += sample_weight
-                if not self._whole_count:
-                    self._add_pending_count()
+                self._count(sample_weight)
                 self._whole_total = False
                 return
         if ndim and sample_weight is None and values.dtype is torch.bool and values.is_contiguous():
@@ -87,9 +85,7 @@ class Mean(Metric):
             total = self._states["total"]
             if total.device == values.device:
                 total += values.sum(dtype=torch.float64)
-                self._pending_count += values.numel()
-                if not self._whole_count:
-                    self._add_pending_count()
+                self._count(values.numel())
                 return
         if values.dtype is not torch.float64:
             values = values.to(torch.float64)
@@ -108,9 +104,7 @@ class Mean(Metric):
                 if self._pending_hits:
                     self._add_pending_hits()
                 total += weighted
-                self._pending_count += count
-                if not self._whole_count:
-                    self._add_pending_count()
+                self._count(count)
                 self._whole_total = False
                 return
             self._accumulate("total", weighted)
@@ -134,15 +128,11 @@ class Mean(Metric):
         count = hits.numel()
         if not self._whole_total:
             self._states["total"] += hits.sum(dtype=torch.float64)
-            self._pending_count += count
-            if not self._whole_count:
-                self._add_pending_count()
+            self._count(count)
             return
         pending = self._pending_hits
         pending.append(hits)
-        self._pending_count += count
-        if not self._whole_count:
-            self._add_pending_count()
+        self._count(count)
         self._pending_hit_elements += count
         if len(pending) >= _HITS_KEPT or self._pending_hit_elements >= _HIT_ELEMENTS_KEPT:
             self._add_pending_hits()
@@ -167,6 +157,13 @@ class Mean(Metric):
         total, count = self._states["total"], self._states["count"]
         self._whole_total = bool(torch.equal(total, total.floor()))  # a restore: one host read each
         self._whole_count = bool(torch.equal(count, count.floor()))
+
+    def _count(self, count: float) -> None:
+        """Add a whole-number count: on the host while ``count`` is whole (added at the next read, in one sum),
+        else at once, in order."""
+        self._pending_count += count
+        if not self._whole_count:
+            self._add_pending_count()
 
     def _add_pending_count(self) -> None:
         """Add the host-side count to the ``count`` accumulator, on the device ``total`` lives on."""

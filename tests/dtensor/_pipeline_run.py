@@ -53,6 +53,12 @@ def _every(model: Any) -> dict[str, np.ndarray]:
     return dict(zip(model.module.state_dict(), model.get_weights(), strict=True))
 
 
+def assert_every_close(got: dict[str, Any], want: dict[str, np.ndarray]) -> None:
+    """Every weight ``want`` names (by path) matched in ``got`` to rtol 1e-5, atol 1e-6."""
+    for path, value in want.items():
+        np.testing.assert_allclose(got[path], value, rtol=1e-5, atol=1e-6, err_msg=path)
+
+
 def _one_process(rows: int = 64, epochs: int = 2) -> tuple[dict[str, np.ndarray], dict[str, list[float]], int]:
     import meshfit as mf
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from _multiproc import run_distributed
 from _pipeline_model import Classifier
-from _pipeline_run import _data, _every, _model, refusal
+from _pipeline_run import _data, _every, _model, assert_every_close, refusal
 from torch import nn
 
 TIMEOUT = 300
@@ -78,8 +78,7 @@ def test_batch_norm_running_statistics_in_stages_equal_one_process(mesh_dims: An
     size = int(np.prod([n for _, n in mesh_dims]))
     for result in run_distributed(_normed, world_size=size, timeout=TIMEOUT - 60, args=(mesh_dims,)):
         assert set(result["every"]) == set(expected["every"])
-        for path, value in expected["every"].items():
-            np.testing.assert_allclose(result["every"][path], value, rtol=1e-5, atol=1e-6, err_msg=path)
+        assert_every_close(result["every"], expected["every"])
         for name, value in expected["evaluated"].items():
             np.testing.assert_allclose(result["evaluated"][name], value, rtol=1e-5, err_msg=name)
 
@@ -99,8 +98,7 @@ def test_batch_norm_running_statistics_in_replicated_stages_are_the_stage_s_own(
                                   args=((("pipe", 2), ("batch", 2)), sharded)):
         assert set(result["every"]) == set(expected["every"])
         assert int(result["every"]["norm1.num_batches_tracked"]) == steps, result["every"]["norm1.num_batches_tracked"]
-        for path, value in expected["every"].items():
-            np.testing.assert_allclose(result["every"][path], value, rtol=1e-5, atol=1e-6, err_msg=path)
+        assert_every_close(result["every"], expected["every"])
         for name, value in expected["evaluated"].items():
             np.testing.assert_allclose(result["evaluated"][name], value, rtol=1e-5, err_msg=name)
 
@@ -295,8 +293,7 @@ def test_tensor_split_stages_with_a_smaller_last_batch_digest_and_load_as_one_pr
     for result in results:
         assert result["count"] == count, (result["count"], count)
         np.testing.assert_allclose(result["loss"], expected["loss"], rtol=1e-5)
-        for path, value in expected["every"].items():
-            np.testing.assert_allclose(result["every"][path], value, rtol=1e-5, atol=1e-6, err_msg=path)
+        assert_every_close(result["every"], expected["every"])
         for case in ("after set_weights", "after load_weights"):
             for got, want in zip(result[case], result["shifted"], strict=True):
                 np.testing.assert_array_equal(got, want, err_msg=case)
@@ -672,8 +669,7 @@ def test_a_summed_loss_on_stages_trains_as_one_process_or_is_refused() -> None:
             assert "reduction='sum'" in result["refused"] and "microbatches=4" in result["refused"], result
             continue
         np.testing.assert_allclose(result["loss"], expected["loss"], rtol=1e-5)
-        for path, value in expected["every"].items():
-            np.testing.assert_allclose(result["every"][path], value, rtol=1e-5, atol=1e-6, err_msg=path)
+        assert_every_close(result["every"], expected["every"])
 
 
 def _windows(mesh_dims: Any) -> dict[str, np.ndarray]:
@@ -853,8 +849,7 @@ def test_interleaved_tensor_split_stages_with_clipped_gradients_equal_one_proces
     expected = _interleaved_split(None)
     for result in run_distributed(_interleaved_split_on_stages, world_size=4, timeout=TIMEOUT - 60):
         np.testing.assert_allclose(result["loss"], expected["loss"], rtol=1e-5)
-        for path, value in expected["every"].items():
-            np.testing.assert_allclose(result["every"][path], value, rtol=1e-5, atol=1e-6, err_msg=path)
+        assert_every_close(result["every"], expected["every"])
 
 
 def _tied_split(mesh_dims: Any) -> dict[str, Any]:
@@ -892,8 +887,7 @@ def test_a_weight_tied_inside_a_tensor_split_stage_trains_as_one_process() -> No
     expected = _tied_split(None)
     for result in run_distributed(_tied_split_on_stages, world_size=4, timeout=TIMEOUT - 60):
         np.testing.assert_allclose(result["loss"], expected["loss"], rtol=1e-5)
-        for path, value in expected["every"].items():
-            np.testing.assert_allclose(result["every"][path], value, rtol=1e-5, atol=1e-6, err_msg=path)
+        assert_every_close(result["every"], expected["every"])
 
 
 # --- a recompiled pipeline model ----------------------------------------------------------------------------------
