@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import meshfit as mf
 
 #: Python calls a further step of ``fit`` may make on the 8-32-4 MLP (SGD, ``metrics=["accuracy"]``,
-#: ``verbose=0``): 266 when this bound was set (405, 355, 317, then 270 before four rounds of per-step trims:
+#: ``verbose=0``): 268 when this bound was set (405, 355, 317, then 270 before four rounds of per-step trims:
 #: the last ones the loss's mean, the accuracy's update and the shuffled rows; a hand-written loop makes
 #: 177.5). The margin is for torch versions; a cut that is lost fails here.
 MAX_CALLS_PER_STEP = 280
