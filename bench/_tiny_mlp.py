@@ -14,8 +14,9 @@ and start from the same weights, so both do the same arithmetic.
   prints a line an epoch), the dataset ``Dataset.from_tensor_slices((x, y))`` batched by 32 in the same
   order.
 
-The first epoch is a warm-up; the others are timed (wall and process CPU), or with ``--counts`` the Python
-calls and aten ops made in them are counted (per step, the epochs' own work included). The result (JSON)
+The first epoch is a warm-up; the others are timed (wall and process CPU), or with ``--counts`` (3 epochs) the
+aten ops made in the second and the Python calls made in the third are counted, each in an epoch of its own
+(per step, the epoch's own work included). The result (JSON)
 also holds a checksum of the final weights.
 """
 
@@ -52,39 +53,58 @@ def orders(epochs: int) -> list[np.ndarray]:
 
 
 class Meter:
-    """What a process measures over its epochs after the first: wall and CPU time, or (``counts``) the
-    Python calls (``sys.setprofile``'s call and c_call events) and aten ops (a dispatch mode) made."""
+    """What a process measures over its epochs after the first: wall and CPU time, or (``counts``, 3
+    epochs) the aten ops (a dispatch mode) made in the second epoch and the Python calls
+    (``sys.setprofile``'s call and c_call events) made in the third, apart: the dispatch mode's own Python
+    code, run at every op, is not counted as the step's calls."""
 
     def __init__(self, counts: bool) -> None:
         self.counts, self.marks, self.calls = counts, [], 0
         self.ops: collections.Counter[str] = collections.Counter()
+        self.counted_epochs = {"ops": 0, "calls": 0}
         self._mode: Any = None
+        self._counting: str | None = None
 
-    def start(self) -> None:
-        self.marks.append((time.perf_counter(), time.process_time()))
-        if self.counts:
-            from torch.utils._python_dispatch import TorchDispatchMode
+    def epoch(self, epoch: int) -> None:
+        """Called at the start of each epoch (0 the warm-up)."""
+        if epoch == 1:
+            self.marks.append((time.perf_counter(), time.process_time()))
+        if self.counts and epoch >= 1:
+            self._end_count()
+            self._begin_count("ops" if epoch == 1 else "calls")
 
-            ops = self.ops
-
-            class OpCounter(TorchDispatchMode):
-                def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-                    ops[str(func)] += 1
-                    return func(*args, **(kwargs or {}))
-
-            self._mode = OpCounter()
-            self._mode.__enter__()
+    def _begin_count(self, what: str) -> None:
+        self._counting = what
+        self.counted_epochs[what] += 1
+        if what == "calls":
             sys.setprofile(self._profile)
+            return
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        ops = self.ops
+
+        class OpCounter(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                ops[str(func)] += 1
+                return func(*args, **(kwargs or {}))
+
+        self._mode = OpCounter()
+        self._mode.__enter__()
+
+    def _end_count(self) -> None:
+        if self._counting == "calls":
+            sys.setprofile(None)
+        elif self._counting == "ops":
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+        self._counting = None
 
     def _profile(self, frame: Any, event: str, arg: Any) -> None:
         if event in ("call", "c_call"):
             self.calls += 1
 
     def stop(self) -> None:
-        if self._mode is not None:
-            sys.setprofile(None)
-            self._mode.__exit__(None, None, None)
-            self._mode = None
+        self._end_count()
         self.marks.append((time.perf_counter(), time.process_time()))
 
 
@@ -99,8 +119,7 @@ def run_hand(x: np.ndarray, y: np.ndarray, epochs: int, shuffle: bool, meter: Me
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
     fixed = [torch.from_numpy(order) for order in orders(epochs)] if not shuffle else []
     for epoch in range(epochs):
-        if epoch == 1:
-            meter.start()
+        meter.epoch(epoch)
         order = torch.randperm(EXAMPLES) if shuffle else fixed[epoch]
         total = 0.0
         for start in range(0, EXAMPLES, BATCH):
@@ -120,8 +139,7 @@ def run_fit(x: np.ndarray, y: np.ndarray, epochs: int, arrays: bool, meter: Mete
 
     class EpochClock(mf.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
-            if epoch == 1:
-                meter.start()
+            meter.epoch(epoch)
 
         def on_train_end(self, logs=None):
             meter.stop()
@@ -149,9 +167,11 @@ def main() -> None:
     parser.add_argument("variant", choices=("fit", "hand", "fit-arrays", "hand-randperm", "hand-fused"))
     parser.add_argument("--epochs", type=int, default=3, help="the first one is a warm-up")
     parser.add_argument("--counts", action="store_true",
-                        help="count Python calls and aten ops a step instead of timing (slower)")
+                        help="count aten ops (2nd epoch) and Python calls (3rd) a step instead of timing (slower)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.counts and args.epochs < 3:
+        parser.error(f"--counts needs --epochs 3 or more (a warm-up, ops, calls), received --epochs {args.epochs}")
     meter = Meter(args.counts)
     torch.set_num_threads(1)
     x, y = data()
@@ -161,12 +181,14 @@ def main() -> None:
     else:
         net = run_fit(x, y, args.epochs, arrays=args.variant == "fit-arrays", meter=meter)
     (wall0, cpu0), (wall1, cpu1) = meter.marks
-    steps = (args.epochs - 1) * -(-EXAMPLES // BATCH)
+    per_epoch = -(-EXAMPLES // BATCH)
+    steps = (args.epochs - 1) * per_epoch
+    op_steps, call_steps = (max(meter.counted_epochs[k], 1) * per_epoch for k in ("ops", "calls"))
     checksum = float(sum(p.detach().double().abs().sum() for p in net.parameters()))
     with open(args.out, "w") as f:
         json.dump({"wall_ms": (wall1 - wall0) * 1e3 / steps, "cpu_ms": (cpu1 - cpu0) * 1e3 / steps,
-                   "checksum": checksum, "calls": meter.calls / steps, "meshfit": _meshfit_file(),
-                   "ops": sum(meter.ops.values()) / steps, "ops_by_name": dict(meter.ops)}, f)
+                   "checksum": checksum, "calls": meter.calls / call_steps, "meshfit": _meshfit_file(),
+                   "ops": sum(meter.ops.values()) / op_steps, "ops_by_name": dict(meter.ops)}, f)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ takes the ratio of the per-step times of the timed epochs (2 of 3 epochs of 1,56
 
 ``--baseline DIR`` adds ``fit-before``: the ``fit`` variant with another meshfit tree (``git archive`` of an
 older commit into DIR) first on ``PYTHONPATH``, in the same rounds: before and after in one run.
-``--counts`` then starts one more process per variant that counts, over its timed epochs, the Python calls
-(``sys.setprofile``: calls and C calls) and the aten ops (a dispatch mode) a step.
+``--counts`` then starts one more process per variant (3 epochs) that counts the aten ops a step (a dispatch
+mode) in its second epoch and the Python calls a step (``sys.setprofile``: calls and C calls) in its third, so
+that the dispatch mode's own Python code is not counted as the step's calls.
 
 Reported: the median of the per-round ratios of CPU time per step (range in brackets), the same for wall
 time, and each variant's median milliseconds a step. Target: ``fit`` ÷ hand ≤ 1.05.
@@ -76,7 +77,7 @@ def main() -> None:
             print(f"round {r + 1}: " + ", ".join(f"{v} {results[v][-1]['cpu_ms']:.4f}" for v in variants)
                   + " CPU ms/step", flush=True)
         if args.counts:
-            counted = {v: run_variant(v, 2, tmp, counts=True, baseline=args.baseline) for v in variants}
+            counted = {v: run_variant(v, 3, tmp, counts=True, baseline=args.baseline) for v in variants}
     print(f"load at the end {os.getloadavg()[0]:.2f}")
     print("| pair | ms/step (CPU) | CPU ratio | wall ratio | weights' checksums |")
     print("|---|---|---|---|---|")

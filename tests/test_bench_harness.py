@@ -74,3 +74,28 @@ def test_rows_are_per_round_ratios_and_the_table_shows_their_median():
     assert "| 0.500 [0.500–0.500] | – | ≤ 1.0 |" in text            # meshfit ÷ TF
     assert "3.50 s" in text and "5.00 s" in text
     assert "3 / 500 / 500" in text
+
+
+def test_tiny_mlp_counts_ops_and_python_calls_in_separate_epochs():
+    # The op counter is a TorchDispatchMode: its own Python code runs at every op. Counted in the same
+    # epoch as the calls, it made a fused-Adam hand loop's 241 calls a step read as 1,160.
+    import torch
+
+    _tiny = importlib.util.spec_from_file_location("_tiny_mlp", os.path.join(ROOT, "bench", "_tiny_mlp.py"))
+    tiny = importlib.util.module_from_spec(_tiny)
+    _tiny.loader.exec_module(tiny)
+
+    def step() -> None:
+        torch.ones(3).add_(1)
+
+    meter = tiny.Meter(counts=True)
+    meter.epoch(0)
+    step()  # the warm-up epoch: nothing counted
+    meter.epoch(1)
+    step()  # ops: ones, add_
+    meter.epoch(2)
+    step()  # calls: step, ones, add_ (and the profile's own exit)
+    meter.stop()
+    assert sum(meter.ops.values()) == 2
+    assert meter.counted_epochs == {"ops": 1, "calls": 1}
+    assert 3 <= meter.calls <= 6  # with the dispatch mode on, each op added its Python frames (dozens)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, MutableMapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, cast
+from typing import Any
 
 from meshfit._engine._executions import (
     accumulates,
@@ -248,8 +248,9 @@ class TrainingLoop:
         """One execution: up to ``count`` steps between two batch-callback calls (fewer where data of
         unknown length ends); returns the logs and whether every replica agreed to stop."""
         trainable, strategy, counters, cbs, data = self.trainable, self.strategy, self.counters, self.callbacks, self.data
-        strategy.check_alive()
         agree_end, single = self._agree_end, self._single
+        if not single:  # one process has no peer to watch
+            strategy.check_alive()
         fetched = next_batch(trainable, data, agree_end)
         if fetched is None:
             return logs, False  # the data ended before this execution: Keras calls no hook for it
@@ -263,7 +264,8 @@ class TrainingLoop:
         window_possible = accumulates(trainable)
         for done in range(count):
             if done:
-                strategy.check_alive()
+                if not single:
+                    strategy.check_alive()
                 fetched = next_batch(trainable, data, agree_end)
                 if fetched is None:
                     break
@@ -281,7 +283,8 @@ class TrainingLoop:
             else:
                 logs = merge_returned(trainable, {}, returned, convert=False) if may_own_logs(returned) else {}
             if self._hooks[1]:  # (LazyLogs reach progress bars only: a Mapping where Keras passes a dict)
-                cbs.on_train_batch_end(last, cast(dict[str, Any], logs))
+                hook_logs: Any = logs
+                cbs.on_train_batch_end(last, hook_logs)
             if preemption_requested:
                 self._stop_for_preemption()
             return logs, trainable.stop_training

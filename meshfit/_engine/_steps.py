@@ -57,8 +57,11 @@ class StepsMixin:
     def compute_metrics(self, x: Any, y: Any, y_pred: Any, sample_weight: Any = None) -> Mapping[str, Any]:
         """Update the compiled metrics with one batch; returns `get_metrics_result()` (Keras's helper)."""
         if y is not None:
-            y_pred = detached(y_pred)
-            structured = is_structured(y_pred)
+            if y_pred.__class__ is torch.Tensor:  # the usual one output (`detached`, `is_structured` inline)
+                y_pred, structured = y_pred.detach(), False
+            else:
+                y_pred = detached(y_pred)
+                structured = is_structured(y_pred)
             if not structured and y.__class__ is not torch.Tensor and isinstance(y, (list, tuple)) and len(y) == 1:
                 y = y[0]  # Keras: a list of one target for the one output
             for metric in self._compiled_metrics:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TextIO
 
 # Set by `meshfit launch` for its workers when its own stdout is a terminal: the launcher passes
@@ -19,8 +19,8 @@ from meshfit.callbacks._callback import _to_float
 _FILE_INTERVAL_SECONDS = 30.0
 
 
-def _now() -> float:
-    return time.monotonic()
+# The bar's clock: a module attribute (read at each call), so that a test can stand in for it.
+_now: Callable[[], float] = time.monotonic
 
 
 def supports_redraw(stream: TextIO) -> bool:
@@ -161,6 +161,11 @@ class Progbar:
         if self._dynamic_display:
             return now - self._last_update >= self.interval
         return now - self._last_file_line >= self.file_interval and (self.target is None or current < self.target)
+
+    def pass_to(self, current: int) -> None:
+        """Moves the bar to step ``current`` without values or a redraw: what a caller does at a step where
+        `draws_at` said no redraw is due (the next redraw shows the values given then)."""
+        self._seen_so_far = current
 
     def add(self, n: int, values: Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None) -> None:
         """Advances the bar by ``n`` steps."""

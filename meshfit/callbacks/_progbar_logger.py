@@ -153,7 +153,7 @@ class ProgbarLogger(Callback):
         return logs
 
     def _batch_update(self, batch: int, logs: dict | None) -> None:
-        progbar = self._new_progbar()
+        progbar = self.progbar or self._new_progbar()
         if self.use_steps:
             self.seen = batch + 1
         else:
@@ -161,7 +161,7 @@ class ProgbarLogger(Callback):
             self.seen += int(logs.get("num_steps", 1)) * int(logs.get("size", 0))
         if self.verbose == 1:
             if not progbar.draws_at(self.seen):  # logs read only where shown: fit may reduce them on reading
-                progbar.update(self.seen, None, finalize=False)
+                progbar.pass_to(self.seen)
                 return
             logs = self._display_logs(logs)
             progbar.stateful_metrics.update(logs)
