@@ -144,12 +144,13 @@ def test_callback_list_calls_each_hook_on_each_callback_in_order():
     assert all(c.model is model and c.params == {"epochs": 1} for c in callback_list)
 
 
-def test_callback_list_adds_history_last_and_progbar_first_unless_given():
+def test_callback_list_adds_history_then_progbar_last_unless_given():
+    # Keras 3's callback_list.py (3422977a): the History, then the ProgbarLogger, appended
     user = Callback()
     callback_list = CallbackList([user], add_history=True, add_progbar=True)
     kinds = [type(c) for c in callback_list]
-    assert kinds == [ProgbarLogger, Callback, History]
-    assert callback_list.history is callback_list.callbacks[-1]
+    assert kinds == [Callback, History, ProgbarLogger]
+    assert callback_list.history is callback_list.callbacks[1] and callback_list.progbar is callback_list.callbacks[-1]
 
     history, progbar = History(), ProgbarLogger()
     callback_list = CallbackList([history, user, progbar], add_history=True, add_progbar=True)
@@ -338,8 +339,40 @@ def test_early_stopping_min_delta_mode_and_start_from_epoch():
 def test_early_stopping_baseline():
     model = StandInModel()
     early_stopping = EarlyStopping(monitor="val_loss", patience=2, baseline=0.5)
-    # Improving but never below the baseline: stops once patience runs out.
-    assert run_fit([early_stopping], model, [{"val_loss": v} for v in (0.9, 0.8, 0.7, 0.6)]) == [0, 1]
+    # Improving but never below the baseline: Keras 3 goes on while each epoch improves
+    assert run_fit([early_stopping], model, [{"val_loss": v} for v in (0.9, 0.8, 0.7, 0.6)]) == [0, 1, 2, 3]
+    assert early_stopping.stopped_epoch == 0
+    # ... and stops once patience runs out without an improvement
+    early_stopping = EarlyStopping(monitor="val_loss", patience=2, baseline=0.5)
+    assert run_fit([early_stopping], StandInModel(), [{"val_loss": v} for v in (0.9, 0.8, 0.85, 0.86, 0.87)]) \
+        == [0, 1, 2]
+
+
+def test_early_stopping_restores_the_best_epoch_when_none_beats_the_baseline():
+    # Keras 3's early_stopping_test.py::test_early_stopping_final_weights_when_restoring_model_weights (3422977a)
+    class DummyModel:
+        stop_training = False
+        weights = -1
+
+        def get_weights(self):
+            return self.weights
+
+        def set_weights(self, weights):
+            self.weights = weights
+
+    stopper = EarlyStopping(monitor="val_loss", patience=5, baseline=0.5, restore_best_weights=True)
+    stopper.set_model(DummyModel())
+    stopper.on_train_begin()
+    epochs_trained = 0
+    for epoch, loss in enumerate([0.9, 0.8, 0.7, 0.71, 0.72, 0.73]):
+        epochs_trained += 1
+        stopper.model.weights = epoch
+        stopper.on_epoch_end(epoch, logs={"val_loss": loss})
+        if stopper.model.stop_training:
+            break
+    stopper.on_train_end()
+    assert epochs_trained == 5
+    assert stopper.model.get_weights() == 2
 
 
 def test_early_stopping_restarts_on_a_second_fit_and_warns_on_missing_key():

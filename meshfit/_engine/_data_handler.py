@@ -68,7 +68,7 @@ class DataHandler:
         # (reshuffled) instead of replaying the batches the previous call trained on.
         training = argument == "steps_per_epoch"
         self._origin = x if training and isinstance(x, (Dataset, DistributedDataset)) else None
-        self.source: DataSource = self._adapt(x, y, sample_weight, batch_size, shuffle)
+        self.source: DataSource = self._adapt(x, y, sample_weight, batch_size, shuffle, steps)
         length = self.source.length()
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0):
             raise invalid_argument(argument, "a positive int or None", steps)
@@ -90,7 +90,8 @@ class DataHandler:
         self._prefetch_size = self.source.prefetch_size()  # the pipeline's, fixed: not asked at every step
 
     # ---- input adaptation ----------------------------------------------------------------
-    def _adapt(self, x: Any, y: Any, sample_weight: Any, batch_size: int | None, shuffle: bool | str) -> DataSource:
+    def _adapt(self, x: Any, y: Any, sample_weight: Any, batch_size: int | None, shuffle: bool | str,
+               steps: Any = None) -> DataSource:
         if isinstance(x, DistributedDataset):
             self._reject_extra(x, y, sample_weight, batch_size)
             return x
@@ -113,7 +114,11 @@ class DataHandler:
             alone = len(parts) > 1 or isinstance(x, (list, tuple))
             # Keras's structure rules (a list x is several inputs), not tf.data's (a list is one tensor).
             dataset = Dataset.from_tensor_slices(to_tensor(parts if alone else parts[0]))
-            dataset = batch_and_shuffle(dataset, lengths.pop(), batch_size or 32, shuffle,
+            samples = lengths.pop()
+            if batch_size is None:  # Keras: the samples over the steps asked for (one pass an epoch), else 32
+                batch_size = -(-samples // steps) if isinstance(steps, int) and not isinstance(steps, bool) \
+                    and steps > 0 and samples else 32
+            dataset = batch_and_shuffle(dataset, samples, batch_size, shuffle,
                                         seed=_shuffle_seed() if shuffle else None)
             return self.strategy.experimental_distribute_dataset(dataset)
         if x is None:

@@ -31,6 +31,7 @@ from meshfit._engine._step_logs import (
     may_own_logs,
     merge_returned,
     reduce_logs,
+    replaces_metrics,
     sum_flags,
 )
 from meshfit._protocols import CallbackListLike, PlacementLike, Stateful, Trainable
@@ -72,6 +73,7 @@ class TrainingLoop:
         self._single, self._agree_end = True, False
         self._hooks = (True, True)  # whether a callback implements on_train_batch_begin / _end (`_step_needs`)
         self._lazy_logs = False  # one process whose batch logs only progress bars read: `LazyLogs`
+        self._own_logs = False  # the last step returned a dict of its own names (`replaces_metrics`)
         callbacks.set_loop(self)
 
     # ---- Stateful: the state every replica shares ------------------------------------------
@@ -273,6 +275,8 @@ class TrainingLoop:
             counters.step += 1
             counters.iterations += 1
             failure.step = counters.iterations
+        # A dict of an override's own names is the step's logs alone, and the last one the epoch's (Keras)
+        self._own_logs = may_own_logs(returned) and replaces_metrics(trainable, returned)
         preemption_requested = self._preemption is not None and self._preemption.requested
         last = begin + trainable.steps_per_execution - 1  # Keras's nominal index, also when fewer ran
         if single and (not batch_logs or self._lazy_logs):
@@ -316,9 +320,11 @@ class TrainingLoop:
 
     def _end_epoch(self, epoch: int, logs: MutableMapping[str, Any],
                    validate: Callable[[int], dict[str, float]] | None) -> dict[str, float]:
-        # The epoch's metrics from their (possibly restored) accumulators, on every replica.
-        epoch_logs, _ = reduce_logs(self.trainable)
-        epoch_logs.update({k: v for k, v in as_logs(logs).items() if k not in epoch_logs})
+        if self._own_logs:  # the last step returned a dict of its own: the epoch's logs (Keras)
+            epoch_logs = as_logs(logs)
+        else:  # the epoch's metrics from their (possibly restored) accumulators, on every replica
+            epoch_logs, _ = reduce_logs(self.trainable)
+            epoch_logs.update({k: v for k, v in as_logs(logs).items() if k not in epoch_logs})
         self.agree_buffers()  # validation and epoch-end saves read the same statistics everywhere
         if validate is not None:
             epoch_logs.update(validate(epoch))

@@ -161,15 +161,28 @@ def own_logs(trainable: Trainable, returned: Any) -> dict[str, Any] | None:
     return None
 
 
+def replaces_metrics(trainable: Trainable, returned: Any) -> bool:
+    """Whether a step's return value is a dict of an override's own, with other names than the logged
+    metrics': then it is the step's logs alone, and the last step's are the epoch's (Keras's
+    ``_get_metrics_result_or_logs``), not the metrics' results (which such a step may never update)."""
+    return (returned is not None and not isinstance(returned, MetricResults) and isinstance(returned, Mapping)
+            and set(returned) != {m.name for m in trainable.logged_metrics()})
+
+
 def merge_returned(trainable: Trainable, logs: dict[str, Any], returned: Any, *,
                    convert: bool = True) -> dict[str, Any]:
-    """Add what a step returned to ``logs``, as Keras does (``_get_metrics_result_or_logs``).
+    """Put what a step returned in ``logs`` (the metrics' results), as Keras does (``_get_metrics_result_or_logs``).
 
     A dict with exactly the logged metrics' names (what ``super().train_step`` and
-    ``compute_metrics`` return) is read from the metrics, reduced over replicas; entries an
-    override added to it, or a dict of its own, are logged as they are (their tensors left unread
-    with ``convert=False``).
+    ``compute_metrics`` return) is read from the metrics, reduced over replicas: ``logs`` as they are.
+    Entries an override added to ``super().train_step``'s results are logged beside them as they are.
+    A dict of the override's own (`replaces_metrics`) replaces them: the logs are that dict alone. Tensors
+    are left unread with ``convert=False``.
     """
+    if replaces_metrics(trainable, returned):
+        logs.clear()
+        logs.update(as_logs(returned, convert=convert))
+        return logs
     own = own_logs(trainable, returned)
     if own is not None:
         logs.update(as_logs(own, convert=convert))

@@ -98,14 +98,16 @@ class CallbackList:
             self.set_params(params)
 
     def _add_default_callbacks(self, add_history: bool, add_progbar: bool) -> None:
+        # As Keras 3: History, then the progress bar, after the user's callbacks, so that the epoch line
+        # shows what they added to the logs (ReduceLROnPlateau's learning_rate)
         self.history = next((c for c in self.callbacks if isinstance(c, History)), None)
         self.progbar = next((c for c in self.callbacks if isinstance(c, ProgbarLogger)), None)
-        if self.progbar is None and add_progbar:
-            self.progbar = ProgbarLogger(count_mode="steps")
-            self.callbacks.insert(0, self.progbar)
         if self.history is None and add_history:
             self.history = History()
             self.callbacks.append(self.history)
+        if self.progbar is None and add_progbar:
+            self.progbar = ProgbarLogger(count_mode="steps")
+            self.callbacks.append(self.progbar)
         self._order()
 
     def append(self, callback: Callback) -> None:

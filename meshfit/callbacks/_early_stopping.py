@@ -27,7 +27,8 @@ class EarlyStopping(Callback):
         mode: ``"min"``, ``"max"``, or ``"auto"`` (the loss and errors down; accuracy, AUC,
             precision, recall and F1-like metrics up; another name is an error when ``fit``
             starts). An unknown mode warns and falls back to ``"auto"``, as in Keras.
-        baseline: A value to beat: training stops if ``patience`` epochs pass without beating it.
+        baseline: A value to beat: training stops once ``patience`` epochs pass without beating it, except
+            in an epoch that improves on the best so far (Keras 3).
         restore_best_weights: Restore the weights of the best epoch at the end of training
             (``model.get_weights()`` / ``model.set_weights()``).
         start_from_epoch: Epochs to wait before watching (a warm-up).
@@ -111,12 +112,12 @@ class EarlyStopping(Callback):
             self.best_epoch = epoch
             if self.restore_best_weights:
                 self.best_weights = self._require_model().get_weights()
-            # Only restart the wait if we beat both the baseline and our previous best. Keras 3
-            # returns here either way, so steady progress short of the baseline never stops;
-            # we keep the documented rule (Keras 2's): no better than the baseline means stop.
+            # The wait restarts where the epoch beats both the baseline and the previous best; an
+            # improvement short of the baseline does not stop training either (Keras 3's rule: steady
+            # progress toward the baseline goes on; Keras 2 stopped it once patience ran out).
             if self.baseline is None or self._is_improvement(current, self.baseline):
                 self.wait = 0
-                return
+            return
         if self.wait >= self.patience and epoch > 0:
             self.stopped_epoch = epoch
             self._require_model().stop_training = True

@@ -19,7 +19,6 @@ from meshfit.data._structure import (
     leaves,
     map_structure,
     rebuild,
-    stack,
     to_tensor,
 )
 
@@ -209,6 +208,3 @@ class TorchMapDataset(Node):
 
     def _get(self, index: int, pass_index: int) -> Any:
         return to_tensor(self.dataset[index])
-
-    def _gather(self, indices: np.ndarray, pass_index: int) -> Any:
-        return stack([self._get(int(i), pass_index) for i in indices])

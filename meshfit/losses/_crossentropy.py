@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from meshfit._lazy_dtensor import is_dtensor
 from meshfit._validation import check_bool, invalid_argument
-from meshfit.losses._losses import Loss, mean_last_dim, reduce_weighted, squeeze_or_expand
+from meshfit.losses._losses import NARROW_FLOATS, Loss, mean_last_dim, reduce_weighted, squeeze_or_expand
 
 EPSILON = 1e-7
 # torch's cross-entropy skips targets equal to its ``ignore_index`` (-100 by default, leaving a silent zero);
@@ -142,7 +142,10 @@ class SparseCategoricalCrossentropy(Loss):
                  sample_weight: torch.Tensor | float | None = None) -> torch.Tensor:
         """The reduced loss of a batch. The usual case (logits of shape ``(batch, classes)``, int64 labels,
         no weights, the mean over the batch) is torch's own mean cross-entropy: one kernel forward and
-        one backward where the per-sample losses, their sum and the division took three and three."""
+        one backward where the per-sample losses, their sum and the division took three and three.
+        Half-precision scores are widened to float32 first (Keras computes its losses in float32)."""
+        if y_pred.dtype in NARROW_FLOATS:
+            y_pred = y_pred.float()
         if (sample_weight is None and y_pred.__class__ is torch.Tensor and y_true.__class__ is torch.Tensor
                 and self.from_logits and self.reduction == "sum_over_batch_size" and y_pred.ndim == 2
                 and y_true.ndim == 1 and y_true.dtype is torch.int64 and self.axis in (-1, 1)
@@ -157,6 +160,8 @@ class SparseCategoricalCrossentropy(Loss):
         # `Loss.__call__`'s body, not a call of it: a warning about the outputs names the caller's line
         if y_true.__class__ is not torch.Tensor or y_true.device != y_pred.device:
             y_true = torch.as_tensor(y_true, device=y_pred.device)
+        if y_true.dtype in NARROW_FLOATS:
+            y_true = y_true.float()
         values = self.call(y_true, y_pred)
         if self.ignore_class is None or self.reduction != "sum_over_batch_size":
             return reduce_weighted(values, sample_weight, self.reduction)

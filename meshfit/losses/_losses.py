@@ -12,6 +12,10 @@ from meshfit._validation import invalid_argument
 
 REDUCTIONS = ("sum_over_batch_size", "sum", "none")
 
+# Keras computes a loss in float32 (its variable dtype): half-precision outputs and targets are widened
+# first, so that mixed precision does not round the targets or the loss (100.3 is 100.5 in bfloat16).
+NARROW_FLOATS = (torch.float16, torch.bfloat16)
+
 
 def snake_case(name: str) -> str:
     """`SparseCategoricalCrossentropy` -> `sparse_categorical_crossentropy`."""
@@ -101,9 +105,13 @@ class Loss:
     def __call__(
         self, y_true: torch.Tensor, y_pred: torch.Tensor, sample_weight: torch.Tensor | float | None = None
     ) -> torch.Tensor:
-        """Compute the reduced loss of a batch."""
+        """Compute the reduced loss of a batch (in float32 where the outputs are half precision, as Keras)."""
+        if y_pred.dtype in NARROW_FLOATS:
+            y_pred = y_pred.float()
         if y_true.__class__ is not torch.Tensor or y_true.device != y_pred.device:  # else as_tensor gives it back
             y_true = torch.as_tensor(y_true, device=y_pred.device)
+        if y_true.dtype in NARROW_FLOATS:
+            y_true = y_true.float()
         return reduce_weighted(self.call(y_true, y_pred), sample_weight, self.reduction)
 
     def get_config(self) -> dict[str, Any]:

@@ -39,8 +39,10 @@ def _exact_hits(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
 
 
 def _sparse_top_k_hits(y_true: torch.Tensor, y_pred: torch.Tensor, k: int = 5) -> torch.Tensor:
-    top = y_pred.topk(min(k, y_pred.shape[-1]), dim=-1).indices
-    return (top == _sparse_labels(y_true, y_pred).unsqueeze(-1)).any(dim=-1)
+    # Keras's in_top_k: a hit where the label's score reaches the k-th largest (a tie at it counts)
+    kth = y_pred.topk(min(k, y_pred.shape[-1]), dim=-1).values[..., -1:]
+    labelled = y_pred.gather(-1, _sparse_labels(y_true, y_pred).unsqueeze(-1))
+    return (labelled >= kth).squeeze(-1)
 
 
 def sparse_categorical_accuracy(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:

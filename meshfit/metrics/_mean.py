@@ -184,9 +184,10 @@ class Mean(Metric):
         super().reset_state()
 
     def result_from(self, states: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """`total / count`, or 0 when nothing was counted."""
+        """`total / count`, or 0 where the count is 0 (Keras's ``divide_no_nan``: a negative count, from
+        negative weights, still divides)."""
         total, count = states
-        return total / count if count > 0 else torch.zeros_like(total)
+        return total / count if count != 0 else torch.zeros_like(total)
 
 
 class MeanMetricWrapper(Mean):

@@ -1,0 +1,100 @@
+"""Keras 3's logs of a train_step override (trainer.py _get_metrics_result_or_logs), its EarlyStopping baseline rule
+and its callback order (callback_list.py: the progress bar last), keras-team/keras @ 3422977a5e38."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import meshfit as mf
+
+torch.set_num_threads(1)
+
+
+def data(rows: int = 40):
+    x = np.random.RandomState(0).rand(rows, 4).astype("float32")
+    y = np.random.RandomState(1).rand(rows, 3).astype("float32")
+    return x, y
+
+
+def linear(cls=mf.Model, steps_per_execution: int = 1, metrics=None) -> mf.Model:
+    torch.manual_seed(0)
+    model = cls(nn.Linear(4, 3))
+    model.compile(optimizer=mf.optimizers.SGD(learning_rate=0.05), loss="mse", metrics=metrics,
+                  steps_per_execution=steps_per_execution)
+    return model
+
+
+class OwnLossStep(mf.Model):
+    """A train_step that tracks no compiled metric and returns its own ``{"loss": ...}``."""
+
+    def train_step(self, data):
+        x, y = data
+        self.optimizer.zero_grad()
+        loss = torch.mean((self(x) - y) ** 2)
+        loss.backward()
+        self.optimizer.step()
+        return {"loss": loss.detach()}
+
+
+class OwnDictStep(mf.Model):
+    """A train_step that returns a dict of its own names only."""
+
+    def train_step(self, data):
+        x, y = data
+        self.optimizer.zero_grad()
+        loss = torch.mean((self(x) - y) ** 2)
+        loss.backward()
+        self.optimizer.step()
+        return {"custom": loss.detach()}
+
+
+def batch_logs_of(model, **fit_kwargs):
+    seen = []
+    cb = mf.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(dict(logs)))
+    history = model.fit(*data(), batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[cb], **fit_kwargs)
+    return seen, history
+
+
+# ---- epoch logs of a train_step override (trainer.py `_get_metrics_result_or_logs`) -------------------
+def test_train_step_returning_its_own_loss_logs_that_loss_per_epoch():
+    seen, history = batch_logs_of(linear(OwnLossStep, metrics=["mae"]))
+    last_of_each_epoch = [seen[9]["loss"], seen[19]["loss"]]
+    assert last_of_each_epoch[0] > 0
+    assert history.history["loss"] == pytest.approx(last_of_each_epoch)  # meshfit: [0.0, 0.0]
+    assert set(history.history) == {"loss"}
+
+
+def test_train_step_returning_its_own_dict_logs_only_that_dict():
+    seen, history = batch_logs_of(linear(OwnDictStep, metrics=["mae"]))
+    assert all(set(logs) == {"custom"} for logs in seen)
+    assert set(history.history) == {"custom"}
+
+
+# ---- EarlyStopping baseline (early_stopping.py; early_stopping_test.py) ----------------------------------
+def test_early_stopping_keeps_training_while_improving_short_of_the_baseline():
+    class Dummy:
+        stop_training = False
+
+        def get_weights(self):
+            return []
+
+    stopper = mf.callbacks.EarlyStopping(monitor="val_loss", patience=2, baseline=0.5)
+    stopper.set_model(Dummy())
+    stopper.on_train_begin()
+    trained = 0
+    for epoch, loss in enumerate([0.9, 0.8, 0.7, 0.6]):
+        trained += 1
+        stopper.on_epoch_end(epoch, {"val_loss": loss})
+        if stopper.model.stop_training:
+            break
+    assert trained == 4 and stopper.stopped_epoch == 0  # meshfit: stops after epoch 1
+
+
+# ---- ProgbarLogger is appended last (callback_list.py _add_default_callbacks) ---------------------------
+def test_progbar_epoch_line_shows_the_learning_rate_that_reduce_lr_logs(capsys):
+    model = linear()
+    model.fit(*data(), batch_size=4, epochs=1, verbose=2, callbacks=[mf.callbacks.ReduceLROnPlateau(monitor="loss")])
+    assert "learning_rate" in capsys.readouterr().out
