@@ -42,3 +42,39 @@ def test_torch_map_dataset_gives_an_empty_share():
     ds = Dataset(TorchMapDataset(Pairs())).batch(2)
     shares = [DistributedDataset(ds, InputContext(2, r, 2)).replica_batch(1, 0)[0] for r in range(2)]
     assert sorted(len(y) for _, y in shares) == [0, 1]
+
+
+def _shuffled_cached(seed=None):
+    return Dataset.from_tensor_slices(np.arange(8)).shuffle(8, seed=seed).cache().batch(2)
+
+
+def test_a_resumed_shuffled_then_cached_pipeline_reads_each_example_once():
+    # fit reads a first batch (to build the model) before a backup restores the data position: the cache
+    # above the shuffle held rows of the unseeded order, and the restored seed's pass mixed both orders
+    first = DataHandler(_shuffled_cached(), None, None, None, None, False, _strategy())
+    first.start_epoch()
+    read = [first.next_batch()[0].tolist() for _ in range(2)]
+    state = first.state_dict()
+
+    resumed = DataHandler(_shuffled_cached(), None, None, None, None, False, _strategy())
+    resumed.peek()  # fills the cache with another seed's first batch
+    resumed.load_state_dict(state)
+    read += [resumed.next_batch()[0].tolist() for _ in range(2)]
+    resumed.end_epoch()
+    resumed.start_epoch()
+    second_pass = [resumed.next_batch()[0].tolist() for _ in range(4)]
+    assert sorted(sum(read, [])) == list(range(8))
+    assert second_pass == read  # the cache keeps the first pass's order (tf.data's cache after a shuffle)
+
+
+def test_reseeding_a_shuffle_empties_the_caches_above_it_only():
+    from meshfit.data import reseed_shuffles
+
+    dataset = Dataset.from_tensor_slices(np.arange(6)).cache().shuffle(6, seed=1).cache()
+    before = list(dataset.as_numpy_iterator())
+    reseed_shuffles(dataset.node, [2])
+    assert list(dataset.as_numpy_iterator()) == list(
+        Dataset.from_tensor_slices(np.arange(6)).shuffle(6, seed=2).as_numpy_iterator())
+    assert sorted(before) == list(range(6))
+    bottom = dataset.node.nodes()[-2]  # the cache below the shuffle keeps its rows (the input's own order)
+    assert len(bottom._store) == 6

@@ -27,6 +27,7 @@ from meshfit.data import (
     TorchMapDataset,
     data_topology,
     leaves,
+    reseed_shuffles,
     to_tensor,
     topology_mismatches,
 )
@@ -275,7 +276,7 @@ class DataHandler:
         loader, ``"loader"``: its shuffle generators' states at the pass's start (`LoaderPlan.state_dict`)."""
         chains = self._shuffle_chains()
         state = {"pass": self.pass_index, "index": self.index,
-                 "shuffle_seeds": [node.seed for node in chains[0]] if chains else [],
+                 "shuffle_seeds": [node.seed for node in chains[0][1]] if chains else [],
                  "topology": self._topology()}
         if isinstance(self.source, _StreamSource):  # a loader's shuffle generators at the pass's start
             state["loader"] = self.source.plan.state_dict(self._normalized()[0])
@@ -309,11 +310,9 @@ class DataHandler:
         if isinstance(self.source, _StreamSource) and state.get("loader"):
             self.source.plan.load_state_dict(state["loader"])
         seeds = [int(seed) for seed in state.get("shuffle_seeds") or []]
-        for chain in self._shuffle_chains():
+        for top, chain in self._shuffle_chains():
             if len(chain) == len(seeds):
-                for node, seed in zip(chain, seeds, strict=True):
-                    if node.seed != seed:
-                        node.reseed(seed)
+                reseed_shuffles(top, seeds)  # (a cache above a reseeded shuffle forgets the old order's rows)
 
     @staticmethod
     def _starts_a_pass(state: dict[str, Any]) -> bool:
@@ -339,15 +338,15 @@ class DataHandler:
                              batches_per_pass=self._length, world_size=self.strategy.num_replicas_in_sync,
                              count_examples=not own_data)
 
-    def _shuffle_chains(self) -> list[list[Any]]:
-        """The shuffle nodes, in pipeline order, of the dataset and of the replica's view of it
-        (rebatching a view clones the nodes above its batch, so each chain gets the seeds)."""
+    def _shuffle_chains(self) -> list[tuple[Any, list[Any]]]:
+        """The top node and the shuffle nodes, in pipeline order, of the dataset and of the replica's view of
+        it (rebatching a view clones the nodes above its batch, so each chain gets the seeds)."""
         chains, seen = [], set()
         views = (self.source.dataset, self.source.view) if isinstance(self.source, DistributedDataset) else ()
         for dataset in views:
             if isinstance(dataset, Dataset) and id(dataset) not in seen:
                 seen.add(id(dataset))
-                chains.append([n for n in dataset.node.nodes() if isinstance(n, Shuffle)])
+                chains.append((dataset.node, [n for n in dataset.node.nodes() if isinstance(n, Shuffle)]))
         return chains
 
 

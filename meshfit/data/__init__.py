@@ -23,6 +23,7 @@ from meshfit.data._transforms import Prefetch as Prefetch
 from meshfit.data._transforms import Shuffle as Shuffle
 from meshfit.data._transforms import Skip as Skip
 from meshfit.data._transforms import Take as Take
+from meshfit.data._transforms import reseed_shuffles as reseed_shuffles
 
 __all__ = [
     "AUTOTUNE",

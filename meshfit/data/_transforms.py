@@ -231,6 +231,10 @@ class Cache(Transform):
         self._inner = inner
         self._store: dict[int, Any] = {}
 
+    def forget(self) -> None:
+        """Drop the elements held: the input below changed (a shuffle reseeded), so they are another order's."""
+        self._store = {}
+
     def _replace_inner(self, inner: Node) -> Cache:
         clone = super()._replace_inner(inner)
         clone._store = {}  # the cached elements are the old input's, not the new one's
@@ -325,3 +329,22 @@ class Skip(Transform):
 
     def _gather_range(self, start: int, stop: int, pass_index: int) -> Any:
         return self._inner._gather_range(start + self.count, stop + self.count, pass_index)
+
+
+def reseed_shuffles(top: Node, seeds: list[int]) -> None:
+    """Give the shuffles of the pipeline ending at ``top`` (top first, as ``top.nodes()`` lists them) the
+    ``seeds``. A cache above a shuffle whose seed changes forgets what it holds: those elements were read in
+    the old order, and kept they would repeat some examples and skip others in the new one."""
+    nodes = top.nodes()
+    shuffles = [node for node in nodes if isinstance(node, Shuffle)]
+    if len(shuffles) != len(seeds):
+        raise ValueError(f"reseed_shuffles: the pipeline has {len(shuffles)} shuffles, received {len(seeds)} seeds.")
+    for shuffle, seed in zip(shuffles, seeds, strict=True):
+        if shuffle.seed == seed:
+            continue
+        shuffle.reseed(seed)
+        for node in nodes:  # the nodes above it
+            if node is shuffle:
+                break
+            if isinstance(node, Cache):
+                node.forget()

@@ -29,6 +29,7 @@ from meshfit.data import (
     Skip,
     Take,
     batch_size_of,
+    reseed_shuffles,
     slice_rows,
 )
 from meshfit.distribute._values import InputContext
@@ -39,10 +40,7 @@ def agree_on_shuffle_seeds(dataset: Dataset, broadcast: Callable[[Any], Any]) ->
     if not isinstance(dataset, Dataset):
         return  # DistributedDataset's own check names the type
     shuffles = [node for node in dataset.node.nodes() if isinstance(node, Shuffle)]
-    seeds = broadcast([node.seed for node in shuffles])
-    for node, seed in zip(shuffles, seeds, strict=True):
-        if node.seed != seed:
-            node.reseed(seed)
+    reseed_shuffles(dataset.node, broadcast([node.seed for node in shuffles]))
 
 
 def _top_batch(dataset: Dataset) -> Batch | None:
