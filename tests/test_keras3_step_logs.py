@@ -98,3 +98,44 @@ def test_progbar_epoch_line_shows_the_learning_rate_that_reduce_lr_logs(capsys):
     model = linear()
     model.fit(*data(), batch_size=4, epochs=1, verbose=2, callbacks=[mf.callbacks.ReduceLROnPlateau(monitor="loss")])
     assert "learning_rate" in capsys.readouterr().out
+
+
+# ---- stop_evaluating / stop_predicting (Keras 3's trainer_test.py::test_stop_loop, 3422977a) -------------
+class StopAt(mf.callbacks.Callback):
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self.count, self.tests, self.predicts = count, 0, 0
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.tests += 1
+        if self.tests == self.count:
+            self.model.stop_evaluating = True
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self.predicts += 1
+        if self.predicts == self.count:
+            self.model.stop_predicting = True
+
+
+def test_stop_evaluating_in_a_test_batch_hook_ends_evaluate():
+    x, y = data()
+    stopper = StopAt(3)
+    model = linear()
+    result = model.evaluate(x, y, batch_size=4, verbose=0, callbacks=[stopper], return_dict=True)
+    assert stopper.tests == 3
+    assert result["loss"] == pytest.approx(linear().evaluate(x[:12], y[:12], batch_size=4, verbose=0), rel=1e-6)
+    stopper.count = 0  # a new evaluate starts with stop_evaluating False
+    assert model.evaluate(x, y, batch_size=4, verbose=0, callbacks=[stopper], return_dict=True) == result | {
+        "loss": pytest.approx(linear().evaluate(x, y, batch_size=4, verbose=0), rel=1e-6)}
+    assert stopper.tests == 13
+
+
+def test_stop_predicting_in_a_predict_batch_hook_ends_predict():
+    x, _ = data()
+    stopper = StopAt(3)
+    model = linear(steps_per_execution=2)  # an execution of 2 steps: stops after the one whose hook set it
+    outputs = model.predict(x, batch_size=4, verbose=0, callbacks=[stopper])
+    assert stopper.predicts == 3
+    assert outputs.shape == (24, 3)
+    np.testing.assert_allclose(outputs, model.predict(x[:24], batch_size=4, verbose=0), rtol=1e-6)
+    assert model.predict(x, batch_size=4, verbose=0).shape == (40, 3)

@@ -11,7 +11,16 @@ import torch
 
 from meshfit._engine._executions import next_batch, steps_per_execution
 from meshfit._engine._outputs import host_outputs
-from meshfit._engine._step_logs import MetricResults, agree, as_logs, merge_returned, own_logs, reduce_logs
+from meshfit._engine._step_logs import (
+    MetricResults,
+    agree,
+    as_logs,
+    merge_returned,
+    own_logs,
+    reduce_logs,
+    sum_flags,
+)
+from meshfit._engine._steps import StepsMixin
 from meshfit._protocols import CallbackListLike, Trainable
 from meshfit._saving import require_every_worker, split_across_workers
 from meshfit.callbacks import implements_hook
@@ -59,10 +68,11 @@ def evaluate(trainable: Trainable, data: Any, callbacks: Any) -> dict[str, float
     module = trainable.module
     was_training = module.training
     trainable.reset_metrics()
+    trainable.stop_evaluating = False
     callbacks.on_test_begin()
     logs: dict[str, float] = {}
     returned: Any = None
-    readers = agree(trainable, _reads_test_logs(callbacks))
+    readers, stops = _test_loop_needs(trainable, callbacks)
     try:
         module.eval()
         with torch.no_grad():
@@ -70,7 +80,7 @@ def evaluate(trainable: Trainable, data: Any, callbacks: Any) -> dict[str, float
             # takes every batch, an empty share too (its step joins the others' collectives)
             together = not trainable.residency.everywhere
             for returned in _executions(trainable, data, callbacks.on_test_batch_begin, trainable.test_step,
-                                        empty_ok=together):
+                                        empty_ok=together, stops=stops):
                 if readers:  # Keras's rule: the metrics are reduced at each step only for a reader of the logs
                     logs, _ = reduce_logs(trainable)
                     merge_returned(trainable, logs, returned[1])
@@ -86,6 +96,40 @@ def evaluate(trainable: Trainable, data: Any, callbacks: Any) -> dict[str, float
     return logs
 
 
+def _test_loop_needs(trainable: Trainable, callbacks: Any) -> tuple[bool, Callable[[], bool] | None]:
+    """Whether a callback reads ``on_test_batch_end``'s logs, and what tells the loop that something set
+    ``stop_evaluating`` (agreed in one collective on several processes)."""
+    if trainable.strategy.num_processes <= 1:
+        return _reads_test_logs(callbacks), _stop_check(trainable, "stop_evaluating", True)
+    reads, may_stop = sum_flags(trainable.strategy, [float(_reads_test_logs(callbacks)),
+                                                     float(_may_stop(trainable, callbacks, "test"))])
+    return reads > 0, _stop_check(trainable, "stop_evaluating", may_stop > 0)
+
+
+def _stop_check(trainable: Trainable, flag: str, may_stop: bool) -> Callable[[], bool] | None:
+    """What reads ``trainable.<flag>`` after each execution: the attribute on one process, the flag agreed
+    by every process on several (they end at the same batch); None where nothing may set it."""
+    if not may_stop:
+        return None
+    if trainable.strategy.num_processes <= 1:
+        return lambda: bool(getattr(trainable, flag))
+    return lambda: agree(trainable, bool(getattr(trainable, flag)))
+
+
+def _may_stop(trainable: Trainable, callbacks: Any, kind: str) -> bool:
+    """Whether something may set ``stop_evaluating`` / ``stop_predicting`` during the loop: a callback with
+    the batch-end hook, a step override, or callbacks that cannot be listed (the Estimator's hooks)."""
+    step = getattr(getattr(trainable, f"{kind}_step", None), "__func__", None)
+    if step is not getattr(StepsMixin, f"{kind}_step"):
+        return True
+    try:
+        listed = list(callbacks)
+    except TypeError:
+        return True
+    return any(implements_hook(c, f"on_{kind}_batch_end") and getattr(c, "stops_in_batch_hooks", True)
+               for c in listed)
+
+
 def _reads_test_logs(callbacks: Any) -> bool:
     """Whether a callback reads ``on_test_batch_end``'s logs: it implements the hook and does not say
     otherwise (``reads_test_batch_logs``, e.g. `ProgbarLogger` inside ``fit``). Callbacks that cannot be
@@ -98,9 +142,11 @@ def _reads_test_logs(callbacks: Any) -> bool:
 
 
 def _executions(trainable: Trainable, data: Any, on_begin: Callable[[int], None], step_fn: Callable[[Any], Any],
-                empty_ok: bool) -> Iterator[tuple[int, Any]]:
+                empty_ok: bool, stops: Callable[[], bool] | None = None) -> Iterator[tuple[int, Any]]:
     """Run ``step_fn`` over ``data`` in executions of ``steps_per_execution`` steps (Keras 3's
-    indices); yields ``(nominal end index, what the execution's last step returned)`` per execution."""
+    indices); yields ``(nominal end index, what the execution's last step returned)`` per execution, and
+    ends after the execution whose hooks (run by the caller between two yields) made ``stops()`` true:
+    Keras's ``stop_evaluating`` / ``stop_predicting``."""
     strategy, n, step = trainable.strategy, steps_per_execution(trainable), 0
     while (count := data.execution_size(step, n)) > 0:
         strategy.check_alive()
@@ -121,7 +167,7 @@ def _executions(trainable: Trainable, data: Any, on_begin: Callable[[int], None]
                     returned = step_fn(strategy.distribute_batch(batch))
             step += 1
         yield begin + n - 1, returned
-        if fetched is None:
+        if fetched is None or (stops is not None and stops()):
             break
 
 
@@ -137,11 +183,15 @@ def predict(trainable: Trainable, data: Any, callbacks: CallbackListLike | Any) 
         outputs.append(host_outputs(out))
         return out
 
+    trainable.stop_predicting = False
+    stops = _stop_check(trainable, "stop_predicting", strategy.num_processes <= 1
+                        or agree(trainable, _may_stop(trainable, callbacks, "predict")))
     callbacks.on_predict_begin()
     try:
         module.eval()
         with torch.no_grad():
-            for end, out in _executions(trainable, data, callbacks.on_predict_batch_begin, step_fn, empty_ok=True):
+            for end, out in _executions(trainable, data, callbacks.on_predict_batch_begin, step_fn, empty_ok=True,
+                                        stops=stops):
                 callbacks.on_predict_batch_end(end, {"outputs": out})
     finally:
         module.train(was_training)

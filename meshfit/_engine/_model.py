@@ -99,6 +99,8 @@ class Model(TrackedMetricsMixin, StepsMixin, OnBatchMixin, WeightsMixin):
         self.jit_compile = False
         self._run_eagerly = False
         self.stop_training = False
+        self.stop_evaluating = False  # Keras 3: a test / predict batch hook ends evaluate / predict
+        self.stop_predicting = False
         self.history: Any = None
         self._metric_identifiers: list[Any] | dict[str, Any] = []
         self._compiled_metrics: list[Metric] = []

@@ -281,6 +281,8 @@ class Trainable(Protocol):
     def strategy(self) -> DistributionStrategy: ...
 
     stop_training: bool
+    stop_evaluating: bool  # set in a test batch hook: evaluate ends after that batch (Keras 3)
+    stop_predicting: bool  # set in a predict batch hook: predict ends after that batch (Keras 3)
     steps_per_execution: int  # training steps between two batch-callback calls
 
     @property

@@ -44,10 +44,11 @@ class Callback:
         (saving every N steps) sets ``reads_batch_logs = False`` in its class (or overrides this)."""
         return True
 
-    #: Whether this callback's training batch hooks may set ``model.stop_training`` (or roll training
-    #: back). On several workers, a run with such a hook shares the stop flag after every step, so that
-    #: all stop at the same one; a callback whose batch hooks never stop training (a saver) sets it False
-    #: in its class, and then costs no collective a step.
+    #: Whether this callback's batch hooks may set ``model.stop_training`` (or roll training back), or
+    #: ``stop_evaluating`` / ``stop_predicting`` in its test / predict batch hooks. On several workers, a
+    #: loop with such a hook shares the stop flag after every step, so that all stop at the same one; a
+    #: callback whose batch hooks never stop (a saver, the progress bar) sets it False in its class, and
+    #: then costs no collective a step.
     stops_in_batch_hooks = True
 
     #: Whether this callback runs after every other one in each hook (savers: what they save then

@@ -39,6 +39,8 @@ class ProgbarLogger(Callback):
         10.0
     """
 
+    stops_in_batch_hooks = False  # it prints; it never stops a loop
+
     @property
     def reads_batch_logs(self) -> bool:
         """Only the live bar (``verbose=1``) shows per-batch values; ``verbose=2`` prints epochs."""

@@ -129,6 +129,7 @@ class EstimatorModel:
     def __init__(self, caller: ModelFnCaller, mode: str, strategy: DistributionStrategy) -> None:
         self.caller, self.mode, self.strategy = caller, mode, strategy
         self.stop_training = False
+        self.stop_evaluating = self.stop_predicting = False  # (the hooks of a run may set them)
         self.steps_per_execution = 1  # the loop runs one step between two hook calls
         self.loss_metric = _Accumulator("loss", last_only=mode == ModeKeys.TRAIN)
         self.eval_metrics: dict[str, _Accumulator] = {}
