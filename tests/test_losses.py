@@ -314,3 +314,26 @@ def test_categorical_crossentropy_with_integer_labels_names_the_sparse_loss():
     with pytest.raises(ValueError, match=r"received targets of shape \(2, 1\).*sparse_categorical_crossentropy"):
         _fit_once(nn.Sequential(nn.Linear(3, 3), nn.Softmax(dim=-1)), "categorical_crossentropy",
                   np.array([[0], [1], [2], [0]], "f4"))
+
+
+@pytest.mark.parametrize("module, targets", [
+    (nn.MSELoss(reduction="sum"), torch.randn(4, 3)),
+    (nn.MSELoss(), torch.randn(4, 3)),
+    (nn.CrossEntropyLoss(ignore_index=-100), torch.tensor([0, 2, -100, 1])),
+    (nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 3.0])), torch.tensor([0, 2, 1, 1])),
+    (nn.CrossEntropyLoss(reduction="sum", ignore_index=1), torch.tensor([0, 2, 1, 1])),
+    (nn.NLLLoss(ignore_index=0), torch.tensor([0, 2, 0, 1])),
+])
+def test_a_torch_loss_module_is_unchanged_by_unit_sample_weights(module, targets):
+    # a weight of one on every sample (what class_weight gives a class it leaves alone) changes nothing:
+    # a module's sum stayed a sum divided by the batch, and a mean ignored its ignore_index / class weights
+    loss = mf.losses.get(module)
+    scores = torch.randn(4, 3).log_softmax(-1)
+    assert float(loss(targets, scores, sample_weight=torch.ones(4))) == pytest.approx(float(loss(targets, scores)))
+
+
+def test_a_torch_cross_entropy_weights_samples_over_the_targets_it_counts():
+    loss = mf.losses.get(nn.CrossEntropyLoss(ignore_index=-100))
+    scores, targets, weights = torch.randn(4, 3), torch.tensor([0, 2, -100, 1]), torch.tensor([2.0, 0.0, 5.0, 1.0])
+    each = F.cross_entropy(scores, targets, reduction="none")
+    assert float(loss(targets, scores, sample_weight=weights)) == pytest.approx(float((weights * each).sum() / 3))

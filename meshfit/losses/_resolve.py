@@ -49,8 +49,26 @@ class TorchModuleLoss(Loss):
             values = self.module(y_pred, y_true)
         finally:
             self.module.reduction = saved
-        values = values.flatten(1).mean(dim=1) if values.ndim > 1 else values
-        return reduce_weighted(values, sample_weight, "sum_over_batch_size")
+        # Each value weighted by its sample's weight, then reduced as the module reduces: a sum stays a sum,
+        # and a mean divides by the module's own count, so that weights of one give the unweighted loss
+        weighted = reduce_weighted(values, sample_weight, "sum")
+        if saved == "sum":
+            return weighted
+        return weighted / self._count(values, y_true)
+
+    def _count(self, values: torch.Tensor, y_true: torch.Tensor) -> torch.Tensor | int:
+        """What the module's ``reduction="mean"`` divides by: for class-index targets of a cross-entropy or
+        NLL loss, the targets other than ``ignore_index`` (each counted by its class ``weight`` where one is
+        given; 1 where none is left: the loss is then 0, as Keras's ``divide_no_nan``); else every value."""
+        module = self.module
+        if not isinstance(module, (nn.CrossEntropyLoss, nn.NLLLoss)) or torch.is_floating_point(y_true):
+            return values.numel()
+        counted = y_true != module.ignore_index
+        if module.weight is None:
+            count = counted.sum().to(values.dtype)
+        else:
+            count = (module.weight.to(values.dtype)[torch.where(counted, y_true, 0)] * counted).sum()
+        return torch.where(count == 0, torch.ones_like(count), count)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.module!r})"
