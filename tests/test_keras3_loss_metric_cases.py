@@ -113,3 +113,43 @@ def test_sparse_top_k_counts_ties_as_hits():
     assert float(metric.result()) == pytest.approx(1.0)  # meshfit: 0.0
 
 
+
+
+# keras/src/metrics/reduction_metrics_test.py (MeanTest, MetricWrapperTest) @ 3422977a: one value a sample
+@pytest.mark.parametrize(("values", "weight", "expected"), [
+    ([1, 3, 5, 7], None, 4.0),
+    ([1, 3, 5, 7], [1, 1, 0, 0], 2.0),
+    ([[1, 3], [5, 7]], [[1, 1], [1, 0]], 3.0),
+    ([[1, 3], [5, 7]], [[1, 0]], 3.0),
+])
+def test_keras_mean_cases(values, weight, expected):
+    metric = metrics.Mean()
+    metric.update_state(t(values), sample_weight=None if weight is None else t(weight))
+    assert float(metric.result()) == pytest.approx(expected, abs=1e-3)
+
+
+@pytest.mark.parametrize(("weight", "expected"), [
+    (None, 0.5), ([1.0, 1.5, 2.0, 2.5], 0.54285), ([[1.0, 0.0, 0.5, 0.0, 1.0]], 0.45),
+])
+def test_keras_metric_wrapper_cases(weight, expected):
+    y_true = t([[0, 1, 0, 1, 0], [0, 0, 1, 1, 1], [1, 1, 1, 1, 0], [0, 0, 0, 0, 1]])
+    y_pred = t([[0, 0, 1, 1, 0], [1, 1, 1, 1, 1], [0, 1, 0, 1, 0], [1, 1, 1, 1, 1]])
+    metric = metrics.MeanMetricWrapper(lambda a, b: (a - b) ** 2, name="mse")
+    metric.update_state(y_true, y_pred, sample_weight=None if weight is None else t(weight))
+    assert float(metric.result()) == pytest.approx(expected, abs=1e-5)
+
+
+def test_mean_counts_samples_across_batches_of_different_lengths():
+    # token accuracy over padded batches of lengths 2 and 4: each sample weighs the same (Keras 3), not
+    # each token (tf-keras counted 5 hits of 6)
+    metric = metrics.SparseCategoricalAccuracy()
+    metric.update_state(t([[0, 1]], torch.int64), t([[[1.0, 0.0], [1.0, 0.0]]]))  # the sample's mean: 0.5
+    metric.update_state(t([[0, 0, 0, 0]], torch.int64), t([[[1.0, 0.0]] * 4]))  # 1.0
+    assert float(metric.result()) == pytest.approx(0.75)
+
+
+def test_mean_scalar_sample_weight_weighs_the_batch_once():
+    metric = metrics.Mean()
+    metric.update_state(t([1.0, 3.0]), sample_weight=0.5)  # one sample of weight 0.5: its mean, 2
+    metric.update_state(t([10.0]), sample_weight=1)
+    assert float(metric.result()) == pytest.approx(11 / 1.5)

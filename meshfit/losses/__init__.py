@@ -12,6 +12,7 @@ from meshfit.losses._losses import Huber, Loss, MeanAbsoluteError, MeanSquaredEr
 from meshfit.losses._losses import broadcast_weight as broadcast_weight
 from meshfit.losses._losses import snake_case as snake_case
 from meshfit.losses._losses import squeeze_or_expand as squeeze_or_expand
+from meshfit.losses._losses import to_same_rank as to_same_rank
 from meshfit.losses._resolve import TorchModuleLoss as TorchModuleLoss
 from meshfit.losses._resolve import deserialize, get, serialize
 

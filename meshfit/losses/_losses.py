@@ -31,6 +31,18 @@ def squeeze_or_expand(y_true: torch.Tensor, y_pred: torch.Tensor) -> tuple[torch
     return y_true, y_pred
 
 
+def to_same_rank(y_true: torch.Tensor, y_pred: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keras's ``squeeze_or_expand_to_same_rank`` for two tensors whose ranks differ by one with a size-1 last
+    dim (a loss function's arguments, a metric's values and weights): a rank-1 side gains a trailing dim
+    ((n,) and (n, 1) meet as (n, 1)); else the larger loses its last dim."""
+    true_rank, pred_rank = y_true.ndim, y_pred.ndim
+    if pred_rank == true_rank + 1 and y_pred.shape[-1] == 1:
+        return (y_true.unsqueeze(-1), y_pred) if true_rank == 1 else (y_true, y_pred.squeeze(-1))
+    if true_rank == pred_rank + 1 and y_true.shape[-1] == 1:
+        return (y_true, y_pred.unsqueeze(-1)) if pred_rank == 1 else (y_true.squeeze(-1), y_pred)
+    return y_true, y_pred
+
+
 def mean_last_dim(values: torch.Tensor) -> torch.Tensor:
     """Per-sample value: the mean over the last dim, as Keras's `axis=-1` losses do."""
     return values.mean(dim=-1) if values.ndim > 1 else values

@@ -21,6 +21,7 @@ from meshfit.losses._losses import (
     MeanSquaredError,
     reduce_weighted,
     snake_case,
+    to_same_rank,
 )
 
 
@@ -74,17 +75,6 @@ class TorchModuleLoss(Loss):
         return f"{type(self).__name__}({self.module!r})"
 
 
-def _to_same_rank(y_true: torch.Tensor, y_pred: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keras's rule for a loss function's arguments whose ranks differ by one with a size-1 last dim: a
-    rank-1 side gains a trailing dim ((n,) and (n, 1) meet as (n, 1)); else the larger loses its last dim."""
-    true_rank, pred_rank = y_true.ndim, y_pred.ndim
-    if pred_rank == true_rank + 1 and y_pred.shape[-1] == 1:
-        return (y_true.unsqueeze(-1), y_pred) if true_rank == 1 else (y_true, y_pred.squeeze(-1))
-    if true_rank == pred_rank + 1 and y_true.shape[-1] == 1:
-        return (y_true, y_pred.unsqueeze(-1)) if pred_rank == 1 else (y_true.squeeze(-1), y_pred)
-    return y_true, y_pred
-
-
 class _FunctionLoss(Loss):
     """A plain callable `fn(y_true, y_pred)`: its per-sample values are reduced like any Loss."""
 
@@ -97,7 +87,7 @@ class _FunctionLoss(Loss):
         # As Keras's LossFunctionWrapper: targets and outputs brought to one rank first, so that (n,)
         # targets meet (n, 1) outputs row by row, not broadcast to (n, n)
         if isinstance(y_true, torch.Tensor) and isinstance(y_pred, torch.Tensor):
-            y_true, y_pred = _to_same_rank(y_true, y_pred)
+            y_true, y_pred = to_same_rank(y_true, y_pred)
         return torch.as_tensor(self.fn(y_true, y_pred))
 
     def __repr__(self) -> str:

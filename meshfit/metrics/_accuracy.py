@@ -89,7 +89,7 @@ class SparseCategoricalAccuracy(MeanMetricWrapper):
         no weights, all on the states' device) compares them and keeps the hits, summed with the next
         batches' when the states are read: the same float64 sum, two kernels a step instead of four."""
         if (sample_weight is None and y_pred.__class__ is torch.Tensor and y_true.__class__ is torch.Tensor
-                and y_true.dtype is torch.int64 and not y_pred.requires_grad and y_true.ndim + 1 == y_pred.ndim):
+                and y_true.dtype is torch.int64 and not y_pred.requires_grad and y_true.ndim == 1 and y_pred.ndim == 2):
             if self._states["total"].device == y_pred.device and y_true.device == y_pred.device:
                 self._count_hits(y_pred.argmax(dim=-1) == y_true)  # summed with the next ones when read
                 return

@@ -60,7 +60,8 @@ class Mean(Metric):
         self._whole_count = True
 
     def update_state(self, values: Any, sample_weight: Any = None) -> None:  # type: ignore[override]
-        """Add `values` (any shape), each weighted by the broadcast `sample_weight`."""
+        """Add `values` (any shape) weighted by `sample_weight`: each sample's values averaged to one, then
+        weighted and counted by its weight (Keras 3's `Mean`; a scalar weight counts the batch as one sample)."""
         # Called for every metric at every step: attribute reads (``__class__``, ``ndim``, ``dtype``)
         # rather than calls where they give the same answer.
         if values.__class__ is not torch.Tensor or values.requires_grad:
@@ -79,27 +80,29 @@ class Mean(Metric):
                 self._count(sample_weight)
                 self._whole_total = False
                 return
-        if ndim and sample_weight is None and values.dtype is torch.bool and values.is_contiguous():
-            # Hits (the accuracies): their float64 sum is the whole number of hits, as the sum of
-            # their float64 copies is; no copy made.
+        if ndim == 1 and sample_weight is None and values.dtype is torch.bool and values.is_contiguous():
+            # Hits (the accuracies), one a sample: their float64 sum is the whole number of hits, as the sum
+            # of their float64 copies is; no copy made.
             total = self._states["total"]
             if total.device == values.device:
                 total += values.sum(dtype=torch.float64)
-                self._count(values.numel())
+                self._count(values.shape[0])
                 return
         if values.dtype is not torch.float64:
             values = values.to(torch.float64)
-        if (sample_weight is None or sample_weight.__class__ is int or _whole_number(sample_weight)) and (
-                not ndim or values.is_contiguous()):
-            # No weight, or a whole number (the loss tracker's batch size): the count is known on
-            # the host, ``n * w`` exactly (the sum of ``n`` copies of ``w``), so it is one scalar
-            # add with no tensor of weights made; the total is the same sum of the same products.
-            each = 1.0 if sample_weight is None else float(sample_weight)
-            weighted = values if sample_weight is None else values * each
-            if ndim:
-                weighted = weighted.sum()
+        # Keras 3 (`reduce_to_samplewise_values`): one value a sample, the mean of its elements, counted once
+        # (each sample weighs the same, whatever its length); a batch weighted by one number is one sample
+        # of that weight, its values' mean.
+        if sample_weight is None or _whole_number(sample_weight):
+            if sample_weight is None:
+                if ndim > 1:
+                    values = values.flatten(1).mean(dim=1)
+                weighted = values.sum() if ndim else values
+                count = float(values.shape[0]) if ndim else 1.0
+            else:
+                count = float(sample_weight)  # a whole number: the count stays exact in any order
+                weighted = (values.mean() if ndim else values) * count
             total = self._states["total"]
-            count = values.numel() * each if ndim else each  # whole numbers: exact in any order
             if total.device == values.device:  # the usual step: the count stays on the host for now
                 if self._pending_hits:
                     self._add_pending_hits()
@@ -112,11 +115,13 @@ class Mean(Metric):
             return
         self._add_pending_count()  # a weighted count may be fractional: keep its order of additions
         if isinstance(sample_weight, (int, float)) and not isinstance(sample_weight, bool):
-            weight = torch.full_like(values, float(sample_weight))  # no host-to-device copy of the number
+            weighted, count_of = (values.mean() if ndim else values) * float(sample_weight), float(sample_weight)
+            self._accumulate("total", weighted)
+            self._accumulate("count", count_of, values.device)
         else:
-            values, weight = losses.broadcast_weight(values, _as_tensor(sample_weight))
-        self._accumulate("total", (values * weight).sum())
-        self._accumulate("count", weight.sum())
+            values, weight = _samplewise(values, _as_tensor(sample_weight).to(values.device))
+            self._accumulate("total", values.sum())
+            self._accumulate("count", weight.sum())
         self._whole_count = False
 
     def _count_hits(self, hits: torch.Tensor) -> None:
@@ -190,11 +195,28 @@ class Mean(Metric):
         return total / count if count != 0 else torch.zeros_like(total)
 
 
+def _samplewise(values: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keras 3's ``reduce_to_samplewise_values`` (with the mean): ``values`` reduced to the weights' rank,
+    weighted, then to one value a sample; the weights to one a sample. Float64."""
+    values, weight = losses.to_same_rank(values, weight.to(torch.float64))
+    weight_ndim, values_ndim = weight.ndim, values.ndim
+    if values_ndim > weight_ndim:
+        values = values.mean(dim=tuple(range(weight_ndim, values_ndim))) if weight_ndim else values.mean()
+    weight = weight.broadcast_to(values.shape)
+    values = values * weight
+    if weight_ndim > 1:
+        weight = weight.mean(dim=tuple(range(1, weight_ndim)))
+    if values.ndim > 1:
+        values = values.mean(dim=tuple(range(1, values.ndim)))
+    return values, weight
+
+
 class MeanMetricWrapper(Mean):
     """The weighted mean over samples of `fn(y_true, y_pred, **kwargs)`.
 
     Args:
-        fn: Returns one value per sample (or per element); a scalar counts as one value.
+        fn: Returns one value per sample, or per element (each sample's elements are averaged first,
+            as Keras 3 does); a scalar counts as one value.
         name: The metric's name; defaults to `fn.__name__`.
         **kwargs: Passed to `fn`.
     """
