@@ -153,3 +153,15 @@ def test_mean_scalar_sample_weight_weighs_the_batch_once():
     metric.update_state(t([1.0, 3.0]), sample_weight=0.5)  # one sample of weight 0.5: its mean, 2
     metric.update_state(t([10.0]), sample_weight=1)
     assert float(metric.result()) == pytest.approx(11 / 1.5)
+
+
+def test_accuracy_with_torch_cross_entropy_follows_its_targets():
+    # torch's cross-entropy takes class indices or class probabilities; Keras 3 picks the accuracy by shape
+    scores = t([[2.0, 0, 0], [0, 2.0, 0], [0, 0, 2.0], [2.0, 0, 0]])
+    one_hot = metrics.get("accuracy", loss=nn.CrossEntropyLoss())
+    one_hot.update_state(t([[1, 0, 0], [0, 1, 0], [0, 0, 1], [0, 1, 0]]), scores)
+    assert float(one_hot.result()) == pytest.approx(0.75)
+    indices = metrics.get("accuracy", loss=nn.CrossEntropyLoss())
+    indices.update_state(t([0, 1, 2, 1], torch.int64), scores)
+    assert float(indices.result()) == pytest.approx(0.75)
+    assert one_hot.name == indices.name == "accuracy"

@@ -26,6 +26,7 @@ _LOWER_IS_BETTER = ("loss", "error", "mse", "mae", "mape", "msle", "rmse", "hing
 # meshfit metric classes whose larger values are better, or worse (Keras's `_direction`).
 _METRIC_DIRECTION = {"SparseCategoricalAccuracy": "up", "CategoricalAccuracy": "up", "BinaryAccuracy": "up",
                      "Accuracy": "up", "SparseTopKCategoricalAccuracy": "up", "_AutoAccuracy": "up",
+                     "_CrossEntropyAccuracy": "up",
                      "MeanSquaredError": "down", "MeanAbsoluteError": "down"}
 
 

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from meshfit.losses import squeeze_or_expand
-from meshfit.metrics._mean import MeanMetricWrapper
+from meshfit.metrics._mean import Mean, MeanMetricWrapper
 
 
 def _sparse_labels(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
@@ -136,6 +136,20 @@ class SparseTopKCategoricalAccuracy(MeanMetricWrapper):
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"Invalid `k`: expected a positive int, received k={k!r}.")
         super().__init__(_sparse_top_k_hits, name, k=k)
+
+
+class _CrossEntropyAccuracy(SparseCategoricalAccuracy):
+    """`"accuracy"` with torch's cross-entropy, which takes class indices or class probabilities: sparse
+    categorical accuracy for indices, categorical accuracy for probability (one-hot) targets of the
+    scores' shape (Keras 3 picks by shape too)."""
+
+    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:  # type: ignore[override]
+        """Count one batch's hits, by the kind of its targets."""
+        if y_true.__class__ is torch.Tensor and y_true.dtype.is_floating_point and y_true.shape == y_pred.shape \
+                and y_true.ndim > 1:
+            Mean.update_state(self, _categorical_hits(y_true, y_pred.detach()), sample_weight)
+            return
+        super().update_state(y_true, y_pred, sample_weight)
 
 
 class _AutoAccuracy(MeanMetricWrapper):

@@ -18,6 +18,7 @@ from meshfit.metrics._accuracy import (
     SparseCategoricalAccuracy,
     SparseTopKCategoricalAccuracy,
     _AutoAccuracy,
+    _CrossEntropyAccuracy,
 )
 from meshfit.metrics._mean import MeanMetricWrapper
 from meshfit.metrics._metrics import Metric
@@ -62,7 +63,9 @@ def _accuracy_for(name: str, loss: Any) -> Metric:
             loss = None
     if isinstance(loss, _TorchModuleLoss):
         loss = loss.module
-    if isinstance(loss, losses.SparseCategoricalCrossentropy | nn.CrossEntropyLoss | nn.NLLLoss):
+    if isinstance(loss, nn.CrossEntropyLoss):  # class indices or class probabilities
+        return _CrossEntropyAccuracy(name)
+    if isinstance(loss, losses.SparseCategoricalCrossentropy | nn.NLLLoss):
         return SparseCategoricalAccuracy(name)
     if isinstance(loss, losses.CategoricalCrossentropy):
         return CategoricalAccuracy(name)
@@ -76,7 +79,8 @@ def get(identifier: Any, loss: Any = None) -> Metric:
     """Resolve a metric identifier to a `Metric`.
 
     `"accuracy"` / `"acc"` follow the loss: sparse categorical accuracy for sparse categorical
-    cross-entropy (also `nn.CrossEntropyLoss`, `nn.NLLLoss`), categorical accuracy for categorical
+    cross-entropy (also `nn.NLLLoss`, and `nn.CrossEntropyLoss` with class-index targets; categorical
+    accuracy where its targets are class probabilities), categorical accuracy for categorical
     cross-entropy, binary accuracy for binary cross-entropy (threshold 0 when it takes logits). With
     any other loss each batch picks by shape as Keras 3 does: binary when `y_pred`'s last dim is 1,
     sparse when `y_true` has fewer dims (or a last dim of 1), else categorical. A string's metric is
