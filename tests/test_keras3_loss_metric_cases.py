@@ -165,3 +165,11 @@ def test_accuracy_with_torch_cross_entropy_follows_its_targets():
     indices.update_state(t([0, 1, 2, 1], torch.int64), scores)
     assert float(indices.result()) == pytest.approx(0.75)
     assert one_hot.name == indices.name == "accuracy"
+
+
+def test_losses_take_numpy_outputs_like_keras():
+    # Keras's Loss.__call__ converts both arguments; a numpy y_pred failed inside torch's `to()` before
+    assert float(losses.MeanSquaredError()(np.array(Y_TRUE), np.array(Y_PRED, dtype="float64"))) == pytest.approx(49.5)
+    assert float(losses.SparseCategoricalCrossentropy(from_logits=True)(np.array([0, 1]), [[2.0, 0.0], [0.0, 2.0]])) \
+        == pytest.approx(0.126928, abs=1e-6)
+    assert float(losses.get(nn.MSELoss())(np.array([1.0]), np.array([3.0]))) == pytest.approx(4.0)

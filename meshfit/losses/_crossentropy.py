@@ -10,7 +10,14 @@ import torch.nn.functional as F
 
 from meshfit._lazy_dtensor import is_dtensor
 from meshfit._validation import check_bool, invalid_argument
-from meshfit.losses._losses import NARROW_FLOATS, Loss, mean_last_dim, reduce_weighted, squeeze_or_expand
+from meshfit.losses._losses import (
+    NARROW_FLOATS,
+    Loss,
+    as_scores,
+    mean_last_dim,
+    reduce_weighted,
+    squeeze_or_expand,
+)
 
 EPSILON = 1e-7
 # torch's cross-entropy skips targets equal to its ``ignore_index`` (-100 by default, leaving a silent zero);
@@ -144,6 +151,8 @@ class SparseCategoricalCrossentropy(Loss):
         no weights, the mean over the batch) is torch's own mean cross-entropy: one kernel forward and
         one backward where the per-sample losses, their sum and the division took three and three.
         Half-precision scores are widened to float32 first (Keras computes its losses in float32)."""
+        if not isinstance(y_pred, torch.Tensor):
+            y_pred = as_scores(y_pred)
         if y_pred.dtype in NARROW_FLOATS:
             y_pred = y_pred.float()
         if (sample_weight is None and y_pred.__class__ is torch.Tensor and y_true.__class__ is torch.Tensor

@@ -17,6 +17,12 @@ REDUCTIONS = ("sum_over_batch_size", "sum", "none")
 NARROW_FLOATS = (torch.float16, torch.bfloat16)
 
 
+def as_scores(y_pred: Any) -> torch.Tensor:
+    """Outputs given as numpy arrays or lists, as a tensor in torch's default float dtype (Keras converts
+    them to its float dtype)."""
+    return torch.as_tensor(y_pred, dtype=torch.get_default_dtype())
+
+
 def snake_case(name: str) -> str:
     """`SparseCategoricalCrossentropy` -> `sparse_categorical_crossentropy`."""
     return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
@@ -118,6 +124,8 @@ class Loss:
         self, y_true: torch.Tensor, y_pred: torch.Tensor, sample_weight: torch.Tensor | float | None = None
     ) -> torch.Tensor:
         """Compute the reduced loss of a batch (in float32 where the outputs are half precision, as Keras)."""
+        if not isinstance(y_pred, torch.Tensor):  # numpy arrays, lists (Keras converts them too)
+            y_pred = as_scores(y_pred)
         if y_pred.dtype in NARROW_FLOATS:
             y_pred = y_pred.float()
         if y_true.__class__ is not torch.Tensor or y_true.device != y_pred.device:  # else as_tensor gives it back

@@ -19,6 +19,7 @@ from meshfit.losses._losses import (
     Loss,
     MeanAbsoluteError,
     MeanSquaredError,
+    as_scores,
     reduce_weighted,
     snake_case,
     to_same_rank,
@@ -35,6 +36,8 @@ class TorchModuleLoss(Loss):
     def __call__(
         self, y_true: torch.Tensor, y_pred: torch.Tensor, sample_weight: torch.Tensor | float | None = None
     ) -> torch.Tensor:
+        if not isinstance(y_pred, torch.Tensor):
+            y_pred = as_scores(y_pred)
         y_true = torch.as_tensor(y_true, device=y_pred.device)
         if sample_weight is None:
             value = self.module(y_pred, y_true)
