@@ -175,3 +175,51 @@ def test_validation_steps_reduce_logs_only_for_a_reader():
     assert figures["reader_seen"] == 8 + 16 + 8 + 16, figures
     # The epoch's validation logs are the same with or without per-step reductions.
     assert figures["plain_val_loss"] == figures["reader_val_loss"], figures
+
+
+class _StopOnOneWorker(mf.callbacks.Callback):
+    """Sets stop_evaluating / stop_predicting at its 3rd batch on one worker only."""
+
+    def __init__(self, rank: int, reads_logs: bool) -> None:
+        super().__init__()
+        self.rank, self.reads_logs, self.tests, self.predicts = rank, reads_logs, 0, 0
+
+    @property
+    def reads_test_batch_logs(self) -> bool:
+        return self.reads_logs
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.tests += 1
+        if self.rank == 1 and self.tests == 3:
+            self.model.stop_evaluating = True
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self.predicts += 1
+        if self.rank == 1 and self.predicts == 3:
+            self.model.stop_predicting = True
+
+
+def _stops_outside_fit(rank: int, size: int) -> dict[str, object]:
+    strategy = mf.MultiWorkerMirroredStrategy()
+    x, y = _data(10)
+    out: dict[str, object] = {}
+    for reads in (False, True):
+        model = _model(strategy)
+        stopper = _StopOnOneWorker(rank, reads)
+        dataset = strategy.experimental_distribute_dataset(mf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH))
+        model.evaluate(dataset, verbose=0, callbacks=[stopper])
+        out[f"tests_reads_{reads}"] = stopper.tests
+    stopper = _StopOnOneWorker(rank, False)
+    model = _model(strategy)
+    dataset = strategy.experimental_distribute_dataset(mf.data.Dataset.from_tensor_slices(x).batch(BATCH))
+    out["predicted_rows"] = len(model.predict(dataset, verbose=0, callbacks=[stopper]))
+    out["predicts"] = stopper.predicts
+    return out
+
+
+def test_a_stop_evaluating_or_predicting_on_one_worker_ends_both_at_the_same_batch():
+    results = run_distributed(_stops_outside_fit, world_size=2, timeout=240)
+    assert results[0] == results[1], results
+    # agreed after the batch whose hook set it; with a reader of the logs, in the next step's reduction
+    assert results[0]["tests_reads_False"] == 3 and results[0]["tests_reads_True"] == 4, results
+    assert results[0]["predicts"] == 3, results

@@ -72,7 +72,7 @@ def evaluate(trainable: Trainable, data: Any, callbacks: Any) -> dict[str, float
     callbacks.on_test_begin()
     logs: dict[str, float] = {}
     returned: Any = None
-    readers, stops = _test_loop_needs(trainable, callbacks)
+    readers, stop = _test_loop_needs(trainable, callbacks)
     try:
         module.eval()
         with torch.no_grad():
@@ -80,9 +80,11 @@ def evaluate(trainable: Trainable, data: Any, callbacks: Any) -> dict[str, float
             # takes every batch, an empty share too (its step joins the others' collectives)
             together = not trainable.residency.everywhere
             for returned in _executions(trainable, data, callbacks.on_test_batch_begin, trainable.test_step,
-                                        empty_ok=together, stops=stops):
+                                        empty_ok=together, stops=stop):
                 if readers:  # Keras's rule: the metrics are reduced at each step only for a reader of the logs
-                    logs, _ = reduce_logs(trainable)
+                    logs, summed = reduce_logs(trainable, stop.riding() if stop is not None else [])
+                    if stop is not None:
+                        stop.arrived(summed)
                     merge_returned(trainable, logs, returned[1])
                 callbacks.on_test_batch_end(returned[0], logs)
         if returned is not None and not readers:  # once, after the last step: the same values
@@ -96,24 +98,43 @@ def evaluate(trainable: Trainable, data: Any, callbacks: Any) -> dict[str, float
     return logs
 
 
-def _test_loop_needs(trainable: Trainable, callbacks: Any) -> tuple[bool, Callable[[], bool] | None]:
+def _test_loop_needs(trainable: Trainable, callbacks: Any) -> tuple[bool, StopFlag | None]:
     """Whether a callback reads ``on_test_batch_end``'s logs, and what tells the loop that something set
-    ``stop_evaluating`` (agreed in one collective on several processes)."""
+    ``stop_evaluating`` (None where nothing may)."""
     if trainable.strategy.num_processes <= 1:
-        return _reads_test_logs(callbacks), _stop_check(trainable, "stop_evaluating", True)
+        return _reads_test_logs(callbacks), StopFlag(trainable, "stop_evaluating", False)
     reads, may_stop = sum_flags(trainable.strategy, [float(_reads_test_logs(callbacks)),
                                                      float(_may_stop(trainable, callbacks, "test"))])
-    return reads > 0, _stop_check(trainable, "stop_evaluating", may_stop > 0)
+    return reads > 0, StopFlag(trainable, "stop_evaluating", reads > 0) if may_stop > 0 else None
 
 
-def _stop_check(trainable: Trainable, flag: str, may_stop: bool) -> Callable[[], bool] | None:
-    """What reads ``trainable.<flag>`` after each execution: the attribute on one process, the flag agreed
-    by every process on several (they end at the same batch); None where nothing may set it."""
-    if not may_stop:
-        return None
-    if trainable.strategy.num_processes <= 1:
-        return lambda: bool(getattr(trainable, flag))
-    return lambda: agree(trainable, bool(getattr(trainable, flag)))
+class StopFlag:
+    """Keras 3's ``stop_evaluating`` / ``stop_predicting`` as a loop reads it after each execution: the
+    attribute, on one process. On several, every process must end at the same step: the flag is summed
+    over them, in the next step's reduction of the logs where a callback reads them (no collective of its
+    own: the loop then ends one step later, as with a training batch hook's stop), else after each
+    execution on its own."""
+
+    def __init__(self, trainable: Trainable, attribute: str, rides_with_logs: bool) -> None:
+        self.trainable, self.attribute = trainable, attribute
+        self.several = trainable.strategy.num_processes > 1
+        self.rides = self.several and rides_with_logs
+        self._agreed = False
+
+    def riding(self) -> list[float]:
+        """The flag to add to a log reduction (nothing where it does not ride there)."""
+        return [float(bool(getattr(self.trainable, self.attribute)))] if self.rides else []
+
+    def arrived(self, summed: list[float]) -> None:
+        """The flags a log reduction summed (`riding`'s)."""
+        if self.rides:
+            self._agreed = summed[0] > 0
+
+    def __call__(self) -> bool:
+        raised = bool(getattr(self.trainable, self.attribute))
+        if not self.several:
+            return raised
+        return self._agreed if self.rides else agree(self.trainable, raised)
 
 
 def _may_stop(trainable: Trainable, callbacks: Any, kind: str) -> bool:
@@ -184,8 +205,8 @@ def predict(trainable: Trainable, data: Any, callbacks: CallbackListLike | Any) 
         return out
 
     trainable.stop_predicting = False
-    stops = _stop_check(trainable, "stop_predicting", strategy.num_processes <= 1
-                        or agree(trainable, _may_stop(trainable, callbacks, "predict")))
+    stops = StopFlag(trainable, "stop_predicting", False) if strategy.num_processes <= 1 \
+        or agree(trainable, _may_stop(trainable, callbacks, "predict")) else None
     callbacks.on_predict_begin()
     try:
         module.eval()
