@@ -223,3 +223,25 @@ def test_a_stop_evaluating_or_predicting_on_one_worker_ends_both_at_the_same_bat
     # agreed after the batch whose hook set it; with a reader of the logs, in the next step's reduction
     assert results[0]["tests_reads_False"] == 3 and results[0]["tests_reads_True"] == 4, results
     assert results[0]["predicts"] == 3, results
+
+
+class _OwnLogsStep(mf.Model):
+    """A train_step override returning a dict of its own names, with a different value on each worker."""
+
+    def train_step(self, data):
+        super().train_step(data)
+        return {"custom": float(self.strategy.replica_id + 1)}
+
+
+def _own_epoch_logs(rank: int, size: int) -> list[float]:
+    strategy = mf.MultiWorkerMirroredStrategy()
+    x, y = _data(4)
+    history = _model(strategy, _OwnLogsStep).fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    return history.history["custom"]
+
+
+def test_an_overrides_own_epoch_logs_are_one_value_on_every_worker():
+    # the step's own dict is the epoch's logs (Keras); each worker's value differs, so the epoch's is their
+    # mean: a saver or EarlyStopping deciding on it decides the same on every worker
+    results = run_distributed(_own_epoch_logs, world_size=2, timeout=240)
+    assert results[0] == results[1] == [1.5, 1.5], results

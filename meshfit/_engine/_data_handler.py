@@ -310,9 +310,11 @@ class DataHandler:
         if isinstance(self.source, _StreamSource) and state.get("loader"):
             self.source.plan.load_state_dict(state["loader"])
         seeds = [int(seed) for seed in state.get("shuffle_seeds") or []]
-        for top, chain in self._shuffle_chains():
-            if len(chain) == len(seeds):
-                reseed_shuffles(top, seeds)  # (a cache above a reseeded shuffle forgets the old order's rows)
+        chains = self._shuffle_chains()
+        previous = [[node.seed for node in chain] for _, chain in chains]  # before any: views share shuffles
+        for (top, chain), before in zip(chains, previous, strict=True):
+            if len(chain) == len(seeds):  # (a cache above a reseeded shuffle forgets the old order's rows)
+                reseed_shuffles(top, seeds, before)
 
     @staticmethod
     def _starts_a_pass(state: dict[str, Any]) -> bool:

@@ -139,7 +139,7 @@ class StopFlag:
 
 def _may_stop(trainable: Trainable, callbacks: Any, kind: str) -> bool:
     """Whether something may set ``stop_evaluating`` / ``stop_predicting`` during the loop: a callback with
-    the batch-end hook, a step override, or callbacks that cannot be listed (the Estimator's hooks)."""
+    a batch hook, a step override, or callbacks that cannot be listed (the Estimator's hooks)."""
     step = getattr(getattr(trainable, f"{kind}_step", None), "__func__", None)
     if step is not getattr(StepsMixin, f"{kind}_step"):
         return True
@@ -147,8 +147,8 @@ def _may_stop(trainable: Trainable, callbacks: Any, kind: str) -> bool:
         listed = list(callbacks)
     except TypeError:
         return True
-    return any(implements_hook(c, f"on_{kind}_batch_end") and getattr(c, "stops_in_batch_hooks", True)
-               for c in listed)
+    return any((implements_hook(c, f"on_{kind}_batch_end") or implements_hook(c, f"on_{kind}_batch_begin"))
+               and getattr(c, "stops_in_batch_hooks", True) for c in listed)
 
 
 def _reads_test_logs(callbacks: Any) -> bool:

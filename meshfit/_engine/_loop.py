@@ -29,6 +29,7 @@ from meshfit._engine._step_logs import (
     agree,
     as_logs,
     may_own_logs,
+    mean_over_processes,
     merge_returned,
     reduce_logs,
     replaces_metrics,
@@ -321,7 +322,7 @@ class TrainingLoop:
     def _end_epoch(self, epoch: int, logs: MutableMapping[str, Any],
                    validate: Callable[[int], dict[str, float]] | None) -> dict[str, float]:
         if self._own_logs:  # the last step returned a dict of its own: the epoch's logs (Keras)
-            epoch_logs = as_logs(logs)
+            epoch_logs = mean_over_processes(self.strategy, as_logs(logs))
         else:  # the epoch's metrics from their (possibly restored) accumulators, on every replica
             epoch_logs, _ = reduce_logs(self.trainable)
             epoch_logs.update({k: v for k, v in as_logs(logs).items() if k not in epoch_logs})

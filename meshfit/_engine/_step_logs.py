@@ -169,6 +169,17 @@ def replaces_metrics(trainable: Trainable, returned: Any) -> bool:
             and set(returned) != {m.name for m in trainable.logged_metrics()})
 
 
+def mean_over_processes(strategy: DistributionStrategy, logs: dict[str, Any]) -> dict[str, Any]:
+    """``logs`` with each number replaced by its mean over every process (one sum on the control plane), so
+    that every process's callbacks see one value (a saver deciding on one of them decides for all); other
+    values stay as they are. Every process must call it with the same names."""
+    names = sorted(k for k, v in logs.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+    if strategy.num_processes <= 1 or not names:
+        return logs
+    summed = sum_flags(strategy, [float(logs[name]) for name in names])
+    return {**logs, **{name: total / strategy.num_processes for name, total in zip(names, summed, strict=True)}}
+
+
 def merge_returned(trainable: Trainable, logs: dict[str, Any], returned: Any, *,
                    convert: bool = True) -> dict[str, Any]:
     """Put what a step returned in ``logs`` (the metrics' results), as Keras does (``_get_metrics_result_or_logs``).

@@ -331,18 +331,22 @@ class Skip(Transform):
         return self._inner._gather_range(start + self.count, stop + self.count, pass_index)
 
 
-def reseed_shuffles(top: Node, seeds: list[int]) -> None:
+def reseed_shuffles(top: Node, seeds: list[int], previous: list[int] | None = None) -> None:
     """Give the shuffles of the pipeline ending at ``top`` (top first, as ``top.nodes()`` lists them) the
     ``seeds``. A cache above a shuffle whose seed changes forgets what it holds: those elements were read in
-    the old order, and kept they would repeat some examples and skip others in the new one."""
+    the old order, and kept they would repeat some examples and skip others in the new one. ``previous``:
+    the seeds the shuffles had before, where another pipeline sharing them (a replica's view of a dataset)
+    was reseeded first."""
     nodes = top.nodes()
     shuffles = [node for node in nodes if isinstance(node, Shuffle)]
     if len(shuffles) != len(seeds):
         raise ValueError(f"reseed_shuffles: the pipeline has {len(shuffles)} shuffles, received {len(seeds)} seeds.")
-    for shuffle, seed in zip(shuffles, seeds, strict=True):
-        if shuffle.seed == seed:
+    before = previous if previous is not None else [shuffle.seed for shuffle in shuffles]
+    for shuffle, seed, old in zip(shuffles, seeds, before, strict=True):
+        if old == seed:
             continue
-        shuffle.reseed(seed)
+        if shuffle.seed != seed:
+            shuffle.reseed(seed)
         for node in nodes:  # the nodes above it
             if node is shuffle:
                 break

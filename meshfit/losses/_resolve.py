@@ -58,6 +58,8 @@ class TorchModuleLoss(Loss):
         weighted = reduce_weighted(values, sample_weight, "sum")
         if saved == "sum":
             return weighted
+        if saved == "batchmean":  # KLDivLoss: the sum over the batch size
+            return weighted / max(values.shape[0] if values.ndim else 1, 1)
         return weighted / self._count(values, y_true)
 
     def _count(self, values: torch.Tensor, y_true: torch.Tensor) -> torch.Tensor | int:

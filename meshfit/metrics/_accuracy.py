@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from meshfit.losses import squeeze_or_expand
-from meshfit.metrics._mean import Mean, MeanMetricWrapper
+from meshfit.metrics._mean import MeanMetricWrapper
 
 
 def _sparse_labels(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
@@ -143,13 +143,18 @@ class _CrossEntropyAccuracy(SparseCategoricalAccuracy):
     categorical accuracy for indices, categorical accuracy for probability (one-hot) targets of the
     scores' shape (Keras 3 picks by shape too)."""
 
-    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:  # type: ignore[override]
-        """Count one batch's hits, by the kind of its targets."""
-        if y_true.__class__ is torch.Tensor and y_true.dtype.is_floating_point and y_true.shape == y_pred.shape \
-                and y_true.ndim > 1:
-            Mean.update_state(self, _categorical_hits(y_true, y_pred.detach()), sample_weight)
-            return
-        super().update_state(y_true, y_pred, sample_weight)
+    def __init__(self, name: str = "accuracy", mesh: Any = None) -> None:
+        super().__init__(name, mesh)
+        # int64 class indices of (batch,) take the sparse fast path; any other input reaches this function
+        # after MeanMetricWrapper's conversions (numpy, DTensor, device)
+        self._fn = _cross_entropy_hits
+
+
+def _cross_entropy_hits(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+    """Categorical hits for probability targets of the scores' shape, sparse hits for class indices."""
+    if y_true.dtype.is_floating_point and y_true.ndim > 1 and tuple(y_true.shape) == tuple(y_pred.shape):
+        return _categorical_hits(y_true, y_pred)
+    return _sparse_categorical_hits(y_true, y_pred)
 
 
 class _AutoAccuracy(MeanMetricWrapper):

@@ -80,9 +80,10 @@ class Mean(Metric):
                 self._count(sample_weight)
                 self._whole_total = False
                 return
-        if ndim == 1 and sample_weight is None and values.dtype is torch.bool and values.is_contiguous():
-            # Hits (the accuracies), one a sample: their float64 sum is the whole number of hits, as the sum
-            # of their float64 copies is; no copy made.
+        if ndim and sample_weight is None and values.dtype is torch.bool and values.is_contiguous() \
+                and values.numel() == values.shape[0]:
+            # Hits (the accuracies), one a sample ((n,) or a binary head's (n, 1)): their float64 sum is the
+            # whole number of hits, as the sum of their float64 copies is; no copy made.
             total = self._states["total"]
             if total.device == values.device:
                 total += values.sum(dtype=torch.float64)
