@@ -31,7 +31,10 @@ def _run(out: str, *extra: str, restarts: int, expect_ok: bool = True, workers: 
 
 def test_sigkill_a_stage_at_a_random_step_resumes_bitwise(tmp_path):
     reference = str(tmp_path / "reference")
-    _run(reference, restarts=0)
+    # The uninterrupted run may restart once: on this 2-core host under the suite's load, rank 0 tracing its
+    # stage starved its store past the 6-s heartbeat before the first step (seen in two suite runs, never
+    # alone); a restart without a backup trains again from the start, to the same weights.
+    _run(reference, restarts=1)
     uninterrupted = read_weights(reference, 0)
     chance = random.Random(48)
     rank, step = chance.randrange(2), chance.randrange(5, STEPS + 1)  # after the step-3 backup
