@@ -79,14 +79,14 @@ def test_function_loss_squeezes_or_expands_like_keras():
         return ((y_true - y_pred) ** 2).mean(dim=-1)
 
     loss = losses.get(my_mse)
-    # Keras 3: y_true -> (3, 1); per-sample errors [0, 0, 1]; mean 1/3. meshfit: (3, 3) broadcast, 7/3.
+    # Keras 3: y_true -> (3, 1); per-sample errors [0, 0, 1]; mean 1/3. (broadcast to (3, 3) it read 7/3)
     assert float(loss(t([1.0, 2.0, 3.0]), t([[1.0], [2.0], [4.0]]))) == pytest.approx(1 / 3, abs=1e-6)
 
 
 def test_loss_is_computed_in_float32_for_low_precision_outputs():
     y_true = t([[100.3]])
     direct = losses.MeanSquaredError()(y_true, torch.tensor([[100.0]], dtype=torch.bfloat16))
-    assert float(direct) == pytest.approx(0.09, abs=1e-3)  # Keras 3: 0.0900018; meshfit: 0.25 (bfloat16)
+    assert float(direct) == pytest.approx(0.09, abs=1e-3)  # Keras 3: 0.0900018 (in bfloat16: 0.25)
 
     net = nn.Linear(1, 1, bias=False)
     with torch.no_grad():
@@ -98,19 +98,19 @@ def test_loss_is_computed_in_float32_for_low_precision_outputs():
         value = model.evaluate(torch.ones(2, 1), t([[100.3], [100.3]]), verbose=0)
     finally:
         mixed_precision.set_global_policy("float32")
-    assert float(value) == pytest.approx(0.09, abs=1e-3)  # Keras 3 (loss in float32): 0.09; meshfit: 0.25
+    assert float(value) == pytest.approx(0.09, abs=1e-3)  # Keras 3 (loss in float32): 0.09 (in bfloat16: 0.25)
 
 
 def test_mean_with_negative_weights():
     metric = metrics.Mean()
     metric.update_state(t([1, 3, 5, 7]), sample_weight=t([-1, -1, 0, 0]))
-    assert float(metric.result()) == pytest.approx(2.0)  # meshfit: 0.0
+    assert float(metric.result()) == pytest.approx(2.0)  # (0.0 where only a positive count divided)
 
 
 def test_sparse_top_k_counts_ties_as_hits():
     metric = metrics.SparseTopKCategoricalAccuracy(k=1)
     metric.update_state(t([1], torch.int64), t([[0.5, 0.5, 0.0]]))
-    assert float(metric.result()) == pytest.approx(1.0)  # meshfit: 0.0
+    assert float(metric.result()) == pytest.approx(1.0)  # (0.0 where top-k indices were compared)
 
 
 

@@ -12,12 +12,11 @@ import torch
 from meshfit._engine._executions import next_batch, steps_per_execution
 from meshfit._engine._outputs import host_outputs
 from meshfit._engine._step_logs import (
-    MetricResults,
     agree,
     as_logs,
     merge_returned,
-    own_logs,
     reduce_logs,
+    replaces_metrics,
     sum_flags,
 )
 from meshfit._engine._steps import StepsMixin
@@ -92,7 +91,7 @@ def evaluate(trainable: Trainable, data: Any, callbacks: Any) -> dict[str, float
             merge_returned(trainable, logs, returned[1])
     finally:
         module.train(was_training)
-    if returned is not None and not isinstance(returned[1], MetricResults) and own_logs(trainable, returned[1]) is not None:
+    if returned is not None and replaces_metrics(trainable, returned[1]):
         logs = as_logs(returned[1])  # a dict of the override's own is the result (Keras)
     callbacks.on_test_end(logs)
     return logs

@@ -142,23 +142,9 @@ class MetricResults(MutableMapping[str, Any]):
 
 
 def may_own_logs(returned: Any) -> bool:
-    """False where a step's return value holds no logs of its own (`own_logs` is None): None, or
+    """False where a step's return value holds no logs of its own: None, or
     ``super().train_step``'s `MetricResults` with nothing set; checked without listing the metrics."""
     return returned is not None and (type(returned) is not MetricResults or bool(returned._entries))
-
-
-def own_logs(trainable: Trainable, returned: Any) -> dict[str, Any] | None:
-    """The entries of a step's return value that are not the logged metrics' results, or None.
-
-    `MetricResults` (``super().train_step``'s return value, maybe with entries an override added):
-    the added entries. Another mapping with other names than the logged metrics': all of it, as
-    Keras logs a dict an override built itself. Else None: the metrics, reduced, are the logs.
-    """
-    if isinstance(returned, MetricResults):
-        return returned.entries() or None
-    if isinstance(returned, Mapping) and set(returned) != {m.name for m in trainable.logged_metrics()}:
-        return dict(returned)
-    return None
 
 
 def replaces_metrics(trainable: Trainable, returned: Any) -> bool:
@@ -193,10 +179,8 @@ def merge_returned(trainable: Trainable, logs: dict[str, Any], returned: Any, *,
     if replaces_metrics(trainable, returned):
         logs.clear()
         logs.update(as_logs(returned, convert=convert))
-        return logs
-    own = own_logs(trainable, returned)
-    if own is not None:
-        logs.update(as_logs(own, convert=convert))
+    elif isinstance(returned, MetricResults) and returned.entries():
+        logs.update(as_logs(returned.entries(), convert=convert))
     return logs
 
 

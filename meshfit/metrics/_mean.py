@@ -22,13 +22,6 @@ _HITS_KEPT = 64
 _HIT_ELEMENTS_KEPT = 2**20
 
 
-def _whole_number(value: Any) -> bool:
-    """Whether ``value`` is a Python int or a float holding one (not a bool)."""
-    if isinstance(value, bool):
-        return False
-    return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-
-
 class Mean(Metric):
     """The (weighted) mean of the values it is given.
 
@@ -94,36 +87,36 @@ class Mean(Metric):
         # Keras 3 (`reduce_to_samplewise_values`): one value a sample, the mean of its elements, counted once
         # (each sample weighs the same, whatever its length); a batch weighted by one number is one sample
         # of that weight, its values' mean.
-        if sample_weight is None or _whole_number(sample_weight):
-            if sample_weight is None:
-                if ndim > 1:
-                    values = values.flatten(1).mean(dim=1)
-                weighted = values.sum() if ndim else values
-                count = float(values.shape[0]) if ndim else 1.0
-            else:
-                count = float(sample_weight)  # a whole number: the count stays exact in any order
-                weighted = (values.mean() if ndim else values) * count
-            total = self._states["total"]
-            if total.device == values.device:  # the usual step: the count stays on the host for now
-                if self._pending_hits:
-                    self._add_pending_hits()
-                total += weighted
-                self._count(count)
-                self._whole_total = False
-                return
-            self._accumulate("total", weighted)
-            self._accumulate("count", count, values.device)
-            return
-        self._add_pending_count()  # a weighted count may be fractional: keep its order of additions
-        if isinstance(sample_weight, (int, float)) and not isinstance(sample_weight, bool):
-            weighted, count_of = (values.mean() if ndim else values) * float(sample_weight), float(sample_weight)
-            self._accumulate("total", weighted)
-            self._accumulate("count", count_of, values.device)
+        if sample_weight is None:
+            if ndim > 1:
+                values = values.flatten(1).mean(dim=1)
+            weighted, count = (values.sum(), float(values.shape[0])) if ndim else (values, 1.0)
+        elif isinstance(sample_weight, (int, float)) and not isinstance(sample_weight, bool):
+            count = float(sample_weight)
+            weighted = (values.mean() if ndim else values) * count
         else:
+            self._add_pending_count()  # weights may be fractional: keep the count's order of additions
             values, weight = _samplewise(values, _as_tensor(sample_weight).to(values.device))
             self._accumulate("total", values.sum())
             self._accumulate("count", weight.sum())
-        self._whole_count = False
+            self._whole_count = False
+            return
+        if not count.is_integer():  # a fractional weight: added at once, in order, from now on
+            self._add_pending_count()
+            self._accumulate("total", weighted)
+            self._accumulate("count", count, values.device)
+            self._whole_count = False
+            return
+        total = self._states["total"]
+        if total.device == values.device:  # the usual step: the whole count stays on the host for now
+            if self._pending_hits:
+                self._add_pending_hits()
+            total += weighted
+            self._count(count)
+            self._whole_total = False
+            return
+        self._accumulate("total", weighted)
+        self._accumulate("count", count, values.device)
 
     def _count_hits(self, hits: torch.Tensor) -> None:
         """Count a batch's hits: ``hits`` is a boolean tensor its caller made for this (nothing else writes
