@@ -245,3 +245,39 @@ def test_optimizers_use_the_foreach_update_and_match_the_per_parameter_one_bitwi
 
     for a, b in zip(train(True), train(None), strict=True):
         assert torch.equal(a, b)
+
+
+def test_zero_grad_frees_every_gradient_and_keeps_torchs_profiler_range_while_profiling():
+    module = _model()
+    opt = Adam(learning_rate=0.01)
+    opt.build(module.parameters())
+    module(torch.randn(3, 4)).sum().backward()
+    opt.zero_grad()
+    assert all(p.grad is None for p in module.parameters())
+    module(torch.randn(3, 4)).sum().backward()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt.zero_grad()
+    assert all(p.grad is None for p in module.parameters())
+    assert "Optimizer.zero_grad#Adam.zero_grad" in {event.name for event in prof.events()}
+
+
+def test_zero_grad_calls_a_torch_optimizers_own_zero_grad_where_it_has_one():
+    calls = []
+
+    class Counted(torch.optim.SGD):
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            calls.append(set_to_none)
+            super().zero_grad(set_to_none)
+
+    module = _model()
+    opt = TorchOptimizer(Counted(module.parameters(), lr=0.1))
+    module(torch.randn(3, 4)).sum().backward()
+    opt.zero_grad()
+    plain = torch.optim.SGD(module.parameters(), lr=0.1)
+    plain.zero_grad = lambda set_to_none=True: calls.append("instance")  # an instance's own, too
+    TorchOptimizer(plain).zero_grad()
+    assert calls == [True, "instance"]
+    assert all(p.grad is None for p in module.parameters())
+    module(torch.randn(3, 4)).sum().backward()
+    opt.zero_grad(set_to_none=False)  # zeros kept as tensors: torch's own path
+    assert all(p.grad is not None and not p.grad.any() for p in module.parameters())

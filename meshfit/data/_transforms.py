@@ -74,6 +74,9 @@ class Shuffle(Transform):
 
     def _gather_range(self, start: int, stop: int, pass_index: int) -> Any:
         # A batch's consecutive positions: a slice of the permutation (no index array made and read)
+        cached = self._cache  # this pass's permutation, drawn already (`_permutation` inline: every step)
+        if cached is not None and cached[0] == (pass_index if self.reshuffle else 0):
+            return self._inner._gather(cached[1][start:stop], pass_index)
         if self._inner._length() is None:
             return self._gather(np.arange(start, stop, dtype=np.int64), pass_index)
         return self._inner._gather(self._permutation(pass_index)[start:stop], pass_index)

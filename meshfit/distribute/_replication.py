@@ -51,6 +51,7 @@ _CREATED: list[list[weakref.ref]] = []
 _HOOKS: list[Any] = []
 # Set on a tensor once its value was broadcast from rank 0 (created in a scope: replicas start equal).
 _BROADCAST = "_meshfit_broadcast"
+_DISTRIBUTED = dist.is_available()  # a build of torch has torch.distributed or not, for good
 _LABEL = "_meshfit_label"  # how error messages name a tensor
 
 
@@ -161,7 +162,7 @@ def synchronize_gradients(params: Iterable[torch.Tensor]) -> None:
         ValueError: a parameter created outside ``strategy.scope()`` is trained while a
             multi-replica strategy is running in this process (it would train alone on each worker).
     """
-    if not dist.is_available() or not dist.is_initialized():
+    if not _DISTRIBUTED or not dist.is_initialized():
         return  # one process, no group: no replica, DDP or DTensor to reduce with (the common fast path)
     by_strategy: dict[int, tuple[Any, list[torch.Tensor]]] = {}
     for p in params:

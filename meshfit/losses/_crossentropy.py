@@ -158,7 +158,7 @@ class SparseCategoricalCrossentropy(Loss):
         if (sample_weight is None and y_pred.__class__ is torch.Tensor and y_true.__class__ is torch.Tensor
                 and self.from_logits and self.reduction == "sum_over_batch_size" and y_pred.ndim == 2
                 and y_true.ndim == 1 and y_true.dtype is torch.int64 and self.axis in (-1, 1)
-                and len(y_true) and self.ignore_class is None and type(self).call is SparseCategoricalCrossentropy.call
+                and y_true.shape[0] and self.ignore_class is None and type(self).call is SparseCategoricalCrossentropy.call
                 and y_true.device == y_pred.device):
             try:
                 return F.cross_entropy(y_pred, y_true, ignore_index=_NO_IGNORED_CLASS)

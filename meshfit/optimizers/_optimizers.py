@@ -17,8 +17,10 @@ from meshfit.optimizers._ema import MovingAverage, check_ema
 from meshfit.optimizers._torch_build import (
     accepts_foreach,
     broadcast_lazy_params,
+    clears_plainly,
     fusable,
     place_state_like_params,
+    profiling,
 )
 from meshfit.optimizers._weight_decay import WeightDecayExclusion, exempt_groups, split_named
 from meshfit.optimizers.schedules import _schedules
@@ -116,6 +118,7 @@ class Optimizer(AppliesGradients):
         self._moving_average: MovingAverage | None = None
         self._exclusion: WeightDecayExclusion | None = None
         self._lr_ratios: list[float] | None = None  # each group's rate over the first's (torch optimizers)
+        self._clears_plainly = False  # the torch optimizer's zero_grad is torch's own (`clears_plainly`)
         self._schedule = learning_rate if isinstance(learning_rate, _schedules.LearningRateSchedule) else None
         if self._schedule is not None:  # a warm-up may start at 0
             self._learning_rate = float(self._schedule(0))
@@ -227,6 +230,7 @@ class Optimizer(AppliesGradients):
 
     def _on_built(self) -> None:
         """Set up what follows the torch optimizer's parameters: group rate ratios, the moving average."""
+        self._clears_plainly = clears_plainly(self.torch_optimizer)
         groups = self.torch_optimizer.param_groups
         base = float(groups[0]["lr"])
         self._lr_ratios = [float(g["lr"]) / base if base > 0 else 1.0 for g in groups]
@@ -306,6 +310,12 @@ class Optimizer(AppliesGradients):
             optimizer = self._require_built("zero_grad()")  # raises
         steps = self.gradient_accumulation_steps
         if steps and self.batches % steps != 0:
+            return
+        if set_to_none and self._clears_plainly and not profiling():
+            # torch's zero_grad less its profiler range and dynamo guard (36 Python calls a step)
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
             return
         optimizer.zero_grad(set_to_none=set_to_none)
 

@@ -47,3 +47,16 @@ def fusable(torch_class: Callable[..., Any], params: list[torch.Tensor]) -> bool
 def accepts_foreach(torch_class: Callable[..., Any]) -> bool:
     """Whether a torch optimizer class takes ``foreach=`` (every built-in one does)."""
     return "foreach" in inspect.signature(torch_class).parameters
+
+
+def clears_plainly(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.zero_grad`` is torch's own (neither its class nor the instance replaces it): then
+    setting each parameter's ``grad`` to None is all ``zero_grad(set_to_none=True)`` does, less the
+    profiler range it opens (kept where a profiler records: see `profiling`)."""
+    return type(optimizer).zero_grad is torch.optim.Optimizer.zero_grad and "zero_grad" not in vars(optimizer)
+
+
+def profiling() -> bool:
+    """Whether a torch profiler records now (torch's ranges, such as ``Optimizer.zero_grad#Adam.zero_grad``,
+    are then opened as torch opens them)."""
+    return torch._C._autograd._profiler_enabled()
