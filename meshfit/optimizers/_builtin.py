@@ -8,16 +8,16 @@ from typing import Any
 
 import torch
 
-from meshfit.optimizers._optimizers import (
-    _NON_NEGATIVE,
-    _POSITIVE,
-    _UNIT,
-    Optimizer,
-    _check_bool,
-    _check_mesh,
-    _check_number,
-    _check_weight_decay,
+from meshfit.optimizers._arguments import (
+    NON_NEGATIVE,
+    POSITIVE,
+    UNIT,
+    check_bool,
+    check_mesh,
+    check_number,
+    check_weight_decay,
 )
+from meshfit.optimizers._optimizers import Optimizer
 
 
 class SGD(Optimizer):
@@ -48,12 +48,12 @@ class SGD(Optimizer):
         **kwargs: Any,
     ) -> None:
         super().__init__(learning_rate, **kwargs)
-        self.mesh = _check_mesh(mesh)
-        self.momentum = _check_number("momentum", momentum, _UNIT)
-        self.nesterov = _check_bool("nesterov", nesterov)
+        self.mesh = check_mesh(mesh)
+        self.momentum = check_number("momentum", momentum, UNIT)
+        self.nesterov = check_bool("nesterov", nesterov)
         if nesterov and momentum == 0:
             raise ValueError(f"Invalid `nesterov`: needs momentum > 0, received momentum={momentum!r}.")
-        self.weight_decay = _check_weight_decay(weight_decay)
+        self.weight_decay = check_weight_decay(weight_decay)
 
 
 class Adam(Optimizer):
@@ -89,12 +89,12 @@ class Adam(Optimizer):
         **kwargs: Any,
     ) -> None:
         super().__init__(learning_rate, **kwargs)
-        self.mesh = _check_mesh(mesh)
-        self.beta_1 = _check_number("beta_1", beta_1, _UNIT)
-        self.beta_2 = _check_number("beta_2", beta_2, _UNIT)
-        self.epsilon = _check_number("epsilon", epsilon, _POSITIVE)
-        self.amsgrad = _check_bool("amsgrad", amsgrad)
-        self.weight_decay = _check_weight_decay(weight_decay)
+        self.mesh = check_mesh(mesh)
+        self.beta_1 = check_number("beta_1", beta_1, UNIT)
+        self.beta_2 = check_number("beta_2", beta_2, UNIT)
+        self.epsilon = check_number("epsilon", epsilon, POSITIVE)
+        self.amsgrad = check_bool("amsgrad", amsgrad)
+        self.weight_decay = check_weight_decay(weight_decay)
 
     def _torch_kwargs(self) -> dict[str, Any]:
         kwargs = super()._torch_kwargs()
@@ -128,7 +128,7 @@ class AdamW(Adam):
         amsgrad: bool = False,
         **kwargs: Any,
     ) -> None:
-        _check_number("weight_decay", weight_decay, _NON_NEGATIVE)
+        check_number("weight_decay", weight_decay, NON_NEGATIVE)
         super().__init__(learning_rate, beta_1, beta_2, epsilon, amsgrad, weight_decay, **kwargs)
 
 
@@ -160,11 +160,11 @@ class RMSprop(Optimizer):
         **kwargs: Any,
     ) -> None:
         super().__init__(learning_rate, **kwargs)
-        self.rho = _check_number("rho", rho, _UNIT)
-        self.momentum = _check_number("momentum", momentum, _UNIT)
-        self.epsilon = _check_number("epsilon", epsilon, _POSITIVE)
-        self.centered = _check_bool("centered", centered)
-        self.weight_decay = _check_weight_decay(weight_decay)
+        self.rho = check_number("rho", rho, UNIT)
+        self.momentum = check_number("momentum", momentum, UNIT)
+        self.epsilon = check_number("epsilon", epsilon, POSITIVE)
+        self.centered = check_bool("centered", centered)
+        self.weight_decay = check_weight_decay(weight_decay)
 
 
 class Adagrad(Optimizer):
@@ -191,11 +191,11 @@ class Adagrad(Optimizer):
         **kwargs: Any,
     ) -> None:
         super().__init__(learning_rate, **kwargs)
-        self.initial_accumulator_value = _check_number(
-            "initial_accumulator_value", initial_accumulator_value, _NON_NEGATIVE
+        self.initial_accumulator_value = check_number(
+            "initial_accumulator_value", initial_accumulator_value, NON_NEGATIVE
         )
-        self.epsilon = _check_number("epsilon", epsilon, _POSITIVE)
-        self.weight_decay = _check_weight_decay(weight_decay)
+        self.epsilon = check_number("epsilon", epsilon, POSITIVE)
+        self.weight_decay = check_weight_decay(weight_decay)
 
 
 class TorchOptimizer(Optimizer):

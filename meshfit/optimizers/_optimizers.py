@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from torch.nn.parameter import is_lazy
 
-from meshfit._validation import invalid_argument
 from meshfit.distribute import synchronize_gradients
 from meshfit.optimizers._accumulation import check_accumulation_steps
 from meshfit.optimizers._apply_gradients import AppliesGradients
+from meshfit.optimizers._arguments import POSITIVE, check_number
 from meshfit.optimizers._clipping import GradientClipping
 from meshfit.optimizers._ema import MovingAverage, check_ema
 from meshfit.optimizers._torch_build import (
@@ -24,29 +24,6 @@ from meshfit.optimizers._torch_build import (
 )
 from meshfit.optimizers._weight_decay import WeightDecayExclusion, exempt_groups, split_named
 from meshfit.optimizers.schedules import _schedules
-
-
-def _check_number(name: str, value: Any, rule: tuple[str, Callable[[float], bool]]) -> float:
-    expected, ok = rule
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-        raise invalid_argument(name, expected, value)
-    return float(value)
-
-
-_POSITIVE = ("a positive number", lambda v: v > 0)
-_NON_NEGATIVE = ("a non-negative number", lambda v: v >= 0)
-_UNIT = ("a number in [0, 1)", lambda v: 0 <= v < 1)
-
-
-def _check_weight_decay(value: Any) -> float | None:
-    return None if value is None else _check_number("weight_decay", value, _NON_NEGATIVE)
-
-
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise invalid_argument(name, "a bool", value, TypeError)
-    return value
-
 
 _TORCH_NAMES = {"rho": "alpha", "epsilon": "eps"}  # Keras argument -> torch argument
 
@@ -123,7 +100,7 @@ class Optimizer(AppliesGradients):
         if self._schedule is not None:  # a warm-up may start at 0
             self._learning_rate = float(self._schedule(0))
         else:
-            self._learning_rate = _check_number("learning_rate", learning_rate, _POSITIVE)
+            self._learning_rate = check_number("learning_rate", learning_rate, POSITIVE)
         self._torch_optimizer: torch.optim.Optimizer | None = None
         self._param_ids: list[int] = []
         self.batches = 0  # every step (Keras 3's ``_iterations``); `iterations` counts the updates
@@ -336,7 +313,7 @@ class Optimizer(AppliesGradients):
                             f"This optimizer's learning rate follows {self._schedule!r}, so it cannot be set. "
                             "Create the optimizer with a number as learning_rate to set it by hand or from a "
                             "callback.")
-        self._learning_rate = _check_number("learning_rate", value, _POSITIVE)
+        self._learning_rate = check_number("learning_rate", value, POSITIVE)
         if self._torch_optimizer is not None:
             self._set_rate(self._learning_rate)
 
@@ -393,14 +370,3 @@ class Optimizer(AppliesGradients):
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
         return f"{type(self).__name__}({args})"
-
-
-def _check_mesh(mesh: Any) -> Any:
-    """DTensor Keras optimizers take the mesh; here the state takes each parameter's layout by itself."""
-    if mesh is None:
-        return None
-    from meshfit.dtensor import Mesh
-
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"Invalid `mesh`: expected a meshfit.dtensor.Mesh, received mesh={mesh!r}.")
-    return mesh
