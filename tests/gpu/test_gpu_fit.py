@@ -125,3 +125,27 @@ def test_a_layer_placed_by_hand_with_nn_module_to_still_trains():
     model.compile("adam", mf.losses.SparseCategoricalCrossentropy(from_logits=True))
     model.fit(*data(), batch_size=64, epochs=1, verbose=0)
     assert next(module.parameters()).device.type == "cuda"
+
+
+def _compiled_or_eager(device: str, jit: bool, accumulation: int | None) -> tuple[list[np.ndarray], list[float]]:
+    strategy = mf.OneDeviceStrategy(device)
+    with strategy.scope():
+        model = mf.Model(mlp())
+        model.compile(mf.optimizers.SGD(learning_rate=0.1, momentum=0.9, gradient_accumulation_steps=accumulation),
+                      mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"], jit_compile=jit)
+    history = model.fit(*data(), batch_size=32, epochs=2, verbose=0, shuffle=False)
+    if jit:
+        assert isinstance(model.placement.module, torch._dynamo.eval_frame.OptimizedModule)
+    return model.get_weights(), history.history["loss"]
+
+
+@pytest.mark.parametrize("accumulation", [None, 2], ids=["each-step", "accumulating-2"])
+def test_a_compiled_step_on_the_gpu_trains_to_the_eager_weights(accumulation):
+    """``jit_compile=True`` on ``cuda:0`` (the module through torch.compile) ends on the weights and losses of the
+    eager step, also where gradients accumulate over two batches (compiled CUDA graphs have summed accumulated
+    gradients wrongly: pytorch/pytorch#96693)."""
+    eager, eager_loss = _compiled_or_eager("cuda:0", False, accumulation)
+    compiled, compiled_loss = _compiled_or_eager("cuda:0", True, accumulation)
+    for a, b in zip(compiled, eager, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(compiled_loss, eager_loss, rtol=1e-4)
