@@ -292,7 +292,8 @@ class Optimizer(AppliesGradients):
             # torch's zero_grad less its profiler range and dynamo guard (36 Python calls a step)
             for group in optimizer.param_groups:
                 for p in group["params"]:
-                    p.grad = None
+                    if p.grad is not None:
+                        p.grad = None
             return
         optimizer.zero_grad(set_to_none=set_to_none)
 
