@@ -18,7 +18,9 @@ takes the ratio of the per-step times of the timed epochs (2 of 3 epochs of 1,56
 older commit into DIR) first on ``PYTHONPATH``, in the same rounds: before and after in one run.
 ``--counts`` then starts one more process per variant (3 epochs) that counts the aten ops a step (a dispatch
 mode) in its second epoch and the Python calls a step (``sys.setprofile``: calls and C calls) in its third, so
-that the dispatch mode's own Python code is not counted as the step's calls.
+that the dispatch mode's own Python code is not counted as the step's calls. Host reads a step are the
+``aten._local_scalar_dense`` ops among them: a tensor's value read into Python (``.item()``, ``float(t)``),
+the host synchronisation a GPU step would wait for.
 
 Reported: the median of the per-round ratios of CPU time per step (range in brackets), the same for wall
 time, and each variant's median milliseconds a step. Target: ``fit`` ÷ hand ≤ 1.05.
@@ -51,6 +53,12 @@ def run_variant(variant: str, epochs: int, tmp: str, counts: bool = False, basel
     C.run_children([(variant, argv, env)], timeout=600)
     return C.read_json(out)
 
+
+
+def host_reads(counted: dict) -> float:
+    """Tensor values read into Python a step (``.item()``, ``float(t)``: ``aten._local_scalar_dense``)."""
+    steps = counted["ops"] and sum(counted["ops_by_name"].values()) / counted["ops"]
+    return counted["ops_by_name"].get("aten._local_scalar_dense.default", 0) / steps if steps else 0.0
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -91,10 +99,10 @@ def main() -> None:
         print(f"| `{num}` ÷ `{den}` | {ms} | **{C.median(cpu):.3f}** {C.spread(cpu)} | "
               f"{C.median(wall):.3f} {C.spread(wall)} | {sums} |")
     if counted:
-        print("| variant | Python calls a step | aten ops a step |")
-        print("|---|---|---|")
+        print("| variant | Python calls a step | aten ops a step | host reads a step |")
+        print("|---|---|---|---|")
         for v in variants:
-            print(f"| `{v}` | {counted[v]['calls']:.1f} | {counted[v]['ops']:.1f} |")
+            print(f"| `{v}` | {counted[v]['calls']:.1f} | {counted[v]['ops']:.1f} | {host_reads(counted[v]):.3f} |")
     cpu = C.ratios([x["cpu_ms"] for x in results["fit"]], [x["cpu_ms"] for x in results["hand"]])
     print(f"fit ÷ hand, CPU: {C.median(cpu):.3f} — {C.verdict(C.median(cpu), TARGET)}")
 

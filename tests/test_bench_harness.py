@@ -99,3 +99,13 @@ def test_tiny_mlp_counts_ops_and_python_calls_in_separate_epochs():
     assert sum(meter.ops.values()) == 2
     assert meter.counted_epochs == {"ops": 1, "calls": 1}
     assert 3 <= meter.calls <= 6  # with the dispatch mode on, each op added its Python frames (dozens)
+
+
+def test_tiny_mlp_host_reads_are_the_scalar_reads_a_step():
+    _bench = importlib.util.spec_from_file_location("bench_tiny_mlp", os.path.join(ROOT, "bench", "bench_tiny_mlp.py"))
+    bench = importlib.util.module_from_spec(_bench)
+    _bench.loader.exec_module(bench)
+    # 10 steps of 4 ops, 3 of the 40 a scalar read (an epoch-end log, say): 0.3 a step
+    counted = {"ops": 4.0, "ops_by_name": {"aten.addmm.default": 37, "aten._local_scalar_dense.default": 3}}
+    assert bench.host_reads(counted) == pytest.approx(0.3)
+    assert bench.host_reads({"ops": 0.0, "ops_by_name": {}}) == 0.0
