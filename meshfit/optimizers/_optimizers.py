@@ -95,7 +95,6 @@ class Optimizer(AppliesGradients):
         self._moving_average: MovingAverage | None = None
         self._exclusion: WeightDecayExclusion | None = None
         self._lr_ratios: list[float] | None = None  # each group's rate over the first's (torch optimizers)
-        self._clears_plainly = False  # the torch optimizer's zero_grad is torch's own (`clears_plainly`)
         self._schedule = learning_rate if isinstance(learning_rate, _schedules.LearningRateSchedule) else None
         if self._schedule is not None:  # a warm-up may start at 0
             self._learning_rate = float(self._schedule(0))
@@ -207,7 +206,6 @@ class Optimizer(AppliesGradients):
 
     def _on_built(self) -> None:
         """Set up what follows the torch optimizer's parameters: group rate ratios, the moving average."""
-        self._clears_plainly = clears_plainly(self.torch_optimizer)
         groups = self.torch_optimizer.param_groups
         base = float(groups[0]["lr"])
         self._lr_ratios = [float(g["lr"]) / base if base > 0 else 1.0 for g in groups]
@@ -281,14 +279,20 @@ class Optimizer(AppliesGradients):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of the optimised parameters; inside a gradient accumulation window
-        (after its first batch) keep them: they hold the window's sum."""
+        (after its first batch) keep them: they hold the window's sum.
+
+        Where the torch optimizer's ``zero_grad`` is torch's own, the gradients are set to None here, without
+        the profiler range and dynamo guard torch's opens (36 Python calls a step); under a torch profiler,
+        or with ``set_to_none=False``, or where ``zero_grad`` is overridden or patched, the torch optimizer's
+        own is called. A standalone ``torch.profiler.ExecutionTraceObserver`` (without a profiler) records
+        no ``Optimizer.zero_grad`` node then."""
         optimizer = self._torch_optimizer
         if optimizer is None:
             optimizer = self._require_built("zero_grad()")  # raises
         steps = self.gradient_accumulation_steps
         if steps and self.batches % steps != 0:
             return
-        if set_to_none and self._clears_plainly and not profiling():
+        if set_to_none and clears_plainly(optimizer) and not profiling():
             # torch's zero_grad less its profiler range and dynamo guard (36 Python calls a step)
             for group in optimizer.param_groups:
                 for p in group["params"]:

@@ -49,14 +49,21 @@ def accepts_foreach(torch_class: Callable[..., Any]) -> bool:
     return "foreach" in inspect.signature(torch_class).parameters
 
 
+
+#: torch's own ``Optimizer.zero_grad``, as it was when meshfit was imported (a later patch of it is not it).
+TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
+
+
 def clears_plainly(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.zero_grad`` is torch's own (neither its class nor the instance replaces it): then
-    setting each parameter's ``grad`` to None is all ``zero_grad(set_to_none=True)`` does, less the
-    profiler range it opens (kept where a profiler records: see `profiling`)."""
-    return type(optimizer).zero_grad is torch.optim.Optimizer.zero_grad and "zero_grad" not in vars(optimizer)
+    """Whether ``optimizer.zero_grad`` is torch's own (neither its class, nor the instance, nor a patch of
+    torch's class replaces it): then setting each parameter's ``grad`` to None is all
+    ``zero_grad(set_to_none=True)`` does, less the profiler range it opens (kept where a profiler records:
+    see `profiling`). Asked at every call: a user may patch ``zero_grad`` any time."""
+    return optimizer.__class__.zero_grad is TORCH_ZERO_GRAD and "zero_grad" not in optimizer.__dict__
 
 
 def profiling() -> bool:
-    """Whether a torch profiler records now (torch's ranges, such as ``Optimizer.zero_grad#Adam.zero_grad``,
-    are then opened as torch opens them)."""
-    return torch._C._autograd._profiler_enabled()
+    """Whether a torch profiler records now, on any thread (torch's ranges, such as
+    ``Optimizer.zero_grad#Adam.zero_grad``, are then opened as torch opens them). A standalone
+    ``ExecutionTraceObserver``, started without a profiler, is not seen: torch keeps no flag for it."""
+    return torch.autograd.profiler._is_profiler_enabled or torch._C._autograd._profiler_enabled()
