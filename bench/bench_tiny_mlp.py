@@ -54,11 +54,11 @@ def run_variant(variant: str, epochs: int, tmp: str, counts: bool = False, basel
     return C.read_json(out)
 
 
-
 def host_reads(counted: dict) -> float:
     """Tensor values read into Python a step (``.item()``, ``float(t)``: ``aten._local_scalar_dense``)."""
     steps = counted["ops"] and sum(counted["ops_by_name"].values()) / counted["ops"]
     return counted["ops_by_name"].get("aten._local_scalar_dense.default", 0) / steps if steps else 0.0
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

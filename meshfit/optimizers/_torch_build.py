@@ -1,5 +1,6 @@
-"""How a meshfit optimizer builds and restores its torch optimizer: fused or foreach kernels, lazy
-parameters broadcast once materialised, DTensor state placed like its parameter."""
+"""How a meshfit optimizer builds, restores and clears its torch optimizer: fused or foreach kernels, lazy
+parameters broadcast once materialised, DTensor state placed like its parameter, and whether ``zero_grad``
+may set the gradients to None without torch's profiler range."""
 
 from __future__ import annotations
 
@@ -47,7 +48,6 @@ def fusable(torch_class: Callable[..., Any], params: list[torch.Tensor]) -> bool
 def accepts_foreach(torch_class: Callable[..., Any]) -> bool:
     """Whether a torch optimizer class takes ``foreach=`` (every built-in one does)."""
     return "foreach" in inspect.signature(torch_class).parameters
-
 
 
 #: torch's own ``Optimizer.zero_grad``, as it was when meshfit was imported (a later patch of it is not it).
