@@ -62,14 +62,14 @@ def load_train():
 
 
 def compile_seed(model, learning_rate: float = 0.01, gradient_accumulation_steps: int | None = None,
-                 steps_per_execution: int = 1) -> None:
+                 steps_per_execution: int = 1, jit_compile: bool | str = "auto") -> None:
     """What a user of the tutorial writes: SGD, sparse CE from logits, accuracy."""
     import meshfit as mf
 
     model.compile(optimizer=mf.optimizers.SGD(learning_rate=learning_rate,
                                               gradient_accumulation_steps=gradient_accumulation_steps),
                   loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
-                  steps_per_execution=steps_per_execution)
+                  steps_per_execution=steps_per_execution, jit_compile=jit_compile)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,11 @@ steps, one warm-up round then ``--rounds`` measured rounds, the order flipping e
 - hand: the inputs live in pinned CPU memory; each step slices a batch, copies it with
   ``non_blocking=True``, then ``zero_grad; cross_entropy(model(x), y).backward(); step``;
 - fit: ``model.fit(x_block, y_block, batch_size=B, shuffle=False, verbose=0)`` over the same
-  batches, compiled with ``metrics=["accuracy"]`` (a user's ``fit``; no per-batch log reader).
+  batches, compiled with ``metrics=["accuracy"]`` (a user's ``fit``; no per-batch log reader);
+- fit-jit: the same with ``compile(..., jit_compile=True)`` (the module through ``torch.compile``), unless
+  ``--no-jit``. Its warm-up block holds the compilation: reported apart as "compile s" (that block's
+  time less its steps at the steady rate); its ratio to the hand loop is taken over the measured rounds
+  (target <= 0.8 on the seed CNN).
 
 A block ends with ``torch.cuda.synchronize()`` so that it is timed to the end of its GPU work.
 Reported per model: ms/step and samples/s of each variant, the ratio, the GPU memory high-water mark
@@ -41,6 +45,7 @@ from torch import nn  # noqa: E402
 import meshfit as mf  # noqa: E402
 
 TARGET = 1.02
+JIT_TARGET = 0.8  # jit_compile=True ÷ the eager hand loop, on the seed CNN, after compilation
 
 
 class SmallTransformer(nn.Module):
@@ -84,7 +89,7 @@ def _synchronize(device: torch.device) -> None:
 
 
 def _measure(name: str, make: Callable[[], nn.Module], x: np.ndarray, y: np.ndarray, batch: int,
-             device: torch.device, rounds: int, steps: int) -> dict[str, Any]:
+             device: torch.device, rounds: int, steps: int, jit: bool = True) -> dict[str, Any]:
     per_block = steps * batch
     blocks = rounds + 1
     need = blocks * per_block
@@ -101,8 +106,11 @@ def _measure(name: str, make: Callable[[], nn.Module], x: np.ndarray, y: np.ndar
     with strategy.scope():
         model = mf.Model(make())
         C.compile_seed(model)
-    counters = {"hand": 0, "fit": 0}
-    peaks = {"hand": 0, "fit": 0}
+        jitted = mf.Model(make())
+        C.compile_seed(jitted, jit_compile=True)
+    counters = {"hand": 0, "fit": 0, "fit-jit": 0}
+    peaks = {"hand": 0, "fit": 0, "fit-jit": 0}
+    first_block_s: list[float] = []
 
     def hand_block() -> tuple[float, float, float]:
         start = counters["hand"] * per_block
@@ -119,27 +127,46 @@ def _measure(name: str, make: Callable[[], nn.Module], x: np.ndarray, y: np.ndar
         peaks["hand"] = max(peaks["hand"], _peak(device))
         return clock.per(steps)
 
-    def fit_block() -> tuple[float, float, float]:
-        start = counters["fit"] * per_block
-        counters["fit"] += 1
-        _reset_peak(device)
-        clock = C.Clock()
-        model.fit(x_all[start:start + per_block], y_all[start:start + per_block], batch_size=batch, epochs=1,
-                  shuffle=False, verbose=0)
-        _synchronize(device)
-        peaks["fit"] = max(peaks["fit"], _peak(device))
-        return clock.per(steps)
+    def fitting(variant: str, trained: mf.Model) -> Callable[[], tuple[float, float, float]]:
+        def block() -> tuple[float, float, float]:
+            start = counters[variant] * per_block
+            counters[variant] += 1
+            _reset_peak(device)
+            clock = C.Clock()
+            began = time.perf_counter()
+            trained.fit(x_all[start:start + per_block], y_all[start:start + per_block], batch_size=batch, epochs=1,
+                        shuffle=False, verbose=0)
+            _synchronize(device)
+            if variant == "fit-jit" and counters[variant] == 1:
+                first_block_s.append(time.perf_counter() - began)
+            peaks[variant] = max(peaks[variant], _peak(device))
+            return clock.per(steps)
+        return block
 
+    blocks = {"hand": hand_block, "fit": fitting("fit", model)}
+    if jit:
+        blocks["fit-jit"] = fitting("fit-jit", jitted)
     print(f"bench_gpu: {name}, batch {batch}, SGD lr 0.01, {rounds} rounds x {steps} steps per variant after "
           "1 warm-up round (order alternates)", flush=True)
-    times = C.interleave({"hand": hand_block, "fit": fit_block}, rounds)
+    times = C.interleave(blocks, rounds)
     C.print_rounds(f"{name}: wall time", times["wall"], ratio_of=("fit", "hand"))
-    diff = max((a - b).abs().max().item() for a, b in zip(hand.parameters(), model.module.parameters(), strict=True))
-    hand_ms, fit_ms = C.median(times["wall"]["hand"]), C.median(times["wall"]["fit"])
-    return {"name": name, "batch": batch, "hand_ms": hand_ms, "fit_ms": fit_ms,
-            "ratio": C.median(C.ratios(times["wall"]["fit"], times["wall"]["hand"])),
-            "spread": C.spread(C.ratios(times["wall"]["fit"], times["wall"]["hand"])),
-            "hand_peak": peaks["hand"], "fit_peak": peaks["fit"], "weight_diff": diff}
+    result = {"name": name, "batch": batch, "hand_ms": C.median(times["wall"]["hand"]),
+              "fit_ms": C.median(times["wall"]["fit"]),
+              "ratio": C.median(C.ratios(times["wall"]["fit"], times["wall"]["hand"])),
+              "spread": C.spread(C.ratios(times["wall"]["fit"], times["wall"]["hand"])),
+              "hand_peak": peaks["hand"], "fit_peak": peaks["fit"], "weight_diff": _weight_diff(hand, model)}
+    if jit:
+        jit_ms = C.median(times["wall"]["fit-jit"])
+        result.update(jit_ms=jit_ms, jit_ratio=C.median(C.ratios(times["wall"]["fit-jit"], times["wall"]["hand"])),
+                      jit_spread=C.spread(C.ratios(times["wall"]["fit-jit"], times["wall"]["hand"])),
+                      compile_s=max(first_block_s[0] - steps * jit_ms / 1000, 0.0), jit_peak=peaks["fit-jit"],
+                      jit_weight_diff=_weight_diff(hand, jitted), jit_compiled=bool(jitted.jit_compile))
+    return result
+
+
+def _weight_diff(hand: nn.Module, trained: mf.Model) -> float:
+    """The largest difference between the hand loop's weights and a ``fit`` variant's (the same batches)."""
+    return max((a - b).abs().max().item() for a, b in zip(hand.parameters(), trained.module.parameters(), strict=True))
 
 
 def _reset_peak(device: torch.device) -> None:
@@ -187,6 +214,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="steps per block (default 50; quick 10)")
     parser.add_argument("--device", default=None, help="default cuda:0 (cpu: check the script without a GPU)")
     parser.add_argument("--tests-xml", default=None, help="pytest's junit XML of the gpu tests, for the report")
+    parser.add_argument("--no-jit", action="store_true", help="leave out fit with jit_compile=True")
     args = parser.parse_args()
     rounds, steps = args.rounds or (2 if args.quick else 7), args.steps or (10 if args.quick else 50)
     if args.device is None and not torch.cuda.is_available():
@@ -195,7 +223,7 @@ def main() -> None:
         return
     device = torch.device(args.device or "cuda:0")
     began = time.monotonic()
-    results = [_measure(name, make, x, y, batch, device, rounds, steps)
+    results = [_measure(name, make, x, y, batch, device, rounds, steps, jit=not args.no_jit)
                for name, make, x, y, batch in _workloads(args.quick)]
     print("\n==== meshfit GPU check ====")
     print(f"GPU: {_gpu_description(device)}")
@@ -209,6 +237,12 @@ def main() -> None:
               f"{r['batch'] * 1000 / r['hand_ms']:>14.0f} {r['batch'] * 1000 / r['fit_ms']:>13.0f} "
               f"{r['ratio']:>8.3f} {r['spread']:>13} {peaks:>17} {C.verdict(r['ratio'], TARGET):>7}")
         print(f"{'':<18} same work check: max |hand - fit| weight difference {r['weight_diff']:.2e}")
+        if "jit_ms" in r:
+            target = C.verdict(r["jit_ratio"], JIT_TARGET) if r["name"] == "seed CNN" else "-"
+            how = "compiled" if r["jit_compiled"] else "run eagerly (meshfit's rule on a CPU)"
+            print(f"{'':<18} jit_compile=True, {how}: {r['jit_ms']:.3f} ms/step, ÷ hand {r['jit_ratio']:.3f} {r['jit_spread']}"
+                  f" (target <= {JIT_TARGET} on the seed CNN: {target}), compile {r['compile_s']:.1f} s, peak "
+                  f"{r['jit_peak'] / 2**20:.0f} MiB, max |hand - fit-jit| weight difference {r['jit_weight_diff']:.2e}")
 
 
 if __name__ == "__main__":
