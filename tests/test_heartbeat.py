@@ -313,6 +313,30 @@ def test_a_peer_never_heard_from_gets_twice_the_timeout_one_that_fell_silent_the
         peer.stop()
 
 
+def test_a_peer_failure_names_both_workers_steps_or_says_there_was_none():
+    """The message gives the dead peer's last reported step and this worker's; a worker that had not
+    reported one (killed in its first steps, between two beats) is said to have reported none, not "?"."""
+    import torch.distributed as dist
+
+    from meshfit.distribute._liveness._failure import FailureState
+    from meshfit.distribute._liveness._heartbeat import Heartbeat
+
+    for watcher_step, peer_step, expected in (
+            (None, None, "(it had reported no step; this worker, rank 0, has run no step)"),
+            (7, 12, "(its last reported step: 12; this worker, rank 0, is at step 7)")):
+        shared = dist.HashStore()
+        states = [FailureState(step=watcher_step), FailureState(step=peer_step)]
+        watcher, peer = (Heartbeat(lambda store=shared: store, rank, 2, 5.0, states[rank], b"k" * 16, interval=0.05)
+                         for rank in (0, 1))
+        try:
+            time.sleep(0.5)  # several rounds: the watcher has read the peer's beats
+            watcher.peer_ended(1)
+            assert expected in str(watcher.failure), str(watcher.failure)
+        finally:
+            watcher.stop()
+            peer.stop()
+
+
 def test_an_uncaught_peer_failure_ends_a_script_with_76_and_leaves_an_interactive_session(monkeypatch, capsys):
     from meshfit.distribute._liveness._heartbeat import PeerFailureError, _PeerFailureHook
 

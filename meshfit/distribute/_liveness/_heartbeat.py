@@ -263,11 +263,11 @@ class Heartbeat:
     def _declare(self, peer: int | None, last_step: str, why: str, who: str | None = None) -> None:
         where = self._state.where_to_resume()
         current = self._state.current_step()
-        step = "?" if current is None else current
         if who is None and peer is not None:
             who = f"Worker {peer} stopped ({self._names[peer]})"
-        message = (f"{who}: {why} (its last reported step: {last_step}; this worker, "
-                   f"{self._names[self._rank]}, is at step {step}). {where}")
+        reported = "it had reported no step" if last_step == "?" else f"its last reported step: {last_step}"
+        here = "has run no step" if current is None else f"is at step {current}"
+        message = f"{who}: {why} ({reported}; this worker, {self._names[self._rank]}, {here}). {where}"
         with self._lock:
             self.failure = PeerFailureError(message, rank=peer)
         if interpreter_exiting():  # found while this process ends: its cleanup may wait on that peer
