@@ -282,7 +282,7 @@ class Optimizer(AppliesGradients):
         (after its first batch) keep them: they hold the window's sum.
 
         Where the torch optimizer's ``zero_grad`` is torch's own, the gradients are set to None here, without
-        the profiler range and dynamo guard torch's opens (36 Python calls a step); under a torch profiler,
+        the profiler range and dynamo guard torch's opens (38 Python calls a step, 3 here); under a torch profiler,
         or with ``set_to_none=False``, or where ``zero_grad`` is overridden or patched, the torch optimizer's
         own is called. A standalone ``torch.profiler.ExecutionTraceObserver`` (without a profiler) records
         no ``Optimizer.zero_grad`` node then."""
@@ -293,7 +293,7 @@ class Optimizer(AppliesGradients):
         if steps and self.batches % steps != 0:
             return
         if set_to_none and clears_plainly(optimizer) and not profiling():
-            # torch's zero_grad less its profiler range and dynamo guard (36 Python calls a step)
+            # torch's zero_grad less its profiler range and dynamo guard
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     if p.grad is not None:
