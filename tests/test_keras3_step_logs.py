@@ -1,5 +1,6 @@
-"""Keras 3's logs of a train_step override (trainer.py _get_metrics_result_or_logs), its EarlyStopping baseline rule
-and its callback order (callback_list.py: the progress bar last), keras-team/keras @ 3422977a5e38."""
+"""Keras 3's logs of a train_step override (trainer.py _get_metrics_result_or_logs), get_metrics_result's values,
+its EarlyStopping baseline rule and its callback order (callback_list.py: the progress bar last),
+keras-team/keras @ 3422977a5e38."""
 
 from __future__ import annotations
 
@@ -135,3 +136,83 @@ def test_stop_predicting_in_a_predict_batch_hook_ends_predict():
     assert outputs.shape == (24, 3)
     np.testing.assert_allclose(outputs, model.predict(x[:24], batch_size=4, verbose=0), rtol=1e-6)
     assert model.predict(x, batch_size=4, verbose=0).shape == (40, 3)
+
+
+def _classes(rows: int = 10):
+    rs = np.random.RandomState(0)
+    return rs.rand(rows, 4).astype("float32"), rs.randint(0, 3, size=rows).astype("int64")
+
+
+def _classifier(cls=mf.Model, learning_rate: float = 1e-30) -> mf.Model:
+    torch.manual_seed(0)
+    model = cls(nn.Linear(4, 3))
+    model.compile(optimizer=mf.optimizers.SGD(learning_rate=learning_rate),
+                  loss=mf.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    return model
+
+
+def _floats(results) -> dict[str, float]:
+    return {name: float(value) for name, value in results.items()}
+
+
+# ---- get_metrics_result(): the values of the moment it was called (Keras 3) -------------------------------
+def test_get_metrics_result_kept_by_a_callback_keeps_the_values_it_was_taken_with():
+    """Keras 3 (trainer.py `get_metrics_result`): ``return_metrics[metric.name] = metric.result()``, a new
+    dict of new tensors (``Mean.result`` is ``divide_no_nan(total, count)``, a new tensor), so a callback
+    that keeps ``model.get_metrics_result()`` at each epoch's end (a custom history) holds each epoch's values,
+    the ones History records (a view that read the metrics when read showed the second epoch's loss twice)."""
+    x, y = _classes()
+    kept = []
+    keep = mf.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: kept.append(keep.model.get_metrics_result()))
+    history = _classifier(learning_rate=0.5).fit(x, y, batch_size=3, epochs=2, shuffle=False, verbose=0,
+                                               callbacks=[keep])
+    assert history.history["loss"][0] != history.history["loss"][1]  # the epochs differ
+    assert [float(r["loss"]) for r in kept] == pytest.approx(history.history["loss"], rel=1e-6)
+
+
+def test_get_metrics_result_taken_after_fit_is_not_changed_by_a_later_evaluate():
+    """Keras 3 (trainer.py `get_metrics_result`): a dict of the results computed at the call."""
+    x, y = _classes()
+    model = _classifier()
+    history = model.fit(x, y, batch_size=3, epochs=1, shuffle=False, verbose=0)
+    after_fit = model.get_metrics_result()
+    model.evaluate(x[:4], y[:4], batch_size=4, verbose=0)
+    assert _floats(after_fit) == pytest.approx({k: v[-1] for k, v in history.history.items()}, rel=1e-6)
+
+
+# ---- super().train_step's dict, edited by an override --------------------------------------------------------
+class _DropsAccuracy(mf.Model):
+    def train_step(self, data):
+        logs = super().train_step(data)
+        del logs["accuracy"]
+        return logs
+
+
+class _ReplacesLossAndAddsOne(mf.Model):
+    def train_step(self, data):
+        logs = super().train_step(data)
+        logs["loss"] = 0.0
+        logs["extra"] = 1.0
+        return logs
+
+
+def test_a_metric_deleted_from_super_train_step_logs_is_not_logged():
+    """Keras 3: ``super().train_step`` returns a plain dict; ``del logs["accuracy"]`` leaves ``{"loss"}``,
+    which torch/trainer.py `fit` hands to on_train_batch_end as it is, and whose keys differ from the
+    metrics', so `_get_metrics_result_or_logs` makes it the epoch's logs: no "accuracy" anywhere."""
+    x, y = _classes()
+    seen = []
+    cb = mf.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(sorted(logs)))
+    history = _classifier(_DropsAccuracy).fit(x, y, batch_size=3, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
+    assert seen == [["loss"]] * 4
+    assert sorted(history.history) == ["loss"]
+
+
+def test_an_override_that_adds_a_name_logs_its_own_values_at_the_epoch_end():
+    """Keras 3 (trainer.py `_get_metrics_result_or_logs`): the last step's logs ``{"loss": 0.0, "accuracy":
+    ..., "extra": 1.0}`` have other keys than the metrics' ``{"loss", "accuracy"}``, so they are the epoch's
+    logs: History's loss is 0.0."""
+    x, y = _classes()
+    history = _classifier(_ReplacesLossAndAddsOne).fit(x, y, batch_size=3, epochs=1, shuffle=False, verbose=0)
+    assert history.history["extra"] == [1.0]
+    assert history.history["loss"] == [0.0]

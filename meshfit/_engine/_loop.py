@@ -26,6 +26,7 @@ from meshfit._engine._replica_state import ReplicaState
 from meshfit._engine._state import LoopState
 from meshfit._engine._step_logs import (
     LazyLogs,
+    MetricResults,
     agree,
     as_logs,
     may_own_logs,
@@ -75,6 +76,7 @@ class TrainingLoop:
         self._hooks = (True, True)  # whether a callback implements on_train_batch_begin / _end (`_step_needs`)
         self._lazy_logs = False  # one process whose batch logs only progress bars read: `LazyLogs`
         self._own_logs = False  # the last step returned a dict of its own names (`replaces_metrics`)
+        self._edited: MetricResults | None = None  # the last step's results, where an override edited them
         callbacks.set_loop(self)
 
     # ---- Stateful: the state every replica shares ------------------------------------------
@@ -277,7 +279,9 @@ class TrainingLoop:
             counters.iterations += 1
             failure.step = counters.iterations
         # A dict of an override's own names is the step's logs alone, and the last one the epoch's (Keras)
-        self._own_logs = may_own_logs(returned) and replaces_metrics(trainable, returned)
+        owns = may_own_logs(returned)
+        self._own_logs = owns and replaces_metrics(trainable, returned)
+        self._edited = returned if owns and returned.__class__ is MetricResults else None
         preemption_requested = self._preemption is not None and self._preemption.requested
         last = begin + trainable.steps_per_execution - 1  # Keras's nominal index, also when fewer ran
         if single and (not batch_logs or self._lazy_logs):
@@ -286,7 +290,7 @@ class TrainingLoop:
             if batch_logs:
                 logs = LazyLogs(trainable, returned)
             else:
-                logs = merge_returned(trainable, {}, returned, convert=False) if may_own_logs(returned) else {}
+                logs = merge_returned(trainable, {}, returned, convert=False) if owns else {}
             if self._hooks[1]:  # (LazyLogs reach progress bars only: a Mapping where Keras passes a dict)
                 hook_logs: Any = logs
                 cbs.on_train_batch_end(last, hook_logs)
@@ -309,7 +313,7 @@ class TrainingLoop:
             # can ask to stop inside this epoch (the epoch's end agrees) and no preemption check is due:
             # no collective
             logs, preempt, stop = {}, 0.0, 0.0
-        if may_own_logs(returned):  # (`super().train_step`'s results alone hold nothing to merge)
+        if owns:  # (`super().train_step`'s results alone hold nothing to merge)
             merge_returned(trainable, logs, returned, convert=batch_logs)  # read (a host sync) only where logs are
         if self._hooks[1]:
             cbs.on_train_batch_end(last, logs)
@@ -326,6 +330,8 @@ class TrainingLoop:
         else:  # the epoch's metrics from their (possibly restored) accumulators, on every replica
             epoch_logs, _ = reduce_logs(self.trainable)
             epoch_logs.update({k: v for k, v in as_logs(logs).items() if k not in epoch_logs})
+            if self._edited is not None:  # what an override set or deleted in the last step's results (Keras)
+                merge_returned(self.trainable, epoch_logs, self._edited)
         self.agree_buffers()  # validation and epoch-end saves read the same statistics everywhere
         if validate is not None:
             epoch_logs.update(validate(epoch))

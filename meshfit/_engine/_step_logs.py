@@ -94,15 +94,18 @@ def as_logs(returned: Any, *, convert: bool = True) -> dict[str, Any]:
 class MetricResults(MutableMapping[str, Any]):
     """``{name: metric.result()}``, each result computed when read (a step returns it at no cost).
 
-    Mutable as the dict Keras's ``get_metrics_result()`` returns: an override may add or replace
-    entries (``logs = super().train_step(data); logs["my_value"] = ...``). The loop logs those
-    entries as they are, beside the metrics it reduces over replicas (see `merge_returned`).
+    What the built-in steps return to the loop (and to an override calling ``super().train_step``).
+    Mutable as the dict Keras's steps return: an override may add, replace or delete entries
+    (``logs = super().train_step(data); logs["my_value"] = ...``). The loop logs the metrics it reduces
+    over replicas, less those deleted, with what the override set (see `merge_returned`): the dict Keras
+    would log, with the metrics' values of all replicas.
     """
 
     def __init__(self, metrics: Sequence[MetricLike] | Callable[[], Sequence[MetricLike]]) -> None:
         self._source = metrics  # a callable (the model's ``logged_metrics``) is called when first read
         self._by_name: dict[str, MetricLike] | None = None
         self._entries: dict[str, Any] = {}  # what an override set: logged as it is
+        self._deleted: set[str] = set()  # metrics an override deleted: not logged
 
     @property
     def _metrics(self) -> dict[str, MetricLike]:
@@ -116,22 +119,27 @@ class MetricResults(MutableMapping[str, Any]):
     def __getitem__(self, name: str) -> Any:
         if name in self._entries:
             return self._entries[name]
+        if name in self._deleted:
+            raise KeyError(name)
         return self._metrics[name].result()
 
     def __setitem__(self, name: str, value: Any) -> None:
         self._entries[name] = value
+        self._deleted.discard(name)
 
     def __delitem__(self, name: str) -> None:
         if name not in self:
             raise KeyError(name)
         self._entries.pop(name, None)
-        self._metrics.pop(name, None)
+        if name in self._metrics:
+            self._deleted.add(name)
 
     def __iter__(self) -> Any:
-        return iter([*self._metrics, *(k for k in self._entries if k not in self._metrics)])
+        listed = [k for k in self._metrics if k not in self._deleted or k in self._entries]
+        return iter([*listed, *(k for k in self._entries if k not in self._metrics)])
 
     def __len__(self) -> int:
-        return len(set(self._metrics) | set(self._entries))
+        return len(list(iter(self)))
 
     def __repr__(self) -> str:
         return repr(dict(self))
@@ -140,11 +148,16 @@ class MetricResults(MutableMapping[str, Any]):
         """What an override set or replaced (the remaining metrics are read from the metrics)."""
         return dict(self._entries)
 
+    def deleted(self) -> set[str]:
+        """The metrics an override deleted (and did not set again)."""
+        return set(self._deleted)
+
 
 def may_own_logs(returned: Any) -> bool:
     """False where a step's return value holds no logs of its own: None, or
     ``super().train_step``'s `MetricResults` with nothing set; checked without listing the metrics."""
-    return returned is not None and (type(returned) is not MetricResults or bool(returned._entries))
+    return returned is not None and (type(returned) is not MetricResults or bool(returned._entries)
+                                     or bool(returned._deleted))
 
 
 def replaces_metrics(trainable: Trainable, returned: Any) -> bool:
@@ -170,16 +183,18 @@ def merge_returned(trainable: Trainable, logs: dict[str, Any], returned: Any, *,
                    convert: bool = True) -> dict[str, Any]:
     """Put what a step returned in ``logs`` (the metrics' results), as Keras does (``_get_metrics_result_or_logs``).
 
-    A dict with exactly the logged metrics' names (what ``super().train_step`` and
-    ``compute_metrics`` return) is read from the metrics, reduced over replicas: ``logs`` as they are.
-    Entries an override added to ``super().train_step``'s results are logged beside them as they are.
+    A dict with exactly the logged metrics' names (what ``compute_metrics`` returns) is read from the
+    metrics, reduced over replicas: ``logs`` as they are. What an override set in ``super().train_step``'s
+    results (`MetricResults`) is logged as it set it, and the metrics it deleted are not.
     A dict of the override's own (`replaces_metrics`) replaces them: the logs are that dict alone. Tensors
     are left unread with ``convert=False``.
     """
     if replaces_metrics(trainable, returned):
         logs.clear()
         logs.update(as_logs(returned, convert=convert))
-    elif isinstance(returned, MetricResults) and returned.entries():
+    elif isinstance(returned, MetricResults):
+        for name in returned.deleted():
+            logs.pop(name, None)
         logs.update(as_logs(returned.entries(), convert=convert))
     return logs
 

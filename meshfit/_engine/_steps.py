@@ -56,6 +56,11 @@ class StepsMixin:
 
     def compute_metrics(self, x: Any, y: Any, y_pred: Any, sample_weight: Any = None) -> Mapping[str, Any]:
         """Update the compiled metrics with one batch; returns `get_metrics_result()` (Keras's helper)."""
+        self._update_metrics(x, y, y_pred, sample_weight)
+        return self.get_metrics_result()
+
+    def _update_metrics(self, x: Any, y: Any, y_pred: Any, sample_weight: Any) -> None:
+        """`compute_metrics`'s update of the compiled metrics with one batch."""
         if y is not None:
             if y_pred.__class__ is torch.Tensor:  # the usual one output (`detached`, `is_structured` inline)
                 y_pred, structured = y_pred.detach(), False
@@ -69,7 +74,6 @@ class StepsMixin:
                     metric.update_state(*self._sole_output(metric, y, y_pred, sample_weight))
                 else:
                     metric.update_state(y, y_pred, sample_weight=sample_weight)
-        return self.get_metrics_result()
 
     def _sole_output(self, metric: Metric, y: Any, y_pred: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
         """A metric of a flat ``metrics`` list reads the one output that has a loss (Keras: the one output)."""
@@ -82,8 +86,25 @@ class StepsMixin:
                          "with one entry per loss of a list of losses).")
 
     def get_metrics_result(self) -> Mapping[str, Any]:
-        """``{name: result}`` of the logged metrics on this replica (``fit`` logs them reduced over all)."""
-        return MetricResults(self.logged_metrics)  # listed when read
+        """``{name: result}`` of the logged metrics on this replica, computed now (Keras's helper: a result kept
+        keeps its values; ``fit`` logs the metrics reduced over all replicas)."""
+        return {metric.name: metric.result() for metric in self.logged_metrics()}
+
+    def _step_results(self, batch: tuple[Any, Any, Any, Any] | None = None) -> Mapping[str, Any]:
+        """What a built-in step returns, after updating the metrics with ``batch`` (x, y, y_pred, sample_weight).
+
+        Where neither `compute_metrics` nor `get_metrics_result` is overridden: a `MetricResults`, whose
+        results are computed only where read (the loop logs them; none a step without a reader of batch
+        logs), and which records what an override (``super().train_step(data)``) sets or deletes in it.
+        Otherwise ``compute_metrics(...)``, as Keras's steps return.
+        """
+        cls = self.__class__
+        lazy = cls.compute_metrics is StepsMixin.compute_metrics and cls.get_metrics_result is StepsMixin.get_metrics_result
+        if batch is not None:
+            if not lazy:
+                return self.compute_metrics(*batch)
+            self._update_metrics(*batch)
+        return MetricResults(self.logged_metrics) if lazy else self.get_metrics_result()  # (listed when read)
 
     def train_step(self, data: Any) -> Mapping[str, Any] | None:
         """One optimisation step on this replica's batch; updates the metrics and returns their results.
@@ -120,7 +141,7 @@ class StepsMixin:
         self.optimizer.scale_loss(loss).backward()  # scaled under mixed_float16 (LossScaleOptimizer)
         self.optimizer.step()
         self._loss_tracker.update_state(loss.detach(), sample_weight=size)
-        return self.compute_metrics(x, y, y_pred, sample_weight)
+        return self._step_results((x, y, y_pred, sample_weight))
 
     def _step_runner(self) -> StepRunner | None:
         """The placement's runner of a step; None: this model's own local step (every SPMD placement)."""
@@ -156,10 +177,10 @@ class StepsMixin:
     def _record(self, x: Any, y: Any, sample_weight: Any, outputs: StepOutputs | None) -> Mapping[str, Any]:
         """Update the loss tracker and the metrics with a runner's outputs (a rank without outputs, a
         pipeline's earlier stage, updates nothing: the log reduction takes the states of those with)."""
-        if outputs is not None:
-            self._loss_tracker.update_state(outputs.loss.detach(), sample_weight=outputs.size)
-            self.compute_metrics(x, y, outputs.y_pred, sample_weight)
-        return self.get_metrics_result()
+        if outputs is None:
+            return self._step_results()
+        self._loss_tracker.update_state(outputs.loss.detach(), sample_weight=outputs.size)
+        return self._step_results((x, y, outputs.y_pred, sample_weight))
 
     def _has_trainable_weights(self) -> bool:
         """Whether a parameter of the module requires a gradient (read at every step: a callback may
@@ -182,10 +203,10 @@ class StepsMixin:
         with torch.no_grad(), mixed_precision.autocast(self.strategy.device):
             y_pred = self(x)
             loss = self.compute_loss(x, y, y_pred, sample_weight) if batch_size_of(y_pred) else None
-        if loss is not None:
-            self._loss_tracker.update_state(loss.detach(), sample_weight=batch_size_of(y_pred))
-            self.compute_metrics(x, y, y_pred, sample_weight)
-        return self.get_metrics_result()
+        if loss is None:
+            return self._step_results()
+        self._loss_tracker.update_state(loss.detach(), sample_weight=batch_size_of(y_pred))
+        return self._step_results((x, y, y_pred, sample_weight))
 
     def test_step(self, data: Any) -> Mapping[str, Any] | None:
         """One evaluation step on this replica's batch; updates the metrics and returns their results."""
@@ -200,7 +221,7 @@ class StepsMixin:
             loss = self._evaluation_loss(x, y, y_pred, sample_weight) if self.loss is not None else None
         if loss is not None:
             self._loss_tracker.update_state(loss.detach(), sample_weight=batch_size_of(y_pred))
-        return self.compute_metrics(x, y, y_pred, sample_weight)
+        return self._step_results((x, y, y_pred, sample_weight))
 
     def _evaluation_loss(self, x: Any, y: Any, y_pred: Any, sample_weight: Any) -> torch.Tensor:
         """``compute_loss(..., training=False)``, as Keras 3's ``test_step`` calls it; an override

@@ -184,9 +184,9 @@ class Mean(Metric):
 
     def result_from(self, states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """`total / count`, or 0 where the count is 0 (Keras's ``divide_no_nan``: a negative count, from
-        negative weights, still divides)."""
+        negative weights, still divides). Chosen on the device: reading the count would wait for it."""
         total, count = states
-        return total / count if count != 0 else torch.zeros_like(total)
+        return torch.where(count != 0, total / count, torch.zeros_like(total))
 
 
 def _samplewise(values: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
