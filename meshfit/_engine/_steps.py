@@ -150,7 +150,8 @@ class StepsMixin:
 
     def _refuse_step_overrides(self) -> None:
         """Under a placement whose runner runs each step (a pipeline's schedule over stages), an override of a
-        step cannot call it: refused, naming the override."""
+        step cannot call it, and one of the metrics' helpers would gather results on some processes only:
+        refused, naming the override."""
         if self._step_runner() is None:
             return
         for name in ("train_step", "test_step", "predict_step"):
@@ -158,6 +159,14 @@ class StepsMixin:
                 raise ValueError(f"Invalid `{name}` override on {type(self).__name__}: its placement runs each step "
                                  "as a schedule over stages (a pipeline), which an override cannot call. Remove the "
                                  "override, or train without layout_map.pipeline(...).")
+        for name in ("compute_metrics", "get_metrics_result"):
+            if getattr(type(self), name) is not getattr(StepsMixin, name):
+                raise ValueError(f"Invalid `{name}` override on {type(self).__name__}: under a pipeline only the "
+                                 "processes of the last stage hold the outputs, and a metric's result is gathered "
+                                 "from them by every process at once, which an override called on those processes "
+                                 "alone would wait for forever. Remove the override (a metric class of your own, "
+                                 "passed to compile(metrics=...), computes what you need), or train without "
+                                 "layout_map.pipeline(...).")
 
     def _metrics_follow_placement(self) -> None:
         """Under a residency where some processes hold the outputs (pipeline stages), each logged metric's
@@ -177,10 +186,10 @@ class StepsMixin:
     def _record(self, x: Any, y: Any, sample_weight: Any, outputs: StepOutputs | None) -> Mapping[str, Any]:
         """Update the loss tracker and the metrics with a runner's outputs (a rank without outputs, a
         pipeline's earlier stage, updates nothing: the log reduction takes the states of those with)."""
-        if outputs is None:
-            return self._step_results()
-        self._loss_tracker.update_state(outputs.loss.detach(), sample_weight=outputs.size)
-        return self._step_results((x, y, outputs.y_pred, sample_weight))
+        if outputs is not None:  # (`_refuse_step_overrides`: no override of compute_metrics here)
+            self._loss_tracker.update_state(outputs.loss.detach(), sample_weight=outputs.size)
+            self._update_metrics(x, y, outputs.y_pred, sample_weight)
+        return MetricResults(self.logged_metrics)
 
     def _has_trainable_weights(self) -> bool:
         """Whether a parameter of the module requires a gradient (read at every step: a callback may

@@ -454,6 +454,10 @@ def _refusals(rank: int, world_size: int) -> list[str]:
         def test_step(self, data):
             return super().test_step(data)
 
+    class Measuring(mf.Model):
+        def compute_metrics(self, x, y, y_pred, sample_weight=None):
+            return super().compute_metrics(x, y, y_pred, sample_weight)
+
     x, y = _data()
     messages: list[str] = []
     built: list[Any] = []
@@ -467,6 +471,7 @@ def _refusals(rank: int, world_size: int) -> list[str]:
 
     for dims, kind, points, optimizer in (
             ([("pipe", 2)], Custom, ["blocks.2"], None), ([("pipe", 2)], Evaluating, ["blocks.2"], None),
+            ([("pipe", 2)], Measuring, ["blocks.2"], None),
             ([("batch", 2)], mf.Model, ["blocks.2"], None),
             ([("pipe", 2)], mf.Model, ["blocks.1", "blocks.2", "blocks.3"], None),
             ([("pipe", 2)], mf.Model, ["blocks.2"], mf.optimizers.Adam(0.01, global_clipnorm=1.0))):
@@ -482,10 +487,11 @@ def _refusals(rank: int, world_size: int) -> list[str]:
 
 @pytest.mark.timeout(TIMEOUT)
 def test_a_pipeline_refuses_what_it_cannot_run_exactly() -> None:
-    for override, evaluating, no_axis, count, clipnorm, call in run_distributed(_refusals, world_size=2,
-                                                                                 timeout=TIMEOUT - 60):
+    for override, evaluating, measuring, no_axis, count, clipnorm, call in run_distributed(
+            _refusals, world_size=2, timeout=TIMEOUT - 60):
         assert "Invalid `train_step` override on Custom" in override and "layout_map.pipeline" in override, override
         assert "Invalid `test_step` override on Evaluating" in evaluating, evaluating
+        assert "Invalid `compute_metrics` override on Measuring" in measuring and "wait for" in measuring, measuring
         assert "has no pipeline axis" in no_axis and "create_mesh([('pipe', 2)" in no_axis, no_axis
         assert "4 stages for a 'pipe' axis of 2" in count and "give 1 split points" in count, count
         assert "Invalid `global_clipnorm` under a pipeline" in clipnorm and "clipnorm" in clipnorm, clipnorm
