@@ -331,7 +331,10 @@ class TrainingLoop:
             epoch_logs, _ = reduce_logs(self.trainable)
             epoch_logs.update({k: v for k, v in as_logs(logs).items() if k not in epoch_logs})
             if self._edited is not None:  # what an override set or deleted in the last step's results (Keras)
-                merge_returned(self.trainable, epoch_logs, self._edited)
+                for name in self._edited.deleted():
+                    epoch_logs.pop(name, None)
+                # each number the processes' mean, as an override's own dict: every process's callbacks see one
+                epoch_logs.update(mean_over_processes(self.strategy, as_logs(self._edited.entries())))
         self.agree_buffers()  # validation and epoch-end saves read the same statistics everywhere
         if validate is not None:
             epoch_logs.update(validate(epoch))

@@ -98,8 +98,9 @@ class StepsMixin:
         logs), and which records what an override (``super().train_step(data)``) sets or deletes in it.
         Otherwise ``compute_metrics(...)``, as Keras's steps return.
         """
-        cls = self.__class__
-        lazy = cls.compute_metrics is StepsMixin.compute_metrics and cls.get_metrics_result is StepsMixin.get_metrics_result
+        cls, own = self.__class__, self.__dict__  # an override on the class, or one set on the instance
+        lazy = (cls.compute_metrics is StepsMixin.compute_metrics and cls.get_metrics_result is StepsMixin.get_metrics_result
+                and "compute_metrics" not in own and "get_metrics_result" not in own)
         if batch is not None:
             if not lazy:
                 return self.compute_metrics(*batch)
