@@ -249,11 +249,20 @@ def test_optimizers_use_the_foreach_update_and_match_the_per_parameter_one_bitwi
         assert torch.equal(a, b)
 
 
-def test_zero_grad_frees_every_gradient_and_keeps_torchs_profiler_range_while_profiling():
-    module = _model()
-    opt = Adam(learning_rate=0.01)
+# --- zero_grad's own path: whatever replaces torch's zero_grad is called, profilers keep its range ---
+
+def _built_and_backward(cls=SGD):
+    """A built optimizer over a Linear whose gradients one backward filled."""
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 2)
+    opt = cls(learning_rate=0.1)
     opt.build(module.parameters())
     module(torch.randn(3, 4)).sum().backward()
+    return module, opt
+
+
+def test_zero_grad_frees_every_gradient_and_keeps_torchs_profiler_range_while_profiling():
+    module, opt = _built_and_backward(Adam)
     opt.zero_grad()
     assert all(p.grad is None for p in module.parameters())
     module(torch.randn(3, 4)).sum().backward()
@@ -283,17 +292,6 @@ def test_zero_grad_calls_a_torch_optimizers_own_zero_grad_where_it_has_one():
     module(torch.randn(3, 4)).sum().backward()
     opt.zero_grad(set_to_none=False)  # zeros kept as tensors: torch's own path
     assert all(p.grad is not None and not p.grad.any() for p in module.parameters())
-
-
-# --- zero_grad's own path: whatever replaces torch's zero_grad is called, profilers keep its range ---
-
-def _built_and_backward(cls=SGD):
-    torch.manual_seed(0)
-    module = torch.nn.Linear(4, 2)
-    opt = cls(learning_rate=0.1)
-    opt.build(module.parameters())
-    module(torch.randn(3, 4)).sum().backward()
-    return module, opt
 
 
 def test_a_zero_grad_patched_on_the_torch_optimizer_after_build_is_still_called():

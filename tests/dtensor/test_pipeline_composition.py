@@ -4,7 +4,9 @@ each test a risk of a silent wrong number or a hang, checked against one plain p
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -154,6 +156,23 @@ def _tied_module() -> nn.Module:
     return module
 
 
+@contextlib.contextmanager
+def _float64() -> Iterator[None]:
+    """Parameters made and trained in float64 inside (float32, the default, restored after)."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def _assert_float64_equal(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    """The same weights, by path, to float64's rounding (rtol 1e-10)."""
+    assert set(got) == set(want)
+    for path, value in want.items():
+        np.testing.assert_allclose(got[path], value, rtol=1e-10, atol=1e-12, err_msg=path)
+
+
 def _variant(mesh_dims: Any, which: str, sharded: bool) -> dict[str, np.ndarray]:
     """Trained in float64: what is compared is where each gradient goes (frozen, tied, sharded), not the float32
     rounding of another summation order, which Adam's division by sqrt(v) magnifies differently on each CPU
@@ -161,15 +180,12 @@ def _variant(mesh_dims: Any, which: str, sharded: bool) -> dict[str, np.ndarray]
     import meshfit as mf
 
     build = {"frozen": _frozen_module, "tied": _tied_module}[which]
-    torch.set_default_dtype(torch.float64)
-    try:
+    with _float64():
         model = _model(mesh_dims, ["blocks.2"], microbatches=2, sharded=sharded, module=build,
                        optimizer=mf.optimizers.Adam(0.01))
         x, y = _data(56)
         model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
         every = _every(model)
-    finally:
-        torch.set_default_dtype(torch.float32)
     assert all(value.dtype == np.float64 for value in every.values() if value.dtype.kind == "f")
     return every
 
@@ -185,9 +201,7 @@ def test_frozen_and_tied_parameters_in_fully_sharded_stages_equal_one_process(wh
     a stage train as one weight, on 2 stages x 2 shards, as in one process (56 rows: a smaller last batch)."""
     expected = _variant(None, which, False)
     for every in run_distributed(_variants, world_size=4, timeout=TIMEOUT - 60, args=(which, True)):
-        assert set(every) == set(expected)
-        for path, value in expected.items():
-            np.testing.assert_allclose(every[path], value, rtol=1e-10, atol=1e-12, err_msg=path)
+        _assert_float64_equal(every, expected)
 
 
 def _freezing(mesh_dims: Any, sharded: bool) -> dict[str, np.ndarray]:
@@ -876,8 +890,7 @@ def _tied_split(mesh_dims: Any) -> dict[str, Any]:
         lm.head.weight = lm.layers[1].mlp.fc1.weight  # both (32, 16), both in stage 1
         return lm
 
-    torch.set_default_dtype(torch.float64)
-    try:
+    with _float64():
         if mesh_dims is None:
             model = mf.Model(tied())
         else:
@@ -891,8 +904,6 @@ def _tied_split(mesh_dims: Any) -> dict[str, Any]:
         x, y = data(64)
         history = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
         every = _every(model)
-    finally:
-        torch.set_default_dtype(torch.float32)
     assert all(value.dtype == np.float64 for value in every.values() if value.dtype.kind == "f")
     return {"loss": history.history["loss"], "every": every}
 
@@ -908,9 +919,7 @@ def test_a_weight_tied_inside_a_tensor_split_stage_trains_as_one_process() -> No
     expected = _tied_split(None)
     for result in run_distributed(_tied_split_on_stages, world_size=4, timeout=TIMEOUT - 60):
         np.testing.assert_allclose(result["loss"], expected["loss"], rtol=1e-10)
-        assert set(result["every"]) == set(expected["every"])
-        for path, value in expected["every"].items():
-            np.testing.assert_allclose(result["every"][path], value, rtol=1e-10, atol=1e-12, err_msg=path)
+        _assert_float64_equal(result["every"], expected["every"])
 
 
 # --- a recompiled pipeline model ----------------------------------------------------------------------------------
